@@ -1,0 +1,306 @@
+"""`GSPOConfig`: every knob of a GSPO run, validated once at construction.
+
+Fields shared with TRL's `GRPOConfig` keep TRL's names and meaning, so a TRL user changes only the
+import. Defaults follow the GSPO paper (arXiv 2507.18071), not TRL: sequence-level importance ratios,
+the paper's clipping range (3e-4, 4e-4), no KL term, and four optimizer steps per rollout batch.
+Every field carries `metadata={"help": ...}`: the single source for the CLI, YAML files and
+`docs/config.md`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
+SCALE_REWARDS_OPTIONS = ("group", "batch", "none")
+# Optimizer steps per rollout batch when the user leaves `steps_per_generation` unset (the paper's
+# "each batch of rollouts is split into four minibatches for gradient updates").
+PAPER_MINIBATCHES_PER_ROLLOUT = 4
+
+
+@dataclass
+class GSPOConfig(TrainingArguments):
+    r"""Configuration for [`GSPOTrainer`].
+
+    Only the fields that differ from `transformers.TrainingArguments` are listed here; see each
+    field's `help` (or `docs/config.md`) for its meaning.
+    """
+
+    # JSON strings in these fields (from the CLI or YAML) are parsed into dicts by TrainingArguments.
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs",
+        "generation_kwargs",
+        "chat_template_kwargs",
+    ]
+
+    # --- TrainingArguments fields whose defaults differ --------------------------------------
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every X update steps (an integer, or a float in [0, 1) for a ratio of total steps)."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Use bf16 mixed precision. If unset: on when a CUDA GPU with bf16 support is present and fp16 "
+            "is off, otherwise off (bf16 autocast on CPU is slower and less accurate)."
+        },
+    )
+    remove_unused_columns: bool | None = field(
+        default=False,
+        metadata={
+            "help": "Keep False so that every dataset column reaches the reward functions as a keyword argument."
+        },
+    )
+
+    # --- Model -------------------------------------------------------------------------------
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` (and for reward models given as "
+            "a path) when the `model` argument of `GSPOTrainer` is a string."
+        },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Set every dropout probability to 0, so that the old, current and reference log-probabilities "
+            "of a sample differ only because the weights changed (TRL's default is False)."
+        },
+    )
+
+    # --- Data and rollouts -------------------------------------------------------------------
+    num_generations: int = field(
+        default=8,
+        metadata={"help": "Completions sampled per prompt (the group size G). At least 2."},
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "If set, prompts longer than this many tokens are truncated from the left. None keeps them whole."
+        },
+    )
+    max_completion_length: int = field(
+        default=512, metadata={"help": "Maximum number of tokens generated per completion."}
+    )
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the training prompts."})
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions generated per rollout, over all processes. Must be a multiple of num_generations "
+            "and of per_device_train_batch_size × num_processes. Set this or steps_per_generation, not both."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-batches trained on per rollout (as in TRL). If unset (and generation_batch_size is unset), "
+            "4 × gradient_accumulation_steps: four optimizer steps per rollout batch, as in the GSPO paper."
+        },
+    )
+    num_iterations: int = field(
+        default=1,
+        metadata={"help": "Passes over each rollout batch (μ in the GRPO/GSPO papers)."},
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature. Must be > 0."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the top tokens of this mass, in (0, 1]."})
+    top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens when sampling; 0 disables it."})
+    min_p: float | None = field(
+        default=None,
+        metadata={"help": "Drop tokens less likely than min_p × the top token's probability, in [0, 1]. None disables."},
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"help": "Penalty (> 0) on tokens already in the prompt or completion; 1.0 disables it."},
+    )
+    generation_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Extra keyword arguments for `GenerationConfig`; they override the sampling fields above."},
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Extra keyword arguments for `apply_chat_template` on conversational prompts."},
+    )
+    cache_implementation: str | None = field(
+        default=None,
+        metadata={"help": "KV cache implementation for `generate` (e.g. 'static'); None uses the model's default."},
+    )
+    logprob_chunk_size: int = field(
+        default=1024,
+        metadata={
+            "help": "Completion tokens projected through the LM head at once when computing log-probabilities. "
+            "Bounds the logits memory at chunk × vocabulary floats; never the full (batch, length, vocabulary)."
+        },
+    )
+
+    # --- Objective ---------------------------------------------------------------------------
+    importance_sampling_level: str = field(
+        default="sequence",
+        metadata={
+            "help": "'sequence' (GSPO, paper Eq. 5–7), 'sequence_token' (GSPO-token, Eq. 13–14, for per-token "
+            "advantages) or 'token' (GRPO's per-token ratio, for comparison runs)."
+        },
+    )
+    epsilon: float = field(
+        default=3e-4,
+        metadata={"help": "Lower clipping range: ratios below 1 − epsilon are clipped. The paper uses 3e-4."},
+    )
+    epsilon_high: float | None = field(
+        default=4e-4,
+        metadata={
+            "help": "Upper clipping range: ratios above 1 + epsilon_high are clipped. The paper uses 4e-4. "
+            "None uses epsilon."
+        },
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "KL coefficient against the reference model (k3 estimator). 0.0, the paper's setting, loads no "
+            "reference model and skips its forward pass."
+        },
+    )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={
+            "help": "Multiply the per-token KL by the importance ratio (TRL's default and meaning). Used when beta > 0."
+        },
+    )
+    loss_type: str = field(
+        default="grpo",
+        metadata={
+            "help": "Loss aggregation. Only 'grpo' (mean over sequences of each sequence's token mean) exists: a "
+            "sequence-level objective has no token-summed variant. Kept for drop-in compatibility with TRL."
+        },
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Advantage scaling: 'group' divides by each group's reward std, 'batch' by the batch std, "
+            "'none' does not scale (True and False mean 'group' and 'none')."
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "One weight per reward function; None weights every function 1.0."},
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Exclude completions cut off at max_completion_length from the loss (DAPO's overlong filtering)."
+        },
+    )
+
+    # --- Logging -----------------------------------------------------------------------------
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "Print a sample of (prompt, completion, reward) rows every logging_steps steps."},
+    )
+    num_completions_to_print: int | None = field(
+        default=None,
+        metadata={"help": "How many rows log_completions prints; None prints them all."},
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = (
+                not self.fp16
+                and not self.use_cpu
+                and torch.cuda.is_available()
+                and torch.cuda.is_bf16_supported()
+            )
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if isinstance(self.scale_rewards, str):
+            self.scale_rewards = {"true": "group", "false": "none"}.get(self.scale_rewards.lower(), self.scale_rewards)
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        steps_per_generation_was_set = self.steps_per_generation is not None
+        super().__post_init__()
+        self._validate_objective()
+        self._validate_sampling()
+        self._resolve_batch_sizes(steps_per_generation_was_set)
+
+    def _validate_objective(self) -> None:
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
+                f"{self.importance_sampling_level!r}. Use 'sequence' for GSPO."
+            )
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}. The paper uses 3e-4.")
+        if not self.epsilon_high > 0:
+            raise ValueError(f"epsilon_high must be > 0, got {self.epsilon_high}. The paper uses 4e-4.")
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise ValueError(f"beta must be a finite number >= 0, got {self.beta}.")
+        if self.loss_type != "grpo":
+            raise ValueError(
+                f"loss_type={self.loss_type!r} is not supported: GSPO's objective is per sequence, so the only "
+                "aggregation is 'grpo' (mean over sequences). Remove loss_type or set it to 'grpo'."
+            )
+        if self.scale_rewards not in SCALE_REWARDS_OPTIONS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS_OPTIONS}, got {self.scale_rewards!r}.")
+        if self.reward_weights is not None:
+            if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in self.reward_weights):
+                raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights!r}.")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
+
+    def _validate_sampling(self) -> None:
+        if self.num_generations is None or self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be >= 2 (advantages are relative within a group), got {self.num_generations}."
+            )
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}. Sampling needs a positive temperature.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}.")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
+        if self.auto_find_batch_size:
+            raise ValueError(
+                "auto_find_batch_size is not supported: shrinking the batch would split a prompt's group of "
+                "num_generations completions. Lower per_device_train_batch_size instead."
+            )
+
+    def _resolve_batch_sizes(self, steps_per_generation_was_set: bool) -> None:
+        global_batch = self.per_device_train_batch_size * self.world_size
+        if steps_per_generation_was_set and self.generation_batch_size is not None:
+            raise ValueError("Set generation_batch_size or steps_per_generation, not both.")
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size % global_batch != 0:
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                    f"per_device_train_batch_size × num_processes ({global_batch})."
+                )
+            self.steps_per_generation = self.generation_batch_size // global_batch
+        else:
+            if self.steps_per_generation is None:
+                self.steps_per_generation = PAPER_MINIBATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
+            if self.steps_per_generation < 1:
+                raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation}.")
+            self.generation_batch_size = global_batch * self.steps_per_generation
+        if self.generation_batch_size % self.num_generations != 0:
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size} = per_device_train_batch_size × num_processes "
+                f"× steps_per_generation) must be a multiple of num_generations ({self.num_generations}) so every "
+                "prompt's group is generated whole. Adjust per_device_train_batch_size or steps_per_generation."
+            )
+
+    @property
+    def is_on_policy(self) -> bool:
+        """True when every rollout is trained on by exactly one optimizer step with the weights that sampled it."""
+        return self.steps_per_generation == self.gradient_accumulation_steps and self.num_iterations == 1

@@ -1,0 +1,80 @@
+"""The README.md model card written next to a trained model and pushed with `push_to_hub`.
+
+Owns the card's text: what was trained, with which method (GSPO, with the paper's citation),
+which reward functions and which key settings. Pure: settings in, markdown out.
+"""
+
+from __future__ import annotations
+
+GSPO_CITATION = """@article{zheng2025gspo,
+  title   = {Group Sequence Policy Optimization},
+  author  = {Chujie Zheng and Shixuan Liu and Mingze Li and Xiong-Hui Chen and Bowen Yu and Chang Gao and
+             Kai Dang and Yuqiong Liu and Rui Men and An Yang and Jingren Zhou and Junyang Lin},
+  journal = {arXiv preprint arXiv:2507.18071},
+  year    = {2025}
+}"""
+
+# Settings that define a GSPO run, in the order a reader looks for them.
+KEY_SETTINGS = (
+    "importance_sampling_level",
+    "epsilon",
+    "epsilon_high",
+    "beta",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "learning_rate",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "num_iterations",
+    "scale_rewards",
+    "reward_weights",
+)
+
+
+def render_model_card(
+    model_name: str,
+    base_model: str | None,
+    reward_names: list[str],
+    args,
+    peft: bool,
+    library_version: str,
+    tags: list[str] | None = None,
+) -> str:
+    tag_lines = "".join(f"- {tag}\n" for tag in ["gspo", "gspo-trl", "trl", "reinforcement-learning", *(tags or [])])
+    base_line = f"base_model: {base_model}\n" if base_model else ""
+    settings = "\n".join(f"| `{name}` | `{getattr(args, name)}` |" for name in KEY_SETTINGS)
+    rewards = "\n".join(f"- `{name}`" for name in reward_names)
+    finetuned = f"a fine-tuned version of `{base_model}`" if base_model else "a model"
+    adapter = " It is a LoRA adapter (PEFT)." if peft else ""
+    return f"""---
+library_name: transformers
+{base_line}tags:
+{tag_lines}---
+
+# {model_name}
+
+This is {finetuned}, trained with reinforcement learning using **GSPO** (Group Sequence Policy
+Optimization, [arXiv 2507.18071](https://arxiv.org/abs/2507.18071)) with
+[gspo-trl](https://pypi.org/project/gspo-trl/) {library_version}.{adapter}
+
+GSPO optimizes a clipped objective on the sequence-level importance ratio
+$s_i(\\theta) = (\\pi_\\theta(y_i|x) / \\pi_{{\\theta_{{old}}}}(y_i|x))^{{1/|y_i|}}$ with group-relative advantages.
+
+## Reward functions
+
+{rewards}
+
+## Training settings
+
+| setting | value |
+|---|---|
+{settings}
+
+## Citation
+
+```bibtex
+{GSPO_CITATION}
+```
+"""

@@ -1,0 +1,96 @@
+"""Loading the policy, its tokenizer and the reference model.
+
+Owns turning the `model` argument (a path/id or a `PreTrainedModel`) into a trainable causal LM,
+wrapping it with PEFT, switching dropout off, and providing reference log-probabilities for the KL
+term: the base weights with the adapter disabled under PEFT (no second copy), otherwise a frozen
+copy. What it does not own: generation and the objective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
+    if isinstance(model, str):
+        kwargs = dict(model_init_kwargs or {})
+        dtype = kwargs.get("dtype", "auto")
+        if isinstance(dtype, str) and dtype != "auto":
+            kwargs["dtype"] = getattr(torch, dtype)
+        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    if model_init_kwargs:
+        raise ValueError(
+            "model_init_kwargs is set but `model` is already instantiated: the kwargs would be ignored. Pass the "
+            "model as a path/id string, or drop model_init_kwargs."
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"`model` must be a path/id string or a transformers PreTrainedModel, got {type(model).__name__}."
+        )
+    if not hasattr(model, "generate"):
+        raise TypeError(f"`model` ({type(model).__name__}) has no `generate` method: pass a causal language model.")
+    return model
+
+
+def load_tokenizer(processing_class, model: PreTrainedModel) -> PreTrainedTokenizerBase:
+    tokenizer = processing_class
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise TypeError(
+            f"processing_class must be a transformers tokenizer, got {type(tokenizer).__name__}. Multimodal "
+            "processors are not supported yet."
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def apply_peft(model: PreTrainedModel, peft_config, gradient_checkpointing: bool):
+    if peft_config is None:
+        return model
+    from peft import get_peft_model
+
+    if gradient_checkpointing:
+        # Inputs need grads so that checkpointed blocks of a frozen base still backpropagate to LoRA.
+        model.enable_input_require_grads()
+    return get_peft_model(model, peft_config)
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def create_reference_model(model: PreTrainedModel) -> PreTrainedModel | None:
+    """A frozen copy of the policy, or None under PEFT (the adapter is disabled instead)."""
+    if is_peft_model(model):
+        return None
+    reference = copy.deepcopy(model)
+    for parameter in reference.parameters():
+        parameter.requires_grad_(False)
+    return reference.eval()
+
+
+@contextlib.contextmanager
+def reference_weights(policy, reference):
+    """Yield the module that computes reference log-probabilities."""
+    if reference is not None:
+        yield reference
+        return
+    unwrapped = policy.module if hasattr(policy, "module") and not hasattr(policy, "disable_adapter") else policy
+    with unwrapped.disable_adapter():
+        yield policy

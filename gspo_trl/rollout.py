@@ -1,0 +1,129 @@
+"""Rollout backends: prompts in, sampled completion ids and masks out.
+
+Owns prompt rendering (chat template for conversational prompts), tokenization with left padding,
+sampling, and the EOS/truncation bookkeeping of the result. The trainer only sees the `Rollout`
+record, so another backend (a vLLM server, vLLM colocated) plugs in by implementing
+`RolloutBackend.generate`. What it does not own: rewards, advantages and log-probabilities.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+from trl.data_utils import is_conversational, maybe_apply_chat_template
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled completions, aligned row by row with the prompts that produced them."""
+
+    prompt_ids: torch.Tensor  # (N, P) left-padded
+    prompt_mask: torch.Tensor  # (N, P) 1 on real prompt tokens
+    completion_ids: torch.Tensor  # (N, C) right-padded
+    completion_mask: torch.Tensor  # (N, C) 1 up to and including the first EOS
+    is_truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
+
+
+class RolloutBackend(ABC):
+    """What the trainer needs from a generator."""
+
+    @abstractmethod
+    def generate(self, prompts: list[Any]) -> Rollout:
+        """Sample one completion per prompt (prompts arrive already repeated num_generations times)."""
+
+
+def render_prompts(prompts: list[Any], tokenizer: PreTrainedTokenizerBase, chat_template_kwargs=None) -> list[str]:
+    """Prompt texts: conversational prompts go through the chat template with a generation prompt."""
+    return [
+        maybe_apply_chat_template({"prompt": prompt}, tokenizer, **(chat_template_kwargs or {}))["prompt"]
+        for prompt in prompts
+    ]
+
+
+def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, is_truncated): the mask keeps tokens up to and including the first EOS of each row."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, C)
+    length = completion_ids.shape[1]
+    first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), length)  # (N,)
+    positions = torch.arange(length, device=completion_ids.device).expand_as(completion_ids)
+    mask = (positions <= first_eos.unsqueeze(1)).long()
+    return mask, ~is_eos.any(dim=1)
+
+
+def eos_token_ids_of(generation_config: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos = generation_config.eos_token_id if generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("The tokenizer and generation config define no eos_token_id: completions could never end.")
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class HFGenerateBackend(RolloutBackend):
+    """Sampling with `model.generate` on the training model itself (KV cache on, eval mode)."""
+
+    def __init__(self, model_getter, tokenizer: PreTrainedTokenizerBase, args):
+        # `model_getter` returns the current, unwrapped policy: weights change between rollouts and
+        # wrappers (DDP, DeepSpeed) can be replaced after construction.
+        self.model_getter = model_getter
+        self.tokenizer = tokenizer
+        self.max_prompt_length = args.max_prompt_length
+        self.chat_template_kwargs = args.chat_template_kwargs
+        model = model_getter()
+        sampling = {
+            "do_sample": True,
+            "max_new_tokens": args.max_completion_length,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+            "cache_implementation": args.cache_implementation,
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": model.generation_config.eos_token_id or tokenizer.eos_token_id,
+            "use_cache": True,
+        }
+        sampling.update(args.generation_kwargs or {})
+        self.generation_config = GenerationConfig(**sampling)
+        self.eos_token_ids = eos_token_ids_of(self.generation_config, tokenizer)
+
+    def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
+        # Chat templates already carry the special tokens; plain text prompts get none added either,
+        # matching TRL.
+        encoded = self.tokenizer(
+            texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+        )
+        prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
+        if self.max_prompt_length is not None and prompt_ids.shape[1] > self.max_prompt_length:
+            prompt_ids = prompt_ids[:, -self.max_prompt_length :]
+            prompt_mask = prompt_mask[:, -self.max_prompt_length :]
+        return prompt_ids, prompt_mask
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Any]) -> Rollout:
+        model = self.model_getter()
+        prompt_ids, prompt_mask = self.tokenize_prompts(prompts)
+        prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
+        was_training = model.training
+        # Eval mode: with gradient checkpointing in training mode, transformers turns the KV cache off
+        # (about 7x slower sampling).
+        model.eval()
+        try:
+            sequences = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+            )
+        finally:
+            model.train(was_training)
+        completion_ids = sequences[:, prompt_ids.shape[1] :]
+        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
+        # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
+
+
+def is_conversational_prompt(prompt: Any) -> bool:
+    return is_conversational({"prompt": prompt})

@@ -1,0 +1,361 @@
+"""`GSPOTrainer`: the `transformers.Trainer` that wires rollout → reward → advantage → loss → log.
+
+It holds no math and no backend details: sampling lives in `rollout`, log-probabilities in
+`logprobs`, rewards in `rewards`, advantages in `advantages`, the objective in `loss`. The
+trainer's own job is the schedule (one rollout reused for `steps_per_generation × num_iterations`
+micro-steps, as in TRL), moving data between those modules, and logging.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+from trl.trainer.utils import RepeatSampler
+
+from . import __version__
+from .advantages import aggregate_rewards, group_advantages
+from .config import GSPOConfig
+from .logprobs import completion_logprobs
+from .loss import policy_loss
+from .metrics import MetricsBuffer, completion_length_metrics, loss_metrics
+from .model_card import render_model_card
+from .models import (
+    apply_peft,
+    create_reference_model,
+    disable_dropout,
+    is_peft_model,
+    load_policy,
+    load_tokenizer,
+    reference_weights,
+)
+from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
+from .rollout import HFGenerateBackend, is_conversational_prompt
+
+
+def _keep_as_list(features: list[dict]) -> list[dict]:
+    # Rows stay python objects until generation: prompts may be chat messages.
+    return features
+
+
+class GSPOTrainer(Trainer):
+    """Group Sequence Policy Optimization (arXiv 2507.18071) with TRL's `GRPOTrainer` interface."""
+
+    _tag_names = ["gspo", "gspo-trl", "trl"]
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: GSPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = GSPOConfig(output_dir=f"{Path(str(name)).name}-GSPO")
+        if not isinstance(args, GSPOConfig):
+            raise TypeError(
+                f"args must be a GSPOConfig, got {type(args).__name__}. Coming from TRL, replace GRPOConfig with "
+                "gspo_trl.GSPOConfig (same field names)."
+            )
+        _check_prompt_dataset(train_dataset, "train_dataset")
+        _check_prompt_dataset(eval_dataset, "eval_dataset")
+
+        model = load_policy(model, args.model_init_kwargs)
+        tokenizer = load_tokenizer(processing_class, model)
+        if args.disable_dropout:
+            disable_dropout(model)
+        model = apply_peft(model, peft_config, args.activation_checkpointing)
+        self.reward_funcs = load_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs)
+        self.reward_weights = resolve_reward_weights(args.reward_weights, len(self.reward_funcs))
+        self.ref_model = create_reference_model(model) if args.beta > 0 else None
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_keep_as_list,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        # compute_loss returns a per-micro-batch mean; Trainer divides it by the accumulation steps.
+        self.model_accepts_loss_kwargs = False
+        if self.ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+        for reward_func in self.reward_funcs:
+            if isinstance(reward_func, RewardModelFunction):
+                reward_func.model = self.accelerator.prepare_model(reward_func.model, evaluation_mode=True)
+
+        self.rollout_backend = HFGenerateBackend(
+            lambda: self.accelerator.unwrap_model(self.model), tokenizer, args
+        )
+        self._metrics = MetricsBuffer()
+        self._completion_samples: list[dict] = []
+        self._buffered_inputs: list[dict] | None = None
+        self._step = 0
+        self._num_tokens_seen = 0
+        self._rollout_generator = torch.Generator().manual_seed(args.seed)
+
+    # --- data ---------------------------------------------------------------------------------
+
+    def get_train_dataloader(self):
+        # One dataloader batch is a whole local generation batch (steps_per_generation micro-batches).
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self._train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_train_sampler(self, dataset=None):
+        # Each prompt appears num_generations times in a row; each generation batch is repeated for
+        # every micro-step that trains on it, so the dataloader stays aligned with the schedule.
+        return RepeatSampler(
+            data_source=dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=self.args.num_generations,
+            batch_size=self.args.generation_batch_size // self.args.num_generations,
+            repeat_count=self.args.num_iterations * self.args.steps_per_generation,
+            shuffle=self.args.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    def _get_eval_sampler(self, eval_dataset):
+        return RepeatSampler(data_source=eval_dataset, mini_repeat_count=self.args.num_generations, seed=self.args.seed)
+
+    # --- schedule -----------------------------------------------------------------------------
+
+    def _prepare_inputs(self, generation_batch: list[dict]) -> dict[str, Any]:
+        if not self.model.training:
+            return self._generate_and_score(generation_batch, mode="eval")
+        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        if self._buffered_inputs is None:
+            # Start or resume: take up the schedule at the dataloader's position (a resumed run
+            # regenerates the current rollout, then stays aligned with the prompts it is given).
+            self._step = self.state.global_step * self.args.gradient_accumulation_steps
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            rollout_batch = self._generate_and_score(generation_batch, mode="train")
+            self._buffered_inputs = _split_batch(
+                rollout_batch, self.args.steps_per_generation, self._rollout_generator
+            )
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step += 1
+        return loss
+
+    def _inner_training_loop(self, *args, **kwargs):
+        self._buffered_inputs = None
+        return super()._inner_training_loop(*args, **kwargs)
+
+    # --- rollout ------------------------------------------------------------------------------
+
+    def _generate_and_score(self, batch: list[dict], mode: str) -> dict[str, Any]:
+        args, device = self.args, self.accelerator.device
+        prompts = [row["prompt"] for row in batch]
+        rollout = self.rollout_backend.generate(prompts)
+        completion_mask = rollout.completion_mask
+        completion_texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        if is_conversational_prompt(prompts[0]):
+            completions = [[{"role": "assistant", "content": text}] for text in completion_texts]
+        else:
+            completions = completion_texts
+        completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, completion_mask)]
+        columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
+
+        local_rewards = compute_rewards(
+            self.reward_funcs, prompts, completions, completion_ids, columns, self.state
+        ).to(device)  # (n, F)
+        # Groups may span processes: advantages are computed on the gathered batch.
+        rewards_per_func = self.accelerator.gather(local_rewards)  # (N, F)
+        rewards, valid = aggregate_rewards(rewards_per_func, self.reward_weights.to(device))
+        advantages, advantage_stats = group_advantages(rewards, args.num_generations, args.scale_rewards, valid)
+        local = slice(self.accelerator.process_index * len(batch), (self.accelerator.process_index + 1) * len(batch))
+        advantages = advantages[local]
+
+        if args.mask_truncated_completions:
+            completion_mask = completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
+        inputs = {
+            "input_ids": torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1),
+            "attention_mask": torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1),
+            "completion_ids": rollout.completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": advantages,
+        }
+        inputs["old_per_token_logps"] = (
+            None if mode == "eval" or args.is_on_policy else self._score_without_grad(self.model, inputs)
+        )
+        inputs["ref_per_token_logps"] = None
+        if args.beta > 0:
+            with reference_weights(self.model, self.ref_model) as reference:
+                inputs["ref_per_token_logps"] = self._score_without_grad(reference, inputs)
+
+        self._record_rollout_metrics(mode, rollout, rewards_per_func, advantage_stats)
+        if args.log_completions and self.accelerator.is_main_process:
+            self._completion_samples = [
+                {"prompt": p, "completion": c, "reward": r, "advantage": a}
+                for p, c, r, a in zip(prompts, completion_texts, rewards[local].tolist(), advantages.tolist())
+            ]
+        return inputs
+
+    @torch.no_grad()
+    def _score_without_grad(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """Per-token log-probs of a whole rollout batch, one training micro-batch at a time."""
+        micro = self.args.per_device_train_batch_size
+        chunks = []
+        for start in range(0, inputs["input_ids"].shape[0], micro):
+            rows = slice(start, start + micro)
+            logps, _ = completion_logprobs(
+                model,
+                inputs["input_ids"][rows],
+                inputs["attention_mask"][rows],
+                inputs["completion_ids"][rows],
+                inputs["completion_mask"][rows],
+                temperature=self.args.temperature,
+                chunk_size=self.args.logprob_chunk_size,
+            )
+            chunks.append(logps)
+        return torch.cat(chunks)
+
+    def _record_rollout_metrics(self, mode, rollout, rewards_per_func, advantage_stats) -> None:
+        metrics = self._metrics
+        for index, reward_func in enumerate(self.reward_funcs):
+            column = rewards_per_func[:, index]
+            metrics.add(mode, f"rewards/{reward_func.name}/mean", torch.nanmean(column))
+            metrics.add(mode, f"rewards/{reward_func.name}/std", _nanstd(column))
+        for name in ("reward", "reward_std", "frac_reward_zero_std"):
+            metrics.add(mode, name, advantage_stats[name])
+        lengths = completion_length_metrics(
+            self.accelerator.gather(rollout.completion_mask.sum(1, keepdim=True)),
+            self.accelerator.gather(rollout.is_truncated.unsqueeze(1)).squeeze(1),
+        )
+        metrics.add_many(mode, lengths)
+        if mode == "train":
+            tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()
+            self._num_tokens_seen += self.accelerator.gather(tokens.reshape(1)).sum().item()
+
+    # --- loss ---------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("GSPOTrainer.compute_loss does not return model outputs (return_outputs=True).")
+        per_token_logps, per_token_entropy = completion_logprobs(
+            model,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+            temperature=self.args.temperature,
+            chunk_size=self.args.logprob_chunk_size,
+        )
+        loss, stats = policy_loss(
+            per_token_logps,
+            inputs["old_per_token_logps"],
+            inputs["advantages"],
+            inputs["completion_mask"],
+            importance_sampling_level=self.args.importance_sampling_level,
+            epsilon=self.args.epsilon,
+            epsilon_high=self.args.epsilon_high,
+            beta=self.args.beta,
+            ref_per_token_logps=inputs["ref_per_token_logps"],
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
+        )
+        mask = inputs["completion_mask"]
+        entropy_mean = (per_token_entropy * mask).sum() / mask.sum().clamp(min=1)
+        mode = "train" if self.model.training else "eval"
+        self._metrics.add_many(mode, loss_metrics(stats, entropy_mean, self.args.beta))
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # --- logging and saving -------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics.pop_averages(mode)
+        if mode == "eval":
+            metrics = {f"eval_{name}": value for name, value in metrics.items()}
+        else:
+            metrics["num_tokens"] = self._num_tokens_seen
+        logs.update(metrics)
+        super().log(logs, start_time)
+        if self.args.log_completions and self._completion_samples and self.accelerator.is_main_process:
+            _print_completions(self._completion_samples, self.args.num_completions_to_print, self.state.global_step)
+
+    def _save_checkpoint(self, model, trial):
+        self.create_model_card(model_name=Path(self.args.hub_model_id or self.args.output_dir).name)
+        super()._save_checkpoint(model, trial)
+
+    def create_model_card(self, model_name: str | None = None, tags=None, **kwargs) -> None:
+        if not self.is_world_process_zero():
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+        base_model = getattr(base.config, "_name_or_path", None)
+        if base_model and os.path.isdir(base_model):
+            base_model = None  # a local path means nothing to a reader of the Hub page
+        card = render_model_card(
+            model_name=model_name or Path(self.args.output_dir).name,
+            base_model=base_model,
+            reward_names=[reward_func.name for reward_func in self.reward_funcs],
+            args=self.args,
+            peft=is_peft_model(unwrapped),
+            library_version=__version__,
+            tags=[tags] if isinstance(tags, str) else tags,
+        )
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(card)
+
+
+def _check_prompt_dataset(dataset, name: str) -> None:
+    if dataset is None:
+        return
+    column_names = getattr(dataset, "column_names", None)
+    if isinstance(column_names, dict):  # a DatasetDict
+        raise TypeError(f"{name} is a DatasetDict; pass one split, e.g. {name}=dataset['train'].")
+    if column_names is not None and "prompt" not in column_names:
+        raise ValueError(
+            f"{name} needs a 'prompt' column (a string, or a list of chat messages); it has {column_names}. "
+            "Rename your column with dataset.rename_column(old, 'prompt')."
+        )
+
+
+def _split_batch(batch: dict[str, Any], num_slices: int, generator: torch.Generator) -> list[dict[str, Any]]:
+    """Shuffle the rows of a rollout batch and cut them into `num_slices` micro-batches."""
+    size = batch["input_ids"].shape[0]
+    order = torch.randperm(size, generator=generator)
+    slices = []
+    for part in order.chunk(num_slices):
+        slices.append({key: None if value is None else value[part.to(value.device)] for key, value in batch.items()})
+    return slices
+
+
+def _nanstd(values: torch.Tensor) -> torch.Tensor:
+    finite = values[~torch.isnan(values)]
+    return finite.std() if finite.numel() > 1 else torch.tensor(float("nan"))
+
+
+def _print_completions(samples: list[dict], limit: int | None, step: int) -> None:
+    print(f"--- completions at step {step} ---")
+    for sample in samples[: limit or len(samples)]:
+        prompt = sample["prompt"]
+        if isinstance(prompt, list):
+            prompt = prompt[-1]["content"]
+        print(f"[reward {sample['reward']:+.3f} | advantage {sample['advantage']:+.3f}] {prompt!r} -> {sample['completion']!r}")

@@ -1,0 +1,169 @@
+"""Tests for gspo_trl.advantages: hand-derived group/batch/none advantages, zero-std groups, invalid rows, errors."""
+
+import math
+
+import pytest
+import torch
+
+from gspo_trl.advantages import aggregate_rewards, group_advantages
+
+NAN = float("nan")
+
+
+def close(actual, expected, tol=1e-5):
+    return torch.allclose(actual, torch.tensor(expected, dtype=actual.dtype), atol=tol, rtol=0)
+
+
+# ---- aggregate_rewards ----------------------------------------------------------------------------------------------
+
+
+def test_aggregate_weighted_nansum_and_valid():
+    rewards_per_func = torch.tensor([[1.0, 2.0], [NAN, 3.0], [NAN, NAN], [4.0, NAN]])  # (4, 2)
+    weights = torch.tensor([0.5, 2.0])
+    rewards, valid = aggregate_rewards(rewards_per_func, weights)
+    # row0: 0.5*1 + 2*2 = 4.5 ; row1: 2*3 = 6 ; row2: nothing -> 0 ; row3: 0.5*4 = 2
+    assert close(rewards, [4.5, 6.0, 0.0, 2.0])
+    assert valid.tolist() == [True, True, False, True]
+
+
+def test_aggregate_shape_errors():
+    with pytest.raises(ValueError, match="rewards_per_func"):
+        aggregate_rewards(torch.zeros(4), torch.ones(1))
+    with pytest.raises(ValueError, match="reward_weights"):
+        aggregate_rewards(torch.zeros(4, 2), torch.ones(3))
+
+
+# ---- group_advantages: the three scalings ---------------------------------------------------------------------------
+
+# Two groups of G=4.
+# group 0: [1, 2, 3, 4]  mean 2.5, deviations [-1.5, -0.5, 0.5, 1.5], sum sq = 2.25+0.25+0.25+2.25 = 5
+#          unbiased var = 5/3, std = sqrt(5/3) = 1.2909944
+# group 1: [0, 0, 2, 2]  mean 1.0, deviations [-1, -1, 1, 1], sum sq = 4, unbiased var = 4/3, std = 1.1547005
+REWARDS = torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 2.0, 2.0])
+STD0, STD1 = math.sqrt(5 / 3), math.sqrt(4 / 3)
+
+
+def test_group_scaling():
+    advantages, stats = group_advantages(REWARDS, num_generations=4, scale_rewards="group")
+    expected = [d / STD0 for d in (-1.5, -0.5, 0.5, 1.5)] + [d / STD1 for d in (-1, -1, 1, 1)]
+    assert close(advantages, expected)
+    # reward = (10 + 4) / 8 = 1.75 ; reward_std = mean of group stds
+    assert stats["reward"] == pytest.approx(1.75)
+    assert stats["reward_std"] == pytest.approx((STD0 + STD1) / 2, rel=1e-6)
+    assert stats["frac_reward_zero_std"] == 0.0
+    assert stats["num_invalid"] == 0
+
+
+def test_batch_scaling():
+    # batch mean 1.75; deviations [-.75, .25, 1.25, 2.25, -1.75, -1.75, .25, .25]
+    # squares .5625 + .0625 + 1.5625 + 5.0625 + 3.0625 + 3.0625 + .0625 + .0625 = 13.5 ; var = 13.5/7
+    batch_std = math.sqrt(13.5 / 7)
+    advantages, _ = group_advantages(REWARDS, num_generations=4, scale_rewards="batch")
+    expected = [d / batch_std for d in (-1.5, -0.5, 0.5, 1.5, -1, -1, 1, 1)]
+    assert close(advantages, expected)
+
+
+def test_no_scaling():
+    advantages, _ = group_advantages(REWARDS, num_generations=4, scale_rewards="none")
+    assert close(advantages, [-1.5, -0.5, 0.5, 1.5, -1, -1, 1, 1])
+
+
+def test_boolean_scale_rewards_aliases():
+    assert torch.equal(group_advantages(REWARDS, 4, True)[0], group_advantages(REWARDS, 4, "group")[0])
+    assert torch.equal(group_advantages(REWARDS, 4, False)[0], group_advantages(REWARDS, 4, "none")[0])
+
+
+def test_integer_rewards_become_float():
+    advantages, _ = group_advantages(torch.tensor([0, 1]), num_generations=2, scale_rewards="none")
+    assert advantages.dtype == torch.float32
+    assert close(advantages, [-0.5, 0.5])
+
+
+# ---- zero-std groups ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_zero_std_groups_are_zero_and_counted(scale_rewards):
+    # group 0 constant (0.1 is not exact in binary: mean round-off must not leak), group 1 = [0, 1]
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 1.0])
+    advantages, stats = group_advantages(rewards, num_generations=3, scale_rewards=scale_rewards)
+    assert torch.equal(advantages[:3], torch.zeros(3))
+    assert torch.isfinite(advantages).all()
+    assert stats["frac_reward_zero_std"] == pytest.approx(0.5)
+    # group 1 [0, 1, 1]: mean 2/3, unbiased std = sqrt((4/9 + 1/9 + 1/9) / 2) = sqrt(1/3)
+    assert stats["reward_std"] == pytest.approx(math.sqrt(1 / 3) / 2, rel=1e-6)
+
+
+def test_all_groups_constant_gives_all_zero_no_nan():
+    advantages, stats = group_advantages(torch.full((6,), 3.0), num_generations=3, scale_rewards="batch")
+    assert torch.equal(advantages, torch.zeros(6))
+    assert stats["frac_reward_zero_std"] == 1.0
+    assert stats["reward_std"] == 0.0
+
+
+# ---- invalid rows ---------------------------------------------------------------------------------------------------
+
+
+def test_invalid_rows_excluded_from_baseline_and_zero():
+    # group 0: [1, <invalid 100>, 3] -> valid [1, 3], mean 2, std sqrt(2) ; group 1: [5, 7, 9] mean 7, std 2
+    rewards = torch.tensor([1.0, 100.0, 3.0, 5.0, 7.0, 9.0])
+    valid = torch.tensor([True, False, True, True, True, True])
+    advantages, stats = group_advantages(rewards, 3, "group", valid=valid)
+    assert close(advantages, [-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2), -1.0, 0.0, 1.0])
+    assert advantages[1].item() == 0.0
+    assert stats["num_invalid"] == 1
+    assert stats["reward"] == pytest.approx((1 + 3 + 5 + 7 + 9) / 5)
+
+
+def test_invalid_rows_excluded_from_batch_std():
+    # valid values [1, 3, 5, 7, 9]: mean 5, sum sq 16+4+0+4+16 = 40, var 10 ; NaN row must not poison anything
+    rewards = torch.tensor([1.0, NAN, 3.0, 5.0, 7.0, 9.0])
+    advantages, stats = group_advantages(rewards, 3, "batch")  # valid defaults to isfinite
+    assert close(advantages, [-1 / math.sqrt(10), 0.0, 1 / math.sqrt(10), -2 / math.sqrt(10), 0.0, 2 / math.sqrt(10)])
+    assert stats["num_invalid"] == 1
+
+
+def test_group_with_single_valid_row_is_zero_std():
+    rewards = torch.tensor([4.0, NAN, NAN, 1.0, 2.0, 3.0])
+    advantages, stats = group_advantages(rewards, 3, "group")
+    assert torch.equal(advantages[:3], torch.zeros(3))
+    assert close(advantages[3:], [-1.0, 0.0, 1.0])
+    assert stats["frac_reward_zero_std"] == pytest.approx(0.5)
+    assert stats["num_invalid"] == 2
+
+
+def test_no_valid_rows():
+    advantages, stats = group_advantages(torch.full((4,), NAN), 2)
+    assert torch.equal(advantages, torch.zeros(4))
+    assert math.isnan(stats["reward"])
+    assert stats["num_invalid"] == 4
+    assert stats["frac_reward_zero_std"] == 1.0
+
+
+def test_pipeline_aggregate_then_group():
+    rewards_per_func = torch.tensor([[1.0, NAN], [NAN, NAN], [3.0, 1.0], [0.0, 0.0]])
+    rewards, valid = aggregate_rewards(rewards_per_func, torch.ones(2))
+    advantages, stats = group_advantages(rewards, 2, "none", valid=valid)
+    # group 0: only row 0 valid -> zero-std ; group 1: [4, 0] mean 2 -> [2, -2]
+    assert close(advantages, [0.0, 0.0, 2.0, -2.0])
+    assert stats["num_invalid"] == 1
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------------
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="divisible by num_generations"):
+        group_advantages(torch.zeros(5), 2)
+    with pytest.raises(ValueError, match="num_generations"):
+        group_advantages(torch.zeros(4), 1)
+    with pytest.raises(ValueError, match=r"scale_rewards.*'group', 'batch', 'none'"):
+        group_advantages(torch.zeros(4), 2, scale_rewards="std")
+    with pytest.raises(ValueError, match="valid"):
+        group_advantages(torch.zeros(4), 2, valid=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="rewards must be 1-D"):
+        group_advantages(torch.zeros(2, 2), 2)
+    with pytest.raises(ValueError, match="empty"):
+        group_advantages(torch.zeros(0), 2)
+    with pytest.raises(ValueError, match="marked valid"):
+        group_advantages(torch.tensor([1.0, NAN]), 2, valid=torch.ones(2, dtype=torch.bool))

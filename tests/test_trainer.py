@@ -1,0 +1,218 @@
+"""GSPOTrainer end to end on a tiny random Llama: the schedule, the paths (on/off-policy, LoRA, KL),
+metrics, checkpoints and the model card. Learning itself is tested on the real model in test_learning.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+
+from gspo_trl import GSPOConfig, GSPOTrainer
+
+
+def count_digits(completions, **kwargs):
+    """A dense toy reward: the fraction of characters that are digits."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def length_reward(completion_ids, **kwargs):
+    return [len(ids) / 16 for ids in completion_ids]
+
+
+def text_dataset(n=8):
+    return Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(n)], "answer": [str(2 * i + 1) for i in range(n)]})
+
+
+def chat_dataset(n=8):
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)], "answer": [str(i + 3) for i in range(n)]}
+    )
+
+
+def make_config(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+    )
+    values.update(overrides)
+    return GSPOConfig(**values)
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def changed(before, model):
+    return {name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())}
+
+
+def train_logs(trainer):
+    """One entry per optimizer step (logging_steps=1)."""
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_defaults_follow_the_paper(tmp_path):
+    config = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    assert config.importance_sampling_level == "sequence"
+    assert (config.epsilon, config.epsilon_high, config.beta) == (3e-4, 4e-4, 0.0)
+    assert config.steps_per_generation == 8  # four optimizer steps per rollout batch
+    assert config.generation_batch_size == 64
+    assert not config.is_on_policy
+
+
+def test_train_changes_weights_and_logs_metrics(tmp_path, tiny_model_dir):
+    config = make_config(tmp_path, steps_per_generation=1)  # a rollout per step: rollout metrics at every log
+    trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=config, train_dataset=text_dataset())
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert len(changed(before, trainer.model)) == len(before)
+    logs = train_logs(trainer)
+    assert len(logs) == 2
+    expected = {
+        "reward", "reward_std", "frac_reward_zero_std", "rewards/count_digits/mean", "rewards/count_digits/std",
+        "rewards/length_reward/mean", "completions/mean_length", "completions/min_length", "completions/max_length",
+        "completions/clipped_ratio", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "ratio/mean",
+        "ratio/min", "ratio/max", "entropy", "num_tokens", "loss",
+    }
+    assert expected <= set(logs[0]), expected - set(logs[0])
+    assert "kl" not in logs[0]  # beta = 0: no reference model, no KL
+    assert trainer.ref_model is None
+    assert logs[1]["num_tokens"] > logs[0]["num_tokens"] > 0
+    assert 1 <= logs[0]["completions/mean_length"] <= 12
+
+
+def test_off_policy_minibatches_reuse_one_rollout_and_get_clipped(tmp_path, tiny_model_dir):
+    # Defaults: steps_per_generation = 4 micro-batches (one per optimizer step) from one rollout of 16.
+    config = make_config(tmp_path, max_steps=4, learning_rate=5e-3)
+    assert config.steps_per_generation == 4
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    calls = []
+    generate = trainer.rollout_backend.generate
+    trainer.rollout_backend.generate = lambda prompts: calls.append(len(prompts)) or generate(prompts)
+    trainer.train()
+    assert calls == [16]  # one rollout feeds the four optimizer steps
+    logs = train_logs(trainer)
+    assert logs[0]["ratio/mean"] == pytest.approx(1.0, abs=1e-5)  # first minibatch: weights not yet moved
+    later_clip = [entry["clip_ratio/region"] for entry in logs[1:]]
+    assert max(later_clip) > 0, later_clip  # after an update at lr 5e-3, ratios leave [1-3e-4, 1+4e-4]
+    assert max(abs(entry["ratio/mean"] - 1) for entry in logs[1:]) > 1e-4
+
+
+def test_on_policy_skips_old_logprob_pass(tmp_path, tiny_model_dir):
+    config = make_config(tmp_path, steps_per_generation=1)
+    assert config.is_on_policy
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    scored = []
+    original = trainer._score_without_grad
+    trainer._score_without_grad = lambda model, inputs: scored.append(1) or original(model, inputs)
+    trainer.train()
+    assert scored == []
+    for entry in train_logs(trainer):
+        assert entry["ratio/mean"] == 1.0 and entry["clip_ratio/region"] == 0.0
+
+
+def test_conversational_prompts_and_columns_reach_rewards(tmp_path, tiny_model_dir):
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+        seen.update(prompts=prompts, completions=completions, answer=answer, state=trainer_state)
+        return [1.0 if str(a) in c[0]["content"] else 0.0 for a, c in zip(answer, completions)]
+
+    trainer = GSPOTrainer(tiny_model_dir, spy, args=make_config(tmp_path, max_steps=1), train_dataset=chat_dataset())
+    trainer.train()
+    assert seen["prompts"][0][0]["role"] == "user"
+    assert seen["completions"][0][0]["role"] == "assistant"
+    assert len(seen["answer"]) == 16
+    assert seen["state"] is trainer.state
+    # rows come in groups of num_generations identical prompts
+    assert all(seen["prompts"][i] == seen["prompts"][i - i % 4] for i in range(16))
+
+
+def test_lora_trains_only_the_adapter(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=make_config(tmp_path), train_dataset=text_dataset(), peft_config=peft_config
+    )
+    before = snapshot(trainer.model)
+    trainer.train()
+    moved = changed(before, trainer.model)
+    assert moved and all("lora_" in name for name in moved)
+
+
+def test_kl_with_frozen_reference_copy(tmp_path, tiny_model_dir):
+    config = make_config(tmp_path, beta=0.1, max_steps=3)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    assert trainer.ref_model is not None
+    reference_before = snapshot(trainer.ref_model)
+    trainer.train()
+    assert changed(reference_before, trainer.ref_model) == set()
+    logs = train_logs(trainer)
+    assert all("kl" in entry for entry in logs)
+    assert logs[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    assert logs[-1]["kl"] > 0
+
+
+def test_kl_with_lora_uses_the_disabled_adapter_as_reference(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False)
+    config = make_config(tmp_path, beta=0.1, max_steps=1)
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config
+    )
+    assert trainer.ref_model is None  # no second copy of the weights
+    trainer.train()
+    # init_lora_weights=False: the adapter is non-zero from the start, so policy != reference
+    assert train_logs(trainer)[0]["kl"] > 0
+
+
+def test_checkpoint_and_resume(tmp_path, tiny_model_dir):
+    # One rollout per 4 optimizer steps; checkpoint in the middle of a rollout's steps.
+    config = make_config(tmp_path, max_steps=6, save_strategy="steps", save_steps=2)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()
+    checkpoint = os.path.join(config.output_dir, "checkpoint-2")
+    assert os.path.isdir(checkpoint) and os.path.isdir(os.path.join(config.output_dir, "checkpoint-6"))
+    assert "GSPO" in open(os.path.join(config.output_dir, "README.md")).read()
+
+    resumed = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    rollouts = []
+    generate = resumed.rollout_backend.generate
+    resumed.rollout_backend.generate = lambda prompts: rollouts.append(resumed.state.global_step) or generate(prompts)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.state.global_step == 6
+    # The interrupted rollout is regenerated for steps 3-4, and the next one comes at step 5,
+    # in step with the dataloader (which hands a new generation batch every 4 steps).
+    assert rollouts == [2, 4]
+    # log_history comes back from the checkpoint (steps 1-2); the resumed run adds steps 3-6
+    assert [e["step"] for e in train_logs(resumed)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_model_card_names_gspo_rewards_and_settings(tmp_path, tiny_model_dir):
+    trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=make_config(tmp_path), train_dataset=text_dataset())
+    trainer.create_model_card(model_name="my-gspo-model")
+    card = open(os.path.join(trainer.args.output_dir, "README.md")).read()
+    for text in ("my-gspo-model", "GSPO", "2507.18071", "count_digits", "length_reward", "`epsilon` | `0.0003`",
+                 "`importance_sampling_level` | `sequence`", "library_name: transformers"):
+        assert text in card, text
+
+
+def test_evaluate_reports_eval_reward(tmp_path, tiny_model_dir):
+    config = make_config(tmp_path, per_device_eval_batch_size=4)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), eval_dataset=text_dataset(2))
+    metrics = trainer.evaluate()
+    assert "eval_reward" in metrics and "eval_loss" in metrics
