@@ -1,0 +1,71 @@
+"""GSPOConfig: paper defaults, batch-size arithmetic and construction-time errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from gspo_trl import GSPOConfig
+
+
+def make(tmp_path, **kwargs):
+    return GSPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kwargs)
+
+
+def test_paper_defaults(tmp_path):
+    config = make(tmp_path, per_device_train_batch_size=8)
+    assert config.importance_sampling_level == "sequence"
+    assert (config.epsilon, config.epsilon_high, config.beta) == (3e-4, 4e-4, 0.0)
+    assert config.loss_type == "grpo"
+    assert config.steps_per_generation == 4 and config.generation_batch_size == 32
+    assert config.bf16 is False  # no bf16-capable GPU here
+    assert not config.is_on_policy
+
+
+def test_batch_sizes(tmp_path):
+    config = make(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=2)
+    assert config.generation_batch_size == 16 and config.is_on_policy
+    config = make(tmp_path, per_device_train_batch_size=8, generation_batch_size=64)
+    assert config.steps_per_generation == 8
+    assert make(tmp_path, per_device_train_batch_size=8, steps_per_generation=1, num_iterations=2).is_on_policy is False
+
+
+def test_epsilon_high_none_means_symmetric(tmp_path):
+    assert make(tmp_path, per_device_train_batch_size=8, epsilon_high=None).epsilon_high == 3e-4
+
+
+def test_scale_rewards_booleans(tmp_path):
+    assert make(tmp_path, per_device_train_batch_size=8, scale_rewards=False).scale_rewards == "none"
+    assert make(tmp_path, per_device_train_batch_size=8, scale_rewards=True).scale_rewards == "group"
+
+
+@pytest.mark.parametrize(
+    "kwargs, field_name",
+    [
+        ({"num_generations": 1}, "num_generations"),
+        ({"epsilon": 0.0}, "epsilon"),
+        ({"epsilon": 1.5}, "epsilon"),
+        ({"epsilon_high": -1.0}, "epsilon_high"),
+        ({"beta": -0.1}, "beta"),
+        ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
+        ({"loss_type": "dapo"}, "loss_type"),
+        ({"scale_rewards": "median"}, "scale_rewards"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_completion_length": 0}, "max_completion_length"),
+        ({"max_prompt_length": 0}, "max_prompt_length"),
+        ({"num_iterations": 0}, "num_iterations"),
+        ({"logprob_chunk_size": 0}, "logprob_chunk_size"),
+        ({"reward_weights": [1.0, float("nan")]}, "reward_weights"),
+        ({"per_device_train_batch_size": 3}, "num_generations"),  # 12 completions cannot hold groups of 8
+        ({"generation_batch_size": 20}, "generation_batch_size"),
+        ({"generation_batch_size": 32, "steps_per_generation": 4}, "generation_batch_size"),
+        ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+    ],
+)
+def test_invalid_values_name_the_field(tmp_path, kwargs, field_name):
+    kwargs.setdefault("per_device_train_batch_size", 8)
+    with pytest.raises(ValueError, match=field_name):
+        make(tmp_path, **kwargs)

@@ -1,0 +1,59 @@
+"""The HF generate backend: prompt rendering, left padding, EOS masks and truncation flags."""
+
+from __future__ import annotations
+
+import torch
+
+from gspo_trl import GSPOConfig
+from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, render_prompts
+
+
+def test_completion_mask_keeps_tokens_through_first_eos():
+    ids = torch.tensor([[5, 6, 2, 7, 2], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0]])
+    mask, truncated = completion_mask_from_eos(ids, [2])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert truncated.tolist() == [False, True, False]
+    mask, truncated = completion_mask_from_eos(ids, [9, 8])  # several EOS ids
+    assert mask[1].tolist() == [1, 1, 1, 1, 0] and truncated.tolist() == [True, False, True]
+
+
+def test_render_prompts_uses_chat_template_for_messages(tiny_tokenizer):
+    texts = render_prompts(["plain text", [{"role": "user", "content": "hi"}]], tiny_tokenizer)
+    assert texts[0] == "plain text"
+    assert texts[1] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_generate_shapes_padding_and_masks(tmp_path, tiny_model, tiny_tokenizer):
+    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_completion_length=7, use_cpu=True)
+    backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
+    tiny_model.train()
+    prompts = ["What is 1 + 1?", "Hi"] * 2
+    rollout = backend.generate(prompts)
+    assert tiny_model.training  # mode restored after sampling in eval mode
+    assert rollout.prompt_ids.shape[0] == 4 and rollout.completion_ids.shape == (4, 7)
+    # left padding: the short prompt's mask starts with zeros, real tokens end at the right edge
+    assert rollout.prompt_mask[1, 0] == 0 and rollout.prompt_mask[:, -1].all()
+    expected_mask, expected_truncated = completion_mask_from_eos(rollout.completion_ids, [tiny_tokenizer.eos_token_id])
+    assert torch.equal(rollout.completion_mask, expected_mask)
+    assert torch.equal(rollout.is_truncated, expected_truncated)
+    assert (rollout.completion_ids[rollout.completion_mask == 0] == tiny_tokenizer.pad_token_id).all()
+
+
+def test_generate_stops_at_eos(tmp_path, tiny_model, tiny_tokenizer):
+    # generation_kwargs reach GenerationConfig: suppressing every other token makes each completion one EOS.
+    others = [i for i in range(len(tiny_tokenizer)) if i != tiny_tokenizer.eos_token_id]
+    args = GSPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, max_completion_length=5, use_cpu=True,
+        generation_kwargs={"suppress_tokens": others},
+    )
+    rollout = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args).generate(["a", "b"])
+    assert rollout.completion_mask.sum(1).tolist() == [1, 1]
+    assert not rollout.is_truncated.any()
+
+
+def test_max_prompt_length_truncates_from_the_left(tmp_path, tiny_model, tiny_tokenizer):
+    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_prompt_length=3, use_cpu=True)
+    backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
+    ids, _ = backend.tokenize_prompts(["one two three four five six"])
+    full = tiny_tokenizer("one two three four five six", add_special_tokens=False).input_ids
+    assert ids[0].tolist() == full[-3:]
