@@ -168,10 +168,12 @@ def train(argv: list[str]) -> dict:
     trainer = GSPOTrainer(model, reward_funcs, args=config, train_dataset=dataset, peft_config=peft_config)
     trainer.train()
     trainer.save_model()
+    trainer.create_model_card()
     metrics_path = run_args.metrics_file or os.path.join(config.output_dir, "metrics.json")
     plot_path = run_args.plot_file or os.path.join(config.output_dir, "reward_curve.png")
     history = [entry for entry in trainer.state.log_history if "reward" in entry]
     summary = summarize(history)
+    summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime")
     with open(metrics_path, "w", encoding="utf-8") as handle:
         json.dump({"summary": summary, "log_history": trainer.state.log_history}, handle, indent=2)
     plot_reward_curve(history, plot_path)
@@ -193,7 +195,6 @@ def summarize(history: list[dict], window: int = 10) -> dict:
         "reward_first_window": sum(first) / len(first),
         "reward_last_window": sum(last) / len(last),
         "reward_gain": sum(last) / len(last) - sum(first) / len(first),
-        "train_runtime_s": history[-1].get("train_runtime"),
     }
 
 

@@ -4,8 +4,7 @@ This module owns (1) turning a reasoning-gym task into a ``datasets.Dataset`` wi
 conversational ``prompt`` column, and (2) a reward callable in TRL's convention that pulls the
 answer out of a completion and scores it with the task's own verifier. It also fixes the
 library's default task: one the default model (SmolLM2-135M-Instruct) solves sometimes but not
-always, so GSPO groups carry a learning signal from the first step (measured numbers are in
-``DEFAULT_TASK_MEASUREMENT``).
+always, so GSPO groups carry a learning signal from the first step.
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ import re
 from typing import Any
 
 DEFAULT_TASK = "basic_arithmetic"
-# One-digit addition of two terms: the base model is right about a quarter of the time.
+# Two-term "one-digit" addition (reasoning-gym draws the terms from 0..10): the base model gets
+# it right about a quarter of the time.
 DEFAULT_TASK_KWARGS: dict[str, Any] = {
     "min_terms": 2,
     "max_terms": 2,
@@ -26,13 +26,12 @@ DEFAULT_TASK_KWARGS: dict[str, Any] = {
     "allow_negation": False,
 }
 # The model rarely emits <answer> tags on its own, but often ends a short reply with the number;
-# the example is two-digit so it is never the answer to a default-task question.
+# the example has a two-digit term so it is never one of the default task's questions.
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the problem. Reply with one short line that ends with the final answer, "
     "for example: 12 + 5 = 17"
 )
 DEFAULT_FORMAT_WEIGHT = 0.2
-DEFAULT_TASK_MEASUREMENT = "see docs or /tmp/default_task_measurement.md"
 
 _ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", flags=re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -160,8 +159,6 @@ class ReasoningGymReward:
             return 0.0
 
     def combine(self, correctness: float, well_formed: float) -> float:
-        if correctness == 0.0 and not well_formed:
-            return 0.0
         return (1.0 - self.format_weight) * correctness + self.format_weight * well_formed
 
 

@@ -1,0 +1,73 @@
+"""The `gspo-trl` command line: flags and YAML parsing, and a whole run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+from datasets import Dataset
+
+from gspo_trl.cli import DEMO_DEFAULTS, main, parse_train_args, summarize
+
+
+def test_no_arguments_gives_the_demo_settings():
+    run_args, config = parse_train_args([])
+    assert run_args.model_name_or_path is None and run_args.task is None
+    assert config.max_steps == DEMO_DEFAULTS["max_steps"]
+    assert config.learning_rate == DEMO_DEFAULTS["learning_rate"]
+    assert config.importance_sampling_level == "sequence"
+
+
+def test_every_config_field_is_a_flag_and_flags_override_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("epsilon: 0.001\nmax_steps: 7\ntask: basic_arithmetic\ngeneration_kwargs: {min_new_tokens: 2}\n")
+    run_args, config = parse_train_args(["--config", str(path), "--max_steps", "3", "--beta", "0.05"])
+    assert config.epsilon == 0.001  # from YAML
+    assert config.max_steps == 3  # the flag wins
+    assert config.beta == 0.05
+    assert config.generation_kwargs == {"min_new_tokens": 2}
+    assert run_args.task == "basic_arithmetic"
+
+
+def test_unknown_yaml_field_is_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("epsilonn: 0.1\n")
+    with pytest.raises(ValueError, match="epsilonn"):
+        parse_train_args(["--config", str(path)])
+
+
+def test_summarize_compares_first_and_last_window():
+    history = [{"step": i + 1, "reward": r} for i, r in enumerate([0.1] * 10 + [0.5] * 10)]
+    summary = summarize(history)
+    assert summary["reward_first_window"] == pytest.approx(0.1)
+    assert summary["reward_gain"] == pytest.approx(0.4)
+
+
+def test_train_command_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
+    data = tmp_path / "prompts.jsonl"
+    Dataset.from_dict({"prompt": [f"Say {i}" for i in range(4)], "target": [str(i) for i in range(4)]}).to_json(data)
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def has_target(completions, target, **kwargs):
+            return [float(t in c) for c, t in zip(completions, target)]
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = tmp_path / "out"
+    code = main([
+        "train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data),
+        "--reward_funcs", "my_rewards:has_target", "--output_dir", str(out), "--max_steps", "2",
+        "--per_device_train_batch_size", "4", "--num_generations", "4", "--steps_per_generation", "1",
+        "--max_completion_length", "6", "--disable_tqdm", "true",
+    ])
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["summary"]["steps"] == 2
+    assert (out / "reward_curve.png").stat().st_size > 0
+    assert os.path.isfile(out / "model.safetensors") and os.path.isfile(out / "README.md")
+
+
+def test_unknown_command_fails():
+    assert main(["fly"]) == 2
