@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-_RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state")
+_RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 
 
 class RewardFunction:
@@ -259,6 +259,8 @@ def compute_rewards(
     completion_ids: list[list[int]],
     columns: dict[str, list] | None = None,
     trainer_state: Any = None,
+    log_metric: Callable[[str, float], None] | None = None,
+    log_extra: Callable[[str, list], None] | None = None,
 ) -> torch.Tensor:
     """Score a batch with every reward function: returns (N, F) float32 on CPU, NaN where a function gave None.
 
@@ -274,6 +276,11 @@ def compute_rewards(
     call_kwargs = dict(
         prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, trainer_state=trainer_state
     )
+    # TRL's hooks for reward functions: log a scalar metric, or an extra column of the completions table.
+    if log_metric is not None:
+        call_kwargs["log_metric"] = log_metric
+    if log_extra is not None:
+        call_kwargs["log_extra"] = log_extra
 
     outputs: dict[int, Any] = {}
     async_jobs: list[AsyncJob] = []

@@ -175,8 +175,11 @@ class GSPOTrainer(Trainer):
         completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, completion_mask)]
         columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
 
+        extra_columns: dict[str, list] = {}
         local_rewards = compute_rewards(
-            self.reward_funcs, prompts, completions, completion_ids, columns, self.state
+            self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
+            log_metric=lambda name, value: self._metrics.add(mode, name, value),
+            log_extra=extra_columns.__setitem__,
         ).to(device)  # (n, F)
         # Groups may span processes: advantages are computed on the gathered batch.
         rewards_per_func = self.accelerator.gather(local_rewards)  # (N, F)
@@ -205,8 +208,8 @@ class GSPOTrainer(Trainer):
         self._record_rollout_metrics(mode, rollout, rewards_per_func, advantage_stats)
         if args.log_completions and self.accelerator.is_main_process:
             self._completion_samples = [
-                {"prompt": p, "completion": c, "reward": r, "advantage": a}
-                for p, c, r, a in zip(prompts, completion_texts, rewards[local].tolist(), advantages.tolist())
+                {"prompt": p, "completion": c, "reward": r, "advantage": a, **{k: v[i] for k, v in extra_columns.items()}}
+                for i, (p, c, r, a) in enumerate(zip(prompts, completion_texts, rewards[local].tolist(), advantages.tolist()))
             ]
         return inputs
 
@@ -297,6 +300,7 @@ class GSPOTrainer(Trainer):
         super().log(logs, start_time)
         if self.args.log_completions and self._completion_samples and self.accelerator.is_main_process:
             _print_completions(self._completion_samples, self.args.num_completions_to_print, self.state.global_step)
+            self._completion_samples = []
 
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=Path(self.args.hub_model_id or self.args.output_dir).name)

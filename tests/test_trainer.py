@@ -216,3 +216,18 @@ def test_evaluate_reports_eval_reward(tmp_path, tiny_model_dir):
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), eval_dataset=text_dataset(2))
     metrics = trainer.evaluate()
     assert "eval_reward" in metrics and "eval_loss" in metrics
+
+
+def test_reward_functions_can_log_metrics_and_extra_columns(tmp_path, tiny_model_dir, capsys):
+    def with_logging(completions, log_metric, log_extra, **kwargs):
+        log_metric("my_metric", 0.25)
+        log_extra("note", ["n"] * len(completions))
+        return [0.0] * len(completions)
+
+    config = make_config(tmp_path, max_steps=1, log_completions=True, num_completions_to_print=2)
+    trainer = GSPOTrainer(tiny_model_dir, with_logging, args=config, train_dataset=text_dataset())
+    trainer.train()
+    assert train_logs(trainer)[0]["my_metric"] == 0.25
+    assert train_logs(trainer)[0]["frac_reward_zero_std"] == 1.0  # constant rewards: no signal
+    printed = capsys.readouterr().out
+    assert "completions at step 1" in printed and printed.count("[reward") == 2
