@@ -117,8 +117,8 @@ def group_advantages(
 
     Returns:
         advantages: (N,) same dtype as ``rewards`` (float32 for integer input); never NaN/inf.
-        stats: ``reward`` mean over valid rows (NaN if none is valid), ``reward_std`` mean of the per-group stds
-            (groups with < 2 valid rows count as 0), ``frac_reward_zero_std`` fraction of zero-std groups,
+        stats: ``reward`` mean over valid rows (NaN if none is valid), ``reward_std`` std of the valid rewards
+            over the batch (TRL's meaning; 0 with fewer than 2), ``frac_reward_zero_std`` fraction of zero-std groups,
             ``num_invalid`` number of rows without a reward.
     """
     scale_rewards = normalize_scale_rewards(scale_rewards)
@@ -153,7 +153,8 @@ def group_advantages(
     num_valid = int(valid.sum().item())
     stats = {
         "reward": rewards[valid].mean().item() if num_valid > 0 else float("nan"),
-        "reward_std": group_std.mean().item(),
+        # TRL's meaning: the spread of rewards over the whole batch (unbiased), not within groups.
+        "reward_std": rewards[valid].std().item() if num_valid > 1 else 0.0,
         "frac_reward_zero_std": zero_std_group.float().mean().item(),
         "num_invalid": int(valid.numel() - num_valid),
     }

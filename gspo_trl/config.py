@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
-SCALE_REWARDS_OPTIONS = ("group", "batch", "none")
+from .advantages import SCALE_REWARDS_OPTIONS
+from .loss import IMPORTANCE_SAMPLING_LEVELS
+
 # Optimizer steps per rollout batch when the user leaves `steps_per_generation` unset (the paper's
 # "each batch of rollouts is split into four minibatches for gradient updates").
 PAPER_MINIBATCHES_PER_ROLLOUT = 4
@@ -47,14 +48,15 @@ class GSPOConfig(TrainingArguments):
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "Use bf16 mixed precision. If unset: on when a CUDA GPU with bf16 support is present and fp16 "
-            "is off, otherwise off (bf16 autocast on CPU is slower and less accurate)."
+            "help": "Use bf16 mixed precision. If unset: on when a CUDA GPU with bf16 support is present and neither "
+            "fp16 nor use_cpu is set, otherwise off (bf16 autocast on CPU is slower and less accurate)."
         },
     )
     remove_unused_columns: bool | None = field(
         default=False,
         metadata={
-            "help": "Keep False so that every dataset column reaches the reward functions as a keyword argument."
+            "help": "Keep False so that every dataset column reaches the reward functions as a keyword argument. "
+            "True keeps only the 'prompt' column."
         },
     )
 
@@ -148,7 +150,9 @@ class GSPOConfig(TrainingArguments):
     )
     epsilon: float = field(
         default=3e-4,
-        metadata={"help": "Lower clipping range: ratios below 1 − epsilon are clipped. The paper uses 3e-4."},
+        metadata={
+            "help": "Lower clipping range, in (0, 1): ratios below 1 − epsilon are clipped. The paper uses 3e-4."
+        },
     )
     epsilon_high: float | None = field(
         default=4e-4,
@@ -198,7 +202,10 @@ class GSPOConfig(TrainingArguments):
     # --- Logging -----------------------------------------------------------------------------
     log_completions: bool = field(
         default=False,
-        metadata={"help": "Print a sample of (prompt, completion, reward) rows every logging_steps steps."},
+        metadata={
+            "help": "At each log, print the latest rollout's (prompt, completion, reward, advantage) rows, plus any "
+            "column a reward function added with log_extra."
+        },
     )
     num_completions_to_print: int | None = field(
         default=None,
@@ -270,6 +277,11 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
+        if self.eval_strategy != "no" and self.per_device_eval_batch_size * self.world_size % self.num_generations:
+            raise ValueError(
+                f"per_device_eval_batch_size × num_processes ({self.per_device_eval_batch_size} × {self.world_size}) "
+                f"must be a multiple of num_generations ({self.num_generations}) so eval groups are whole."
+            )
         if self.auto_find_batch_size:
             raise ValueError(
                 "auto_find_batch_size is not supported: shrinking the batch would split a prompt's group of "

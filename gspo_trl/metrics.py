@@ -66,3 +66,15 @@ def loss_metrics(stats: dict, entropy_mean: torch.Tensor, beta: float) -> dict[s
         metrics.pop("kl", None)
     metrics["entropy"] = entropy_mean
     return metrics
+
+
+def reduce_across_processes(metrics: dict, gather) -> dict[str, torch.Tensor]:
+    """Combine each process's loss metrics with one collective: min/max for the ratio extremes, mean otherwise."""
+    names = list(metrics)
+    values = torch.stack([torch.as_tensor(metrics[name], dtype=torch.float32).reshape(()) for name in names])
+    gathered = gather(values.unsqueeze(0))  # (processes, K)
+    reduced = {}
+    for index, name in enumerate(names):
+        column = gathered[:, index]
+        reduced[name] = column.min() if name == "ratio/min" else column.max() if name == "ratio/max" else column.mean()
+    return reduced

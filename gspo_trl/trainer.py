@@ -21,7 +21,7 @@ from .advantages import aggregate_rewards, group_advantages
 from .config import GSPOConfig
 from .logprobs import completion_logprobs
 from .loss import policy_loss
-from .metrics import MetricsBuffer, completion_length_metrics, loss_metrics
+from .metrics import MetricsBuffer, completion_length_metrics, loss_metrics, reduce_across_processes
 from .model_card import render_model_card
 from .models import (
     apply_peft,
@@ -108,6 +108,11 @@ class GSPOTrainer(Trainer):
         self._rollout_generator = torch.Generator().manual_seed(args.seed)
 
     # --- data ---------------------------------------------------------------------------------
+
+    def _set_signature_columns_if_needed(self):
+        # With remove_unused_columns=True, keep the prompt (the model's forward signature has none of ours).
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt"]
 
     def get_train_dataloader(self):
         # One dataloader batch is a whole local generation batch (steps_per_generation micro-batches).
@@ -278,7 +283,8 @@ class GSPOTrainer(Trainer):
         mask = inputs["completion_mask"]
         entropy_mean = (per_token_entropy * mask).sum() / mask.sum().clamp(min=1)
         mode = "train" if self.model.training else "eval"
-        self._metrics.add_many(mode, loss_metrics(stats, entropy_mean, self.args.beta))
+        metrics = loss_metrics(stats, entropy_mean.detach(), self.args.beta)
+        self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather))
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -47,9 +47,10 @@ def test_group_scaling():
     advantages, stats = group_advantages(REWARDS, num_generations=4, scale_rewards="group")
     expected = [d / STD0 for d in (-1.5, -0.5, 0.5, 1.5)] + [d / STD1 for d in (-1, -1, 1, 1)]
     assert close(advantages, expected)
-    # reward = (10 + 4) / 8 = 1.75 ; reward_std = mean of group stds
+    # reward = (10 + 4) / 8 = 1.75 ; reward_std = batch std (as TRL logs it):
+    # deviations from 1.75: [-.75, .25, 1.25, 2.25, -1.75, -1.75, .25, .25], sum sq = 13.5, var = 13.5/7
     assert stats["reward"] == pytest.approx(1.75)
-    assert stats["reward_std"] == pytest.approx((STD0 + STD1) / 2, rel=1e-6)
+    assert stats["reward_std"] == pytest.approx(math.sqrt(13.5 / 7), rel=1e-6)
     assert stats["frac_reward_zero_std"] == 0.0
     assert stats["num_invalid"] == 0
 
@@ -90,8 +91,8 @@ def test_zero_std_groups_are_zero_and_counted(scale_rewards):
     assert torch.equal(advantages[:3], torch.zeros(3))
     assert torch.isfinite(advantages).all()
     assert stats["frac_reward_zero_std"] == pytest.approx(0.5)
-    # group 1 [0, 1, 1]: mean 2/3, unbiased std = sqrt((4/9 + 1/9 + 1/9) / 2) = sqrt(1/3)
-    assert stats["reward_std"] == pytest.approx(math.sqrt(1 / 3) / 2, rel=1e-6)
+    # batch [.1, .1, .1, 0, 1, 1]: mean 2.3/6; reward_std is the batch's unbiased std
+    assert stats["reward_std"] == pytest.approx(torch.tensor(rewards.tolist(), dtype=torch.float64).std().item(), rel=1e-5)
 
 
 def test_all_groups_constant_gives_all_zero_no_nan():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from gspo_trl.metrics import MetricsBuffer, completion_length_metrics, loss_metrics
+from gspo_trl.metrics import MetricsBuffer, completion_length_metrics, loss_metrics, reduce_across_processes
 
 
 def test_buffer_averages_ignoring_nan_and_clears():
@@ -31,3 +32,13 @@ def test_loss_metrics_renames_and_drops_kl_without_beta():
     stats = {"clip_fraction_low": 0.1, "clip_fraction": 0.3, "ratio_mean": 1.0, "kl_mean": 0.0}
     assert loss_metrics(stats, 2.0, beta=0.0) == {"clip_ratio/low": 0.1, "clip_ratio/region": 0.3, "ratio/mean": 1.0, "entropy": 2.0}
     assert loss_metrics(stats, 2.0, beta=0.1)["kl"] == 0.0
+
+
+def test_reduce_across_processes_uses_min_max_for_ratio_extremes():
+    def two_processes(values):  # what accelerator.gather returns with a second process's values appended
+        return torch.cat([values, values * 2])
+
+    reduced = reduce_across_processes({"ratio/min": 0.9, "ratio/max": 1.1, "entropy": 1.0}, two_processes)
+    assert reduced["ratio/min"].item() == pytest.approx(0.9)
+    assert reduced["ratio/max"].item() == pytest.approx(2.2)
+    assert reduced["entropy"].item() == pytest.approx(1.5)

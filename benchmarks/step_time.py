@@ -1,0 +1,731 @@
+#!/usr/bin/env python
+"""Step-time benchmark: gspo-trl's `GSPOTrainer` against TRL's `GRPOTrainer` in GSPO mode, same work.
+
+Driver mode (the default) runs each implementation in its own fresh subprocess, alternating
+ours, TRL, ours, TRL, ... for `--repeats` pairs, then prints a table (min / median / max of every
+figure per implementation, and the ours/TRL ratio pair by pair) and writes everything to `--out`:
+
+    python benchmarks/step_time.py --repeats 3
+
+Worker mode (`--impl ours` or `--impl trl`) trains once and prints one JSON line prefixed with
+`STEP_TIME_RESULT ` on stdout. The driver starts workers itself; run one by hand to debug:
+
+    python benchmarks/step_time.py --impl trl --max_completion_length 16 --rounds 1 --warmup_rounds 0
+
+What is timed: whole generation rounds (one rollout of `per_device_train_batch_size ×
+steps_per_generation` completions plus the optimizer steps trained on it) after `--warmup_rounds`
+untimed rounds. Round and step boundaries come from a `TrainerCallback` (`on_step_begin` /
+`on_step_end`), which both trainers call the same way. Phases are timed by wrapping, in the
+worker process only, the methods that do them (neither library is edited):
+
+    phase          TRL 1.16 GRPOTrainer                             gspo-trl GSPOTrainer
+    rollout        _generate_and_score_completions                  _generate_and_score
+    generate       _generate (tokenize + model.generate + decode)   rollout_backend.generate (tokenize + generate)
+    reward         _calculate_rewards                               gspo_trl.trainer.compute_rewards
+    old_logps      _get_per_token_logps_and_entropies in rollout    _score_without_grad
+    train_forward  compute_loss                                     compute_loss
+
+`train` = round time − rollout: the training forward, backward, optimizer step, logging and data
+loading of the round's optimizer steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULT_PREFIX = "STEP_TIME_RESULT "
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "step_time.json"
+IMPLS = ("ours", "trl")
+
+# (key, label, unit, format) of the figures the table shows, in order. Every figure is per timed
+# generation round unless its label says otherwise.
+FIGURES = [
+    ("round_s", "round (rollout + its optimizer steps)", "s", "{:.2f}"),
+    ("step_s", "per optimizer step (round / steps)", "s", "{:.2f}"),
+    ("rollout_s", "  rollout (generate+reward+old logps+rest)", "s", "{:.2f}"),
+    ("generate_s", "    generate", "s", "{:.2f}"),
+    ("reward_s", "    reward", "s", "{:.3f}"),
+    ("old_logps_s", "    old log-probs (no grad)", "s", "{:.2f}"),
+    ("rollout_other_s", "    rest of rollout", "s", "{:.3f}"),
+    ("train_s", "  train (round - rollout)", "s", "{:.2f}"),
+    ("train_forward_s", "    forward + loss (compute_loss)", "s", "{:.2f}"),
+    ("train_backward_etc_s", "    backward + optimizer + logging", "s", "{:.2f}"),
+    ("train_step_s", "  train per optimizer step", "s", "{:.2f}"),
+    ("completion_tokens", "completion tokens per round", "tok", "{:.0f}"),
+    ("mean_completion_length", "mean completion length", "tok", "{:.1f}"),
+    ("generate_tok_per_s", "completion tokens / generate time", "tok/s", "{:.1f}"),
+    ("overall_tok_per_s", "completion tokens / round time", "tok/s", "{:.2f}"),
+    ("peak_rss_mb", "peak RSS of the worker", "MiB", "{:.0f}"),
+    ("setup_s", "trainer construction (untimed)", "s", "{:.1f}"),
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Time gspo-trl's GSPOTrainer against TRL's GRPOTrainer (GSPO mode) on identical work.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench = parser.add_argument_group("benchmark")
+    bench.add_argument("--impl", choices=IMPLS, default=None, help="Worker mode: train once with this implementation "
+                       "and print one JSON line. Left out: driver mode (starts the workers).")
+    bench.add_argument("--repeats", type=int, default=1, help="Pairs of runs (ours, TRL), alternating.")
+    bench.add_argument("--impls", default="ours,trl", help="Comma-separated implementations the driver runs per pair.")
+    bench.add_argument("--warmup_rounds", type=int, default=1, help="Untimed generation rounds before timing.")
+    bench.add_argument("--rounds", type=int, default=2, help="Timed generation rounds.")
+    bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (and OMP/MKL threads) in "
+                       "every worker. Default: all cores this process may use.")
+    bench.add_argument("--out", default=str(DEFAULT_OUT), help="JSON file with every run and the summary.")
+    bench.add_argument("--logs_dir", default=None, help="Where worker stdout/stderr go. Default: <out stem>_logs/ "
+                       "next to --out.")
+    bench.add_argument("--python", default=sys.executable, help="Interpreter for the workers.")
+    bench.add_argument("--timeout", type=float, default=None, help="Seconds before a worker is killed (default: none).")
+
+    work = parser.add_argument_group("work (identical for both implementations)")
+    work.add_argument("--model", default=None, help="Model directory. Default: gspo_trl.default_model.default_model_path() "
+                      "(SmolLM2-135M-Instruct, fp32).")
+    work.add_argument("--dataset_size", type=int, default=256, help="Prompts drawn from the demo's reasoning-gym task.")
+    work.add_argument("--num_generations", type=int, default=8)
+    work.add_argument("--per_device_train_batch_size", type=int, default=16)
+    work.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    work.add_argument("--steps_per_generation", type=int, default=4)
+    work.add_argument("--max_completion_length", type=int, default=64)
+    work.add_argument("--temperature", type=float, default=1.0)
+    work.add_argument("--learning_rate", type=float, default=1e-6)
+    work.add_argument("--epsilon", type=float, default=3e-4)
+    work.add_argument("--epsilon_high", type=float, default=4e-4)
+    work.add_argument("--gradient_checkpointing", action="store_true", help="Turn activation (gradient) "
+                      "checkpointing on for both (default: off for both).")
+    work.add_argument("--lora", action="store_true", help="Train a LoRA adapter (r, alpha below, all-linear) in both.")
+    work.add_argument("--lora_r", type=int, default=16)
+    work.add_argument("--lora_alpha", type=int, default=32)
+    work.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    problems = []
+    if args.steps_per_generation % args.gradient_accumulation_steps:
+        problems.append("steps_per_generation must be a multiple of gradient_accumulation_steps "
+                        "(a generation round must hold whole optimizer steps)")
+    if (args.per_device_train_batch_size * args.steps_per_generation) % args.num_generations:
+        problems.append("per_device_train_batch_size × steps_per_generation must be a multiple of num_generations")
+    if args.rounds < 1 or args.warmup_rounds < 0 or args.repeats < 1:
+        problems.append("need --rounds >= 1, --warmup_rounds >= 0, --repeats >= 1")
+    if problems:
+        raise SystemExit("step_time.py: " + "; ".join(problems))
+
+
+def optimizer_steps_per_round(args) -> int:
+    return args.steps_per_generation // args.gradient_accumulation_steps
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker
+# ----------------------------------------------------------------------------------------------
+
+
+class PhaseRecorder:
+    """Intervals (phase, start, end, extra) recorded by the wrappers and the step callback."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float, float, dict]] = []
+        self.in_rollout = 0
+
+    def wrap(self, function, phase: str, extra=None, only_in_rollout: bool | None = None, marks_rollout=False):
+        """`function` timed as `phase`; `extra(result)` adds fields; `only_in_rollout` filters by context."""
+        recorder = self
+
+        def timed(*args, **kwargs):
+            inside = recorder.in_rollout > 0
+            if marks_rollout:
+                recorder.in_rollout += 1
+            start = time.perf_counter()
+            try:
+                result = function(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                if marks_rollout:
+                    recorder.in_rollout -= 1
+            if only_in_rollout is None or only_in_rollout == inside:
+                recorder.events.append((phase, start, end, extra(result) if extra else {}))
+            return result
+
+        timed.__wrapped__ = function
+        return timed
+
+
+def make_step_callback(recorder: PhaseRecorder):
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        """Wall-clock marks at the start and end of every optimizer step (both trainers call these)."""
+
+        def __init__(self):
+            self.begin: dict[int, float] = {}
+            self.end: dict[int, float] = {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin[state.global_step + 1] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.end[state.global_step] = time.perf_counter()
+
+    return StepTimes()
+
+
+def instrument_trl(recorder: PhaseRecorder) -> None:
+    from trl import GRPOTrainer
+
+    cls = GRPOTrainer
+    cls._generate_and_score_completions = recorder.wrap(
+        cls._generate_and_score_completions, "rollout", marks_rollout=True
+    )
+    # _generate returns (prompt_ids, completion_ids, ...); completion ids are cut after the first EOS (kept).
+    cls._generate = recorder.wrap(
+        cls._generate, "generate", extra=lambda out: {"tokens": sum(len(ids) for ids in out[1]),
+                                                      "completions": len(out[1])}
+    )
+    cls._calculate_rewards = recorder.wrap(cls._calculate_rewards, "reward")
+    # Inside the rollout it is the old-policy pass (beta=0: no reference pass); in training the
+    # same method is the forward of compute_loss, timed there.
+    cls._get_per_token_logps_and_entropies = recorder.wrap(
+        cls._get_per_token_logps_and_entropies, "old_logps", only_in_rollout=True
+    )
+    cls.compute_loss = recorder.wrap(cls.compute_loss, "train_forward")
+
+
+def instrument_ours(recorder: PhaseRecorder) -> None:
+    import gspo_trl.trainer as trainer_module
+    from gspo_trl.rollout import HFGenerateBackend
+
+    cls = trainer_module.GSPOTrainer
+    cls._generate_and_score = recorder.wrap(cls._generate_and_score, "rollout", marks_rollout=True)
+    # The completion mask keeps tokens up to and including the first EOS, as TRL's count does.
+    HFGenerateBackend.generate = recorder.wrap(
+        HFGenerateBackend.generate, "generate",
+        extra=lambda rollout: {"tokens": int(rollout.completion_mask.sum()),
+                               "completions": int(rollout.completion_ids.shape[0])},
+    )
+    trainer_module.compute_rewards = recorder.wrap(trainer_module.compute_rewards, "reward")
+    cls._score_without_grad = recorder.wrap(cls._score_without_grad, "old_logps")
+    cls.compute_loss = recorder.wrap(cls.compute_loss, "train_forward")
+
+
+def config_kwargs(args, output_dir: str) -> dict:
+    """Every setting that decides the work, given explicitly to both configs (no reliance on defaults)."""
+    total_rounds = args.warmup_rounds + args.rounds
+    return dict(
+        output_dir=output_dir,
+        # schedule
+        max_steps=total_rounds * optimizer_steps_per_round(args),
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        steps_per_generation=args.steps_per_generation,  # generation_batch_size = batch × this (both derive it)
+        num_generations=args.num_generations,
+        num_iterations=1,
+        shuffle_dataset=True,
+        # sampling
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        generation_kwargs=None,
+        cache_implementation=None,
+        # objective
+        importance_sampling_level="sequence",
+        loss_type="grpo",
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        beta=0.0,
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        disable_dropout=True,
+        # optimization
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        seed=args.seed,
+        # numerics and memory: fp32 on CPU (TRL's bf16 default is True, its checkpointing default True)
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=args.gradient_checkpointing,
+        model_init_kwargs={"dtype": "float32"},
+        # bookkeeping
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        log_completions=False,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
+def build_trainer(impl: str, args, model_path: str, dataset, reward, output_dir: str, callback):
+    from transformers import set_seed
+
+    kwargs = config_kwargs(args, output_dir)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+    # TRL seeds before building the model (LoRA init is random); do the same for both.
+    set_seed(args.seed)
+    if impl == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+
+        config = GRPOConfig(
+            **kwargs,
+            use_vllm=False,
+            use_transformers_continuous_batching=False,
+            top_entropy_quantile=1.0,
+            entropy_coef=0.0,
+            cast_lm_head_to_fp32=False,
+            use_liger_kernel=False,
+            multi_objective_aggregation="sum_then_normalize",
+        )
+        return GRPOTrainer(model_path, reward_funcs=[reward], args=config, train_dataset=dataset,
+                           peft_config=peft_config, callbacks=[callback])
+    from gspo_trl import GSPOConfig
+    from gspo_trl.trainer import GSPOTrainer
+
+    config = GSPOConfig(**kwargs)
+    return GSPOTrainer(model_path, reward_funcs=[reward], args=config, train_dataset=dataset,
+                       peft_config=peft_config, callbacks=[callback])
+
+
+RESOLVED_FIELDS = [
+    "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+    "generation_batch_size", "num_generations", "num_iterations", "max_completion_length", "temperature", "top_p",
+    "top_k", "min_p", "repetition_penalty", "importance_sampling_level", "loss_type", "epsilon", "epsilon_high",
+    "beta", "scale_rewards", "mask_truncated_completions", "disable_dropout", "learning_rate", "lr_scheduler_type",
+    "optim", "weight_decay", "max_grad_norm", "seed", "bf16", "fp16", "use_cpu", "activation_checkpointing",
+    "gradient_checkpointing", "shuffle_dataset", "use_vllm", "use_transformers_continuous_batching",
+]
+
+
+def describe_trainer(impl: str, trainer) -> dict:
+    """What each trainer actually resolved to, so a reader can check the work really is the same."""
+    import torch
+
+    resolved = {name: _plain(getattr(trainer.args, name)) for name in RESOLVED_FIELDS if hasattr(trainer.args, name)}
+    model = trainer.model
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    if impl == "trl":
+        generation = trainer.generation_config.to_diff_dict()
+        eos = list(trainer.eos_token_ids)
+    else:
+        generation = trainer.rollout_backend.generation_config.to_diff_dict()
+        eos = list(trainer.rollout_backend.eos_token_ids)
+    params = list(unwrapped.parameters())
+    return {
+        "args": resolved,
+        "generation_config": {k: _plain(v) for k, v in generation.items()},
+        "eos_token_ids": eos,
+        "model_class": type(unwrapped).__name__,
+        "dtype": str(params[0].dtype),
+        "parameters": sum(p.numel() for p in params),
+        "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+        "is_gradient_checkpointing": bool(getattr(unwrapped, "is_gradient_checkpointing", False)),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _plain(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+def summarize_worker(args, recorder: PhaseRecorder, callback) -> dict:
+    """Per-round figures of the timed rounds from the step marks and the phase intervals."""
+    steps_per_round = optimizer_steps_per_round(args)
+    first_timed_step = args.warmup_rounds * steps_per_round + 1
+    last_step = (args.warmup_rounds + args.rounds) * steps_per_round
+    missing = [s for s in range(1, last_step + 1) if s not in callback.end]
+    if missing:
+        raise RuntimeError(f"no on_step_end mark for optimizer steps {missing[:5]}...; the run stopped early")
+
+    def mark_before(step: int) -> float:
+        # A step starts where the previous one ended (so data loading and logging between steps
+        # count); the very first step starts at its on_step_begin.
+        return callback.end[step - 1] if step - 1 in callback.end else callback.begin[step]
+
+    step_seconds = [callback.end[s] - mark_before(s) for s in range(first_timed_step, last_step + 1)]
+    rounds = []
+    for index in range(args.rounds):
+        first = first_timed_step + index * steps_per_round
+        start, end = mark_before(first), callback.end[first + steps_per_round - 1]
+        inside = [e for e in recorder.events if e[1] >= start and e[2] <= end]
+
+        def total(phase):
+            return sum(e[2] - e[1] for e in inside if e[0] == phase)
+
+        generate_events = [e for e in inside if e[0] == "generate"]
+        round_s = end - start
+        rollout = total("rollout")
+        forward = total("train_forward")
+        tokens = sum(e[3].get("tokens", 0) for e in generate_events)
+        completions = sum(e[3].get("completions", 0) for e in generate_events)
+        rounds.append({
+            "round_s": round_s,
+            "rollouts": sum(1 for e in inside if e[0] == "rollout"),
+            "rollout_s": rollout,
+            "generate_s": total("generate"),
+            "reward_s": total("reward"),
+            "old_logps_s": total("old_logps"),
+            "rollout_other_s": rollout - total("generate") - total("reward") - total("old_logps"),
+            "train_s": round_s - rollout,
+            "train_forward_s": forward,
+            "train_backward_etc_s": round_s - rollout - forward,
+            "completion_tokens": tokens,
+            "completions": completions,
+        })
+
+    def mean(key):
+        return statistics.fmean(r[key] for r in rounds)
+
+    figures = {key: mean(key) for key in rounds[0] if key != "rollouts"}
+    figures["step_s"] = figures["round_s"] / steps_per_round
+    figures["train_step_s"] = figures["train_s"] / steps_per_round
+    figures["mean_completion_length"] = (
+        figures["completion_tokens"] / figures["completions"] if figures["completions"] else float("nan")
+    )
+    figures["generate_tok_per_s"] = (
+        figures["completion_tokens"] / figures["generate_s"] if figures["generate_s"] else float("nan")
+    )
+    figures["overall_tok_per_s"] = figures["completion_tokens"] / figures["round_s"]
+    return {"figures": figures, "rounds": rounds, "step_seconds": step_seconds}
+
+
+def run_worker(args) -> dict:
+    threads = args.threads or default_threads()
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")
+    sys.path.insert(0, str(REPO_ROOT))
+    wall_start = time.perf_counter()
+
+    import resource
+
+    import torch
+
+    torch.set_num_threads(threads)
+
+    from gspo_trl.tasks import default_task_dataset, default_task_reward
+
+    if args.model is None:
+        from gspo_trl.default_model import default_model_path
+
+        model_path = default_model_path()
+    else:
+        model_path = args.model
+    dataset = default_task_dataset(size=args.dataset_size, seed=0)
+    reward = default_task_reward()
+
+    recorder = PhaseRecorder()
+    (instrument_trl if args.impl == "trl" else instrument_ours)(recorder)
+    callback = make_step_callback(recorder)
+    with tempfile.TemporaryDirectory(prefix=f"step_time_{args.impl}_") as output_dir:
+        setup_start = time.perf_counter()
+        trainer = build_trainer(args.impl, args, model_path, dataset, reward, output_dir, callback)
+        setup_s = time.perf_counter() - setup_start
+        described = describe_trainer(args.impl, trainer)
+        train_start = time.perf_counter()
+        trainer.train()
+        train_wall_s = time.perf_counter() - train_start
+        log_history = trainer.state.log_history
+
+    result = summarize_worker(args, recorder, callback)
+    result["figures"]["setup_s"] = setup_s
+    result["figures"]["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    rewards = [entry["reward"] for entry in log_history if "reward" in entry]
+    result.update({
+        "impl": args.impl,
+        "model_path": model_path,
+        "trainer": described,
+        "train_wall_s": train_wall_s,
+        "worker_wall_s": time.perf_counter() - wall_start,
+        "threads": threads,
+        "reward_per_step": rewards,
+        "old_logps_calls": sum(1 for e in recorder.events if e[0] == "old_logps"),
+        "versions": library_versions(),
+    })
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------
+
+
+def library_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "reasoning-gym", "gspo-trl"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def machine_info() -> dict:
+    cpu_model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.lower().startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    mem_gib = int(line.split()[1]) / 1024**2
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu_model or platform.processor() or None,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": default_threads(),
+        "memory_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_average_at_start": list(os.getloadavg()),
+        "versions": library_versions(),
+    }
+
+
+def worker_command(args, impl: str, threads: int) -> list[str]:
+    command = [args.python, str(Path(__file__).resolve()), "--impl", impl, "--threads", str(threads)]
+    for name in ("warmup_rounds", "rounds", "dataset_size", "num_generations", "per_device_train_batch_size",
+                 "gradient_accumulation_steps", "steps_per_generation", "max_completion_length", "temperature",
+                 "learning_rate", "epsilon", "epsilon_high", "lora_r", "lora_alpha", "seed"):
+        command += [f"--{name}", str(getattr(args, name))]
+    if args.model:
+        command += ["--model", args.model]
+    if args.lora:
+        command.append("--lora")
+    if args.gradient_checkpointing:
+        command.append("--gradient_checkpointing")
+    return command
+
+
+def run_one(args, impl: str, pair: int, threads: int, logs_dir: Path) -> dict:
+    command = worker_command(args, impl, threads)
+    log_path = logs_dir / f"pair{pair}_{impl}.log"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    record = {"impl": impl, "pair": pair, "command": command, "log": str(log_path),
+              "load_average_before": list(os.getloadavg())}
+    print(f"[pair {pair}] {impl}: running (log: {log_path})", flush=True)
+    start = time.perf_counter()
+    try:
+        completed = subprocess.run(command, cwd=str(REPO_ROOT), env=env, capture_output=True, text=True,
+                                   timeout=args.timeout)
+        stdout, stderr, returncode = completed.stdout, completed.stderr, completed.returncode
+    except subprocess.TimeoutExpired as error:
+        stdout = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+        stderr = error.stderr.decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
+        returncode = "timeout"
+    record["elapsed_s"] = time.perf_counter() - start
+    record["load_average_after"] = list(os.getloadavg())
+    log_path.write_text(f"$ {' '.join(command)}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}",
+                        encoding="utf-8")
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if returncode == 0 and lines:
+        record["result"] = json.loads(lines[-1][len(RESULT_PREFIX):])
+        figures = record["result"]["figures"]
+        print(f"[pair {pair}] {impl}: round {figures['round_s']:.2f} s, step {figures['step_s']:.2f} s "
+              f"({record['elapsed_s']:.0f} s wall)", flush=True)
+    else:
+        record["error"] = f"exit status {returncode}"
+        record["stderr_tail"] = stderr[-4000:]
+        print(f"[pair {pair}] {impl}: FAILED ({record['error']}); last lines of stderr:\n"
+              + "\n".join(stderr.splitlines()[-15:]), flush=True)
+    return record
+
+
+def summarize_runs(runs: list[dict], impls: list[str]) -> dict:
+    summary = {"per_impl": {}, "ratio_ours_over_trl": {}}
+    for impl in impls:
+        results = [r["result"]["figures"] for r in runs if r["impl"] == impl and "result" in r]
+        summary["per_impl"][impl] = {}
+        for key, *_ in FIGURES:
+            values = [f[key] for f in results if key in f]
+            if values:
+                summary["per_impl"][impl][key] = {
+                    "min": min(values), "median": statistics.median(values), "max": max(values), "values": values,
+                }
+    if "ours" in impls and "trl" in impls:
+        pairs = sorted({r["pair"] for r in runs})
+        for key, *_ in FIGURES:
+            ratios = []
+            for pair in pairs:
+                got = {r["impl"]: r["result"]["figures"] for r in runs if r["pair"] == pair and "result" in r}
+                if "ours" in got and "trl" in got and got["trl"].get(key):
+                    ratios.append(got["ours"][key] / got["trl"][key])
+                else:
+                    ratios.append(None)
+            valid = [x for x in ratios if x is not None]
+            summary["ratio_ours_over_trl"][key] = {
+                "per_pair": ratios, "median": statistics.median(valid) if valid else None,
+            }
+    return summary
+
+
+def format_table(machine: dict, args, threads: int, summary: dict, impls: list[str], runs: list[dict]) -> str:
+    lines = []
+    versions = machine["versions"]
+    lines.append("GSPO step time: gspo-trl GSPOTrainer vs TRL GRPOTrainer (importance_sampling_level='sequence')")
+    lines.append(f"machine : {machine['cpu_model']} | {machine['usable_cores']} usable / {machine['logical_cores']} "
+                 f"logical cores | {machine['memory_gib']:.0f} GiB" if machine["memory_gib"] else
+                 f"machine : {machine['cpu_model']} | {machine['usable_cores']} cores")
+    lines.append(f"software: torch {versions['torch']}, transformers {versions['transformers']}, trl {versions['trl']}, "
+                 f"peft {versions['peft']}, gspo-trl {versions['gspo-trl']}, python {machine['python']}")
+    lines.append(f"date    : {machine['date']} | load average at start {machine['load_average_at_start'][0]:.2f}")
+    generation_batch = args.per_device_train_batch_size * args.steps_per_generation
+    lines.append(
+        f"work    : {Path(runs[0].get('result', {}).get('model_path', args.model or 'default model')).name} fp32 CPU, "
+        f"{'LoRA r=%d alpha=%d' % (args.lora_r, args.lora_alpha) if args.lora else 'full fine-tune'}, "
+        f"checkpointing {'on' if args.gradient_checkpointing else 'off'}, {threads} threads; "
+        f"{generation_batch} completions/round ({generation_batch // args.num_generations} prompts × "
+        f"{args.num_generations}), {optimizer_steps_per_round(args)} optimizer steps/round × "
+        f"{args.per_device_train_batch_size * args.gradient_accumulation_steps} completions, "
+        f"≤{args.max_completion_length} tokens, T={args.temperature}")
+    lines.append(f"timing  : {args.warmup_rounds} warm-up + {args.rounds} timed rounds per run, {args.repeats} "
+                 f"pair(s) alternating {' / '.join(impls)}, each run a fresh process; figures are per timed round "
+                 "(mean over rounds), then min / median / max over runs")
+    lines.append("")
+    header = f"{'figure':<44}{'unit':>6}"
+    for impl in impls:
+        header += f" | {impl + ' min / median / max':>26}"
+    if "ours" in impls and "trl" in impls:
+        header += " | ours/TRL per pair (median)"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for key, label, unit, fmt in FIGURES:
+        row = f"{label:<44}{unit:>6}"
+        present = False
+        for impl in impls:
+            stats = summary["per_impl"].get(impl, {}).get(key)
+            if stats:
+                present = True
+                cell = " / ".join(fmt.format(stats[s]) for s in ("min", "median", "max"))
+            else:
+                cell = "-"
+            row += f" | {cell:>26}"
+        ratio = summary["ratio_ours_over_trl"].get(key)
+        if ratio and ratio["median"] is not None:
+            per_pair = " ".join("-" if x is None else f"{x:.2f}" for x in ratio["per_pair"])
+            row += f" | {per_pair} ({ratio['median']:.2f})"
+        if present:
+            lines.append(row)
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        lines.append("")
+        lines.append("FAILED runs: " + ", ".join(f"pair {r['pair']} {r['impl']} ({r['error']}, log {r['log']})"
+                                                  for r in failed))
+    loads = [r["load_average_before"][0] for r in runs]
+    if loads and max(loads) > 0.5:
+        lines.append("")
+        lines.append(f"note: 1-minute load average before a run reached {max(loads):.2f}; timings are only "
+                     "trustworthy with nothing else running on the machine.")
+    return "\n".join(lines)
+
+
+def run_driver(args) -> int:
+    impls = [name.strip() for name in args.impls.split(",") if name.strip()]
+    unknown = [name for name in impls if name not in IMPLS]
+    if unknown or not impls:
+        raise SystemExit(f"--impls: unknown implementation(s) {unknown}; choose from {IMPLS}")
+    threads = args.threads or default_threads()
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    logs_dir = Path(args.logs_dir) if args.logs_dir else out_path.with_name(out_path.stem + "_logs")
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+
+    runs = []
+    for pair in range(args.repeats):
+        for impl in impls:
+            runs.append(run_one(args, impl, pair, threads, logs_dir))
+    summary = summarize_runs(runs, impls)
+    table = format_table(machine, args, threads, summary, impls, runs)
+    print()
+    print(table)
+    report = {
+        "benchmark": "step_time",
+        "machine": machine,
+        "settings": {key: value for key, value in vars(args).items() if key not in ("impl",)},
+        "threads": threads,
+        "optimizer_steps_per_round": optimizer_steps_per_round(args),
+        "figures": {key: {"label": label.strip(), "unit": unit} for key, label, unit, _ in FIGURES},
+        "summary": summary,
+        "runs": runs,
+        "table": table,
+    }
+    out_path.write_text(json.dumps(report, indent=2), encoding="utf-8")
+    print(f"\nwrote {out_path}")
+    return 0 if all("result" in r for r in runs) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    if args.impl is None:
+        return run_driver(args)
+    result = run_worker(args)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""The docs stay true to the code: the generated config reference, help texts, TRL field names, and the
+claims that docs/migrating-from-trl.md makes about TRL's `GRPOConfig` (checked against the installed TRL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from trl import GRPOConfig
+
+from gspo_trl import GSPOConfig
+from gspo_trl.metrics import LOSS_STAT_NAMES, completion_length_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+MIGRATION = DOCS / "migrating-from-trl.md"
+
+# Concepts that GSPOConfig shares with TRL's GRPOConfig: they must keep TRL's names.
+SHARED_WITH_TRL = [
+    "num_generations", "per_device_train_batch_size", "steps_per_generation", "generation_batch_size",
+    "num_iterations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "epsilon", "epsilon_high", "beta", "use_bias_correction_kl", "scale_rewards", "reward_weights",
+    "mask_truncated_completions", "importance_sampling_level", "log_completions",
+]
+# Rows the defaults table of the migration guide must have.
+REQUIRED_DEFAULT_ROWS = {
+    "importance_sampling_level", "epsilon", "epsilon_high", "steps_per_generation", "loss_type",
+    "disable_dropout", "bf16", "gradient_checkpointing", "learning_rate",
+}
+# Fields whose value differs only because another listed field differs (explained in the guide's prose).
+DERIVED_FIELDS = {"generation_batch_size"}
+GRADIENT_ACCUMULATION = 3  # != 1, so that "4 × gradient_accumulation_steps" is really checked
+CUDA_BF16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def _code_spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def _table(text: str, header: list[str]) -> list[list[str]]:
+    """Body rows of the first markdown table whose header row starts with `header`."""
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("|") and _cells(line)[: len(header)] == header:
+            rows = []
+            for row in lines[index + 2 :]:
+                if not row.startswith("|"):
+                    break
+                rows.append(_cells(row))
+            return rows
+    raise AssertionError(f"no table with header {header} in {MIGRATION.name}")
+
+
+@pytest.fixture(scope="module")
+def migration_text() -> str:
+    return MIGRATION.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def default_configs(tmp_path_factory):
+    """(GSPOConfig, GRPOConfig) built with only output_dir and gradient_accumulation_steps set."""
+    kwargs = dict(output_dir=str(tmp_path_factory.mktemp("docs-config")),
+                  gradient_accumulation_steps=GRADIENT_ACCUMULATION)
+    if not CUDA_BF16:
+        kwargs["use_cpu"] = True  # TRL's bf16=True default refuses to construct without a bf16 GPU otherwise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's gradient_checkpointing default is a deprecated alias
+        return GSPOConfig(**kwargs), GRPOConfig(**kwargs)
+
+
+# --- docs/config.md ----------------------------------------------------------------------------
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("gen_config_reference", DOCS / "gen_config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_config_reference_is_up_to_date():
+    expected = _load_generator().render_config_reference()
+    actual = (DOCS / "config.md").read_text(encoding="utf-8")
+    assert actual == expected, "docs/config.md is stale: run `python docs/gen_config_reference.py`"
+
+
+def test_config_reference_lists_every_declared_field():
+    rendered = _load_generator().render_config_reference()
+    for name in GSPOConfig.__dict__["__annotations__"]:
+        assert f"| `{name}` |" in rendered, name
+
+
+def test_every_declared_field_has_help():
+    declared = GSPOConfig.__dict__["__annotations__"]
+    assert declared, "GSPOConfig declares no fields?"
+    missing = [name for name in declared if not GSPOConfig.__dataclass_fields__[name].metadata.get("help", "").strip()]
+    assert not missing, f"GSPOConfig fields without metadata help: {missing}"
+
+
+def test_shared_fields_keep_trl_names():
+    missing_here = [name for name in SHARED_WITH_TRL if name not in _field_names(GSPOConfig)]
+    missing_in_trl = [name for name in SHARED_WITH_TRL if name not in _field_names(GRPOConfig)]
+    assert not missing_here, f"GSPOConfig lacks TRL's field names {missing_here}"
+    assert not missing_in_trl, f"TRL's GRPOConfig no longer has {missing_in_trl}: update SHARED_WITH_TRL and the docs"
+
+
+# --- docs/migrating-from-trl.md ----------------------------------------------------------------
+
+def _claimed_value(expression: str):
+    namespace = {"gradient_accumulation_steps": GRADIENT_ACCUMULATION, "cuda_bf16": CUDA_BF16}
+    return eval(expression.replace("×", "*"), {"__builtins__": {}}, namespace)  # noqa: S307 (our own doc)
+
+
+def test_migration_defaults_table_matches_both_classes(migration_text, default_configs):
+    gspo, grpo = default_configs
+    rows = _table(migration_text, ["field", "GSPOConfig", "GRPOConfig (TRL)"])
+    documented = set()
+    for row in rows:
+        names = _code_spans(row[0])
+        assert names, f"row without a field name: {row}"
+        gspo_claim, grpo_claim = _code_spans(row[1])[0], _code_spans(row[2])[0]
+        for name in names:
+            documented.add(name)
+            assert hasattr(gspo, name) and hasattr(grpo, name), f"{MIGRATION.name}: {name!r} is not a field of both"
+            assert getattr(gspo, name) == _claimed_value(gspo_claim), (
+                f"{MIGRATION.name}: GSPOConfig.{name} is {getattr(gspo, name)!r}, the doc says {gspo_claim}"
+            )
+            assert getattr(grpo, name) == _claimed_value(grpo_claim), (
+                f"{MIGRATION.name}: GRPOConfig.{name} is {getattr(grpo, name)!r}, the doc says {grpo_claim}"
+            )
+    assert REQUIRED_DEFAULT_ROWS <= documented, f"defaults table lacks {sorted(REQUIRED_DEFAULT_ROWS - documented)}"
+
+    shared = _field_names(GSPOConfig) & _field_names(GRPOConfig)
+    differing = {name for name in shared if getattr(gspo, name) != getattr(grpo, name)} - DERIVED_FIELDS
+    assert differing <= documented, f"defaults that differ but are not in the table: {sorted(differing - documented)}"
+
+
+def test_migration_lists_exactly_the_missing_trl_fields(migration_text):
+    rows = _table(migration_text, ["TRL fields"])
+    listed = {name for row in rows for name in _code_spans(row[0])}
+    missing_in_gspo = _field_names(GRPOConfig) - _field_names(GSPOConfig)
+    assert not missing_in_gspo - listed, f"GRPOConfig fields missing from the guide: {sorted(missing_in_gspo - listed)}"
+    assert not listed - missing_in_gspo, (
+        f"listed as unsupported but GSPOConfig has them (or TRL dropped them): {sorted(listed - missing_in_gspo)}"
+    )
+
+
+def test_migration_mentions_gspo_only_fields(migration_text):
+    for name in _field_names(GSPOConfig) - _field_names(GRPOConfig):
+        assert f"`{name}`" in migration_text, name
+
+
+def test_migration_metrics_table_covers_logged_names(migration_text):
+    rows = _table(migration_text, ["gspo-trl", "TRL `GRPOTrainer`"])
+    ours = {name for row in rows for name in _code_spans(row[0])}
+    lengths = completion_length_metrics(torch.ones(2, 3), torch.zeros(2, dtype=torch.bool))
+    logged = (
+        set(LOSS_STAT_NAMES.values()) | set(lengths)
+        | {"entropy", "reward", "reward_std", "frac_reward_zero_std", "num_tokens", "loss"}
+    )
+    assert logged <= ours, f"metrics missing from the guide: {sorted(logged - ours)}"
+
+    trl_source = Path(importlib.util.find_spec("trl.trainer.grpo_trainer").origin).read_text(encoding="utf-8")
+    for row in rows:
+        for name in _code_spans(row[1]):
+            if "<" in name or "*" in name or name == "loss":  # patterns, and Trainer's own metric
+                continue
+            assert f'"{name}"' in trl_source, f"TRL's GRPOTrainer does not log {name!r}"
