@@ -359,7 +359,11 @@ def describe_trainer(impl: str, trainer) -> dict:
         "dtype": str(params[0].dtype),
         "parameters": sum(p.numel() for p in params),
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
-        "is_gradient_checkpointing": bool(getattr(unwrapped, "is_gradient_checkpointing", False)),
+        "is_gradient_checkpointing": bool(
+            getattr(unwrapped, "is_activation_checkpointing", None)
+            if hasattr(unwrapped, "is_activation_checkpointing")
+            else getattr(unwrapped, "is_gradient_checkpointing", False)
+        ),
         "torch_threads": torch.get_num_threads(),
     }
 

@@ -24,11 +24,11 @@ _CORPUS = (
 ) * 40
 
 
-def build_tiny_tokenizer():
+def build_tiny_tokenizer(with_pad: bool = True):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<|pad|>"] if with_pad else [])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -40,7 +40,7 @@ def build_tiny_tokenizer():
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
         eos_token="<|im_end|>",
-        pad_token="<|pad|>",
+        pad_token="<|pad|>" if with_pad else None,
         unk_token="<|endoftext|>",
     )
     tokenizer.chat_template = CHATML_TEMPLATE

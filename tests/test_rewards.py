@@ -10,8 +10,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast, TrainerState
+from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerState
+
+from conftest import build_tiny_tokenizer
 
 from gspo_trl.rewards import (
     RewardFunction,
@@ -24,12 +25,6 @@ from gspo_trl.rewards import (
 PROMPTS = ["a", "bb", "ccc", "dddd"]
 COMPLETIONS = ["x", "yy", "zzz", "w"]
 COMPLETION_IDS = [[1], [2, 2], [3, 3, 3], [4]]
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def score(funcs, columns=None, trainer_state=None, prompts=PROMPTS, completions=COMPLETIONS):
     return compute_rewards(load_reward_funcs(funcs), prompts, completions, COMPLETION_IDS, columns, trainer_state)
 
@@ -239,24 +234,7 @@ def test_bad_reward_func_type(item):
 # ---- reward models --------------------------------------------------------------------------------------------------
 
 
-def build_tokenizer(with_pad=True):
-    corpus = [
-        "The quick brown fox jumps over the lazy dog. " * 4,
-        "What is two plus two? The answer is four. " * 4,
-        "user assistant system hello world reward model test " * 4,
-    ] * 10
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<|pad|>"] if with_pad else [])
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    pad = "<|pad|>" if with_pad else None
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token=pad, chat_template=CHATML
-    )
+build_tokenizer = build_tiny_tokenizer
 
 
 def build_reward_model(tokenizer):
@@ -312,7 +290,7 @@ def test_tokenizer_without_pad_gets_eos():
     tokenizer = build_tokenizer(with_pad=False)
     assert tokenizer.pad_token_id is None
     funcs = load_reward_funcs(build_reward_model(tokenizer), reward_processing_classes=tokenizer)
-    assert tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
     assert funcs[0].model.config.pad_token_id == tokenizer.eos_token_id
 
 
