@@ -192,6 +192,8 @@ def make_step_callback(recorder: PhaseRecorder):
 
         def on_step_end(self, args, state, control, **kwargs):
             self.end[state.global_step] = time.perf_counter()
+            if state.global_step == 1:  # Trainer turns checkpointing on inside train(), so look here
+                self.checkpointing_during_training = checkpointing_state(kwargs.get("model"))
 
     return StepTimes()
 
@@ -359,13 +361,21 @@ def describe_trainer(impl: str, trainer) -> dict:
         "dtype": str(params[0].dtype),
         "parameters": sum(p.numel() for p in params),
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
-        "is_gradient_checkpointing": bool(
-            getattr(unwrapped, "is_activation_checkpointing", None)
-            if hasattr(unwrapped, "is_activation_checkpointing")
-            else getattr(unwrapped, "is_gradient_checkpointing", False)
-        ),
+        "checkpointing_before_train": checkpointing_state(unwrapped),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def checkpointing_state(model) -> bool | None:
+    """Whether activation checkpointing is on (transformers 5 name first, then the deprecated one)."""
+    if model is None:
+        return None
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        try:
+            return bool(getattr(model, name))
+        except AttributeError:
+            continue
+    return None
 
 
 def _plain(value):
@@ -493,6 +503,7 @@ def run_worker(args) -> dict:
         "threads": threads,
         "reward_per_step": rewards,
         "old_logps_calls": sum(1 for e in recorder.events if e[0] == "old_logps"),
+        "checkpointing_during_training": getattr(callback, "checkpointing_during_training", None),
         "versions": library_versions(),
     })
     return result
@@ -547,6 +558,38 @@ def machine_info() -> dict:
     }
 
 
+def cpu_times() -> dict | None:
+    """Machine-wide busy and steal CPU seconds (/proc/stat) and CPU seconds of finished children."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        with open("/proc/stat", encoding="utf-8") as handle:
+            fields = [int(x) for x in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return {
+        "busy_s": (user + nice + system + irq + softirq) / tick,
+        "steal_s": steal / tick,
+        "children_cpu_s": children.ru_utime + children.ru_stime,
+    }
+
+
+def other_cpu_load(before: dict | None, after: dict | None, elapsed: float) -> dict | None:
+    """Average cores kept busy by anything other than the worker while it ran (0 on a quiet machine)."""
+    if not before or not after or elapsed <= 0:
+        return None
+    worker = after["children_cpu_s"] - before["children_cpu_s"]
+    busy = after["busy_s"] - before["busy_s"]
+    return {
+        "worker_cores": worker / elapsed,
+        "other_cores": max(0.0, busy - worker) / elapsed,
+        "steal_cores": (after["steal_s"] - before["steal_s"]) / elapsed,
+    }
+
+
 def worker_command(args, impl: str, threads: int) -> list[str]:
     command = [args.python, str(Path(__file__).resolve()), "--impl", impl, "--threads", str(threads)]
     for name in ("warmup_rounds", "rounds", "dataset_size", "num_generations", "per_device_train_batch_size",
@@ -570,6 +613,7 @@ def run_one(args, impl: str, pair: int, threads: int, logs_dir: Path) -> dict:
     record = {"impl": impl, "pair": pair, "command": command, "log": str(log_path),
               "load_average_before": list(os.getloadavg())}
     print(f"[pair {pair}] {impl}: running (log: {log_path})", flush=True)
+    cpu_before = cpu_times()
     start = time.perf_counter()
     try:
         completed = subprocess.run(command, cwd=str(REPO_ROOT), env=env, capture_output=True, text=True,
@@ -580,6 +624,7 @@ def run_one(args, impl: str, pair: int, threads: int, logs_dir: Path) -> dict:
         stderr = error.stderr.decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
         returncode = "timeout"
     record["elapsed_s"] = time.perf_counter() - start
+    record["cpu_during_run"] = other_cpu_load(cpu_before, cpu_times(), record["elapsed_s"])
     record["load_average_after"] = list(os.getloadavg())
     log_path.write_text(f"$ {' '.join(command)}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}",
                         encoding="utf-8")
@@ -672,17 +717,81 @@ def format_table(machine: dict, args, threads: int, summary: dict, impls: list[s
             row += f" | {per_pair} ({ratio['median']:.2f})"
         if present:
             lines.append(row)
+    lines.extend(alignment_lines(runs, impls))
     failed = [r for r in runs if "error" in r]
     if failed:
         lines.append("")
         lines.append("FAILED runs: " + ", ".join(f"pair {r['pair']} {r['impl']} ({r['error']}, log {r['log']})"
                                                   for r in failed))
-    loads = [r["load_average_before"][0] for r in runs]
-    if loads and max(loads) > 0.5:
+    others = [(r["cpu_during_run"]["other_cores"], r["cpu_during_run"]["steal_cores"], r)
+              for r in runs if r.get("cpu_during_run")]
+    if others:
         lines.append("")
-        lines.append(f"note: 1-minute load average before a run reached {max(loads):.2f}; timings are only "
-                     "trustworthy with nothing else running on the machine.")
+        lines.append("other CPU use while each worker ran (average cores busy outside the worker; 0 = quiet): "
+                     + ", ".join(f"pair {r['pair']} {r['impl']} {o:.2f}" + (f" (steal {st:.2f})" if st >= 0.01 else "")
+                                 for o, st, r in others))
+        if max(o + st for o, st, _ in others) > 0.1:
+            lines.append("WARNING: something else used the CPU during the runs; these timings are not "
+                         "trustworthy. Re-run with nothing else running on the machine.")
     return "\n".join(lines)
+
+
+def alignment_checks(runs: list[dict], impls: list[str]) -> dict:
+    """What each implementation resolved to, and every shared setting on which they disagree."""
+    first = {}
+    for impl in impls:
+        done = [r["result"] for r in runs if r["impl"] == impl and "result" in r]
+        if done:
+            first[impl] = done[0]
+    per_impl = {
+        impl: {
+            "checkpointing_during_training": result.get("checkpointing_during_training"),
+            "old_logps_computed": result.get("old_logps_calls", 0) > 0,
+            "dtype": result["trainer"]["dtype"],
+            "model_class": result["trainer"]["model_class"],
+            "trainable_parameters": result["trainer"]["trainable_parameters"],
+            "torch_threads": result["trainer"]["torch_threads"],
+            "eos_token_ids": result["trainer"]["eos_token_ids"],
+        }
+        for impl, result in first.items()
+    }
+    differences = {}
+    if "ours" in first and "trl" in first:
+        ours, trl = first["ours"]["trainer"], first["trl"]["trainer"]
+        for name in sorted(set(ours["args"]) & set(trl["args"])):
+            if ours["args"][name] != trl["args"][name]:
+                differences[f"args.{name}"] = {"ours": ours["args"][name], "trl": trl["args"][name]}
+        for name, values in per_impl["ours"].items():
+            if values != per_impl["trl"][name]:
+                differences[name] = {"ours": values, "trl": per_impl["trl"][name]}
+        # Generation settings that change what is sampled (bookkeeping keys left out).
+        ignore = {"transformers_version", "disable_compile", "use_cache", "_from_model_config"}
+        ours_gen, trl_gen = ours["generation_config"], trl["generation_config"]
+        for name in sorted((set(ours_gen) | set(trl_gen)) - ignore):
+            a, b = ours_gen.get(name), trl_gen.get(name)
+            if name == "eos_token_id":
+                a, b = ([a] if isinstance(a, int) else a), ([b] if isinstance(b, int) else b)
+            if a != b:
+                differences[f"generation_config.{name}"] = {"ours": ours_gen.get(name), "trl": trl_gen.get(name)}
+    return {"per_impl": per_impl, "differences": differences}
+
+
+def alignment_lines(runs: list[dict], impls: list[str]) -> list[str]:
+    checks = alignment_checks(runs, impls)
+    lines = ["", "alignment checks (first successful run of each):"]
+    for impl, values in checks["per_impl"].items():
+        lines.append(
+            f"  {impl:<5} dtype {values['dtype']}, {values['model_class']}, {values['trainable_parameters']:,} trainable "
+            f"params, checkpointing in training {values['checkpointing_during_training']}, old log-probs computed "
+            f"{values['old_logps_computed']}, eos {values['eos_token_ids']}, {values['torch_threads']} threads"
+        )
+    if "ours" in checks["per_impl"] and "trl" in checks["per_impl"]:
+        if checks["differences"]:
+            for name, values in checks["differences"].items():
+                lines.append(f"  DIFFERS {name}: ours {values['ours']!r} vs trl {values['trl']!r}")
+        else:
+            lines.append("  resolved configs, generation settings, dtype and trainable parameters agree")
+    return lines
 
 
 def run_driver(args) -> int:
@@ -713,6 +822,7 @@ def run_driver(args) -> int:
         "optimizer_steps_per_round": optimizer_steps_per_round(args),
         "figures": {key: {"label": label.strip(), "unit": unit} for key, label, unit, _ in FIGURES},
         "summary": summary,
+        "alignment": alignment_checks(runs, impls),
         "runs": runs,
         "table": table,
     }

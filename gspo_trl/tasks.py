@@ -4,7 +4,9 @@ This module owns (1) turning a reasoning-gym task into a ``datasets.Dataset`` wi
 conversational ``prompt`` column, and (2) a reward callable in TRL's convention that pulls the
 answer out of a completion and scores it with the task's own verifier. It also fixes the
 library's default task: one the default model (SmolLM2-135M-Instruct) solves sometimes but not
-always, so GSPO groups carry a learning signal from the first step.
+always, so GSPO groups carry a learning signal from the first step. Measured on 2 CPU cores
+(16 prompts x 8 samples, 64 new tokens): mean reward 0.29 at temperature 1.0 (0.52 at 0.7) and
+no group with 8 equal rewards.
 """
 
 from __future__ import annotations
@@ -25,8 +27,14 @@ DEFAULT_TASK_KWARGS: dict[str, Any] = {
     "allow_parentheses": False,
     "allow_negation": False,
 }
-# The model rarely emits <answer> tags on its own, but often ends a short reply with the number;
-# the example has a two-digit term so it is never one of the default task's questions.
+# For any task: tags make the answer unambiguous when it is not a number.
+GENERIC_SYSTEM_PROMPT = (
+    "Solve the problem. Reply briefly and end your reply with the final answer "
+    "inside <answer></answer> tags."
+)
+# The default task's prompt. SmolLM2-135M rarely emits <answer> tags (3-5% when asked), but often
+# ends a short reply with the number; the example has a two-digit term so it is never one of the
+# default task's questions.
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the problem. Reply with one short line that ends with the final answer, "
     "for example: 12 + 5 = 17"
@@ -44,7 +52,7 @@ def reasoning_gym_dataset(
     task: str,
     size: int = 256,
     seed: int = 0,
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    system_prompt: str = GENERIC_SYSTEM_PROMPT,
     **difficulty: Any,
 ):
     """Build a ``datasets.Dataset`` of ``size`` reasoning-gym questions for GRPO/GSPO training.
@@ -162,14 +170,18 @@ class ReasoningGymReward:
         return (1.0 - self.format_weight) * correctness + self.format_weight * well_formed
 
 
-def reasoning_gym_reward(task: str, format_weight: float = DEFAULT_FORMAT_WEIGHT, **difficulty: Any):
-    """Factory for :class:`ReasoningGymReward` (same arguments)."""
-    return ReasoningGymReward(task, format_weight=format_weight, **difficulty)
+def reasoning_gym_reward(
+    task: str, format_weight: float = DEFAULT_FORMAT_WEIGHT, numeric: bool = True, **difficulty: Any
+) -> ReasoningGymReward:
+    """Factory for :class:`ReasoningGymReward`; pass ``numeric=False`` for tasks with non-number answers."""
+    return ReasoningGymReward(task, format_weight=format_weight, numeric=numeric, **difficulty)
 
 
 def default_task_dataset(size: int = 256, seed: int = 0):
     """The default task's dataset: ``DEFAULT_TASK`` at ``DEFAULT_TASK_KWARGS`` difficulty."""
-    return reasoning_gym_dataset(DEFAULT_TASK, size=size, seed=seed, **DEFAULT_TASK_KWARGS)
+    return reasoning_gym_dataset(
+        DEFAULT_TASK, size=size, seed=seed, system_prompt=DEFAULT_SYSTEM_PROMPT, **DEFAULT_TASK_KWARGS
+    )
 
 
 def default_task_reward() -> ReasoningGymReward:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, set_seed
 from trl.trainer.utils import RepeatSampler
 
 from . import __version__
@@ -70,6 +70,8 @@ class GSPOTrainer(Trainer):
         _check_prompt_dataset(train_dataset, "train_dataset")
         _check_prompt_dataset(eval_dataset, "eval_dataset")
 
+        # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
+        set_seed(args.seed)
         model = load_policy(model, args.model_init_kwargs)
         tokenizer = load_tokenizer(processing_class, model)
         if args.disable_dropout:

@@ -9,6 +9,7 @@ from gspo_trl.tasks import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_TASK,
     DEFAULT_TASK_KWARGS,
+    GENERIC_SYSTEM_PROMPT,
     ReasoningGymReward,
     default_task_dataset,
     default_task_reward,
@@ -72,10 +73,24 @@ def test_dataset_is_deterministic_with_seed():
     assert first["answer"] != other["answer"] or first["entry_json"] != other["entry_json"]
 
 
-def test_other_task_and_custom_system_prompt():
-    data = reasoning_gym_dataset("chain_sum", size=3, seed=0, system_prompt="Be brief.", max_terms=2, max_digits=1)
-    assert data[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
+def test_other_task_and_system_prompts():
+    data = reasoning_gym_dataset("chain_sum", size=3, seed=0, max_terms=2, max_digits=1)
+    assert data[0]["prompt"][0] == {"role": "system", "content": GENERIC_SYSTEM_PROMPT}
     assert data[0]["task"] == "chain_sum"
+    custom = reasoning_gym_dataset("chain_sum", size=3, seed=0, system_prompt="Be brief.", max_terms=2)
+    assert custom[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
+
+
+def test_non_numeric_task_reward():
+    data = reasoning_gym_dataset("spell_backward", size=2, seed=0)
+    reward = reasoning_gym_reward("spell_backward", numeric=False)
+    row = data[0]
+    rewards = reward(
+        prompts=[row["prompt"]] * 2,
+        completions=[f"<answer>{row['answer']}</answer>", "<answer>zzzz</answer>"],
+        entry_json=[row["entry_json"]] * 2,
+    )
+    assert rewards[0] == pytest.approx(1.0) and rewards[1] < rewards[0]
 
 
 def test_extract_answer_prefers_tag_then_last_number():
