@@ -8,19 +8,19 @@ model, dataset and reward functions. Add `peft_config=LoraConfig(...)` to train 
 
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.default_model import default_model_path
-from gspo_trl.tasks import DEFAULT_TASK, DEFAULT_TASK_KWARGS, reasoning_gym_dataset, reasoning_gym_reward
+from gspo_trl.tasks import default_task_dataset, default_task_reward
 
 
 def main():
-    dataset = reasoning_gym_dataset(DEFAULT_TASK, size=2000, seed=0, **DEFAULT_TASK_KWARGS)
-    reward = reasoning_gym_reward(DEFAULT_TASK, **DEFAULT_TASK_KWARGS)
+    dataset = default_task_dataset(size=2000, seed=0)
+    reward = default_task_reward()
     args = GSPOConfig(
         output_dir="gspo-arithmetic",
         learning_rate=2e-5,
         per_device_train_batch_size=16,
         num_generations=8,
         max_completion_length=48,
-        max_steps=60,
+        max_steps=40,
         logging_steps=1,
         use_cpu=True,
         report_to="none",

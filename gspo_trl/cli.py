@@ -26,7 +26,7 @@ DEMO_DEFAULTS = {
     "learning_rate": 2e-5,
     "lr_scheduler_type": "constant",
     "warmup_steps": 0,
-    "max_steps": 60,
+    "max_steps": 40,
     "per_device_train_batch_size": 16,
     "gradient_accumulation_steps": 1,
     "steps_per_generation": 1,
@@ -109,7 +109,7 @@ def _config_path(argv: list[str]) -> str | None:
 
 def build_run(run_args: RunArguments):
     """(model, train_dataset, reward_funcs) from the run arguments."""
-    from .tasks import DEFAULT_TASK, DEFAULT_TASK_KWARGS, reasoning_gym_dataset, reasoning_gym_reward
+    from .tasks import default_task_dataset, default_task_reward, reasoning_gym_dataset, reasoning_gym_reward
 
     model = run_args.model_name_or_path
     if model is None:
@@ -121,12 +121,14 @@ def build_run(run_args: RunArguments):
         if not reward_funcs:
             raise ValueError("--dataset_name needs --reward_funcs module:function (a dataset carries no verifier).")
         return model, _load_local_dataset(run_args.dataset_name), reward_funcs
-    task = run_args.task or DEFAULT_TASK
-    task_kwargs = json.loads(run_args.task_kwargs) if run_args.task_kwargs else (
-        DEFAULT_TASK_KWARGS if run_args.task is None else {}
-    )
-    dataset = reasoning_gym_dataset(task, size=run_args.dataset_size, seed=0, **task_kwargs)
-    return model, dataset, reward_funcs or [reasoning_gym_reward(task, **task_kwargs)]
+    if run_args.task is None and run_args.task_kwargs is None:
+        dataset = default_task_dataset(size=run_args.dataset_size, seed=0)
+        return model, dataset, reward_funcs or [default_task_reward()]
+    if run_args.task is None:
+        raise ValueError("--task_kwargs needs --task (the reasoning-gym task they configure).")
+    task_kwargs = json.loads(run_args.task_kwargs) if run_args.task_kwargs else {}
+    dataset = reasoning_gym_dataset(run_args.task, size=run_args.dataset_size, seed=0, **task_kwargs)
+    return model, dataset, reward_funcs or [reasoning_gym_reward(run_args.task, **task_kwargs)]
 
 
 def _import_function(path: str):

@@ -147,7 +147,8 @@ def test_reward_name_logs_and_pickles(dataset, reward):
         trainer_state=None,
     )
     assert logged == {"basic_arithmetic_reward/accuracy": 0.5, "basic_arithmetic_reward/well_formed": 0.5}
-    assert pickle.loads(pickle.dumps(reward))(prompts=[None], completions=["x"], entry_json=[row["entry_json"]]) == [0.0]
+    restored = pickle.loads(pickle.dumps(reward))
+    assert restored(prompts=[None], completions=["x"], entry_json=[row["entry_json"]]) == [0.0]
 
 
 def test_reward_without_entry_column_explains_itself(reward):

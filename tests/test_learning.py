@@ -1,0 +1,21 @@
+"""Learning is tested by learning: the embedded demo (real SmolLM2-135M-Instruct, the reasoning-gym
+verifier as reward, CPU) must raise its reward within a dozen GSPO steps (about two minutes here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gspo_trl.cli import main
+
+
+@pytest.mark.slow
+def test_demo_reward_rises_on_the_real_model(tmp_path):
+    out = tmp_path / "demo"
+    code = main(["train", "--output_dir", str(out), "--max_steps", "12", "--dataset_size", "64", "--disable_tqdm", "true"])
+    assert code == 0
+    summary = json.loads((out / "metrics.json").read_text())["summary"]
+    assert summary["steps"] == 12 and summary["window"] == 6
+    # Measured on 2 cores: about 0.44 over steps 1-6 and 0.69 over steps 7-12.
+    assert summary["reward_gain"] >= 0.15, summary
