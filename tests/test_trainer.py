@@ -231,3 +231,45 @@ def test_reward_functions_can_log_metrics_and_extra_columns(tmp_path, tiny_model
     assert train_logs(trainer)[0]["frac_reward_zero_std"] == 1.0  # constant rewards: no signal
     printed = capsys.readouterr().out
     assert "completions at step 1" in printed and printed.count("[reward") == 2
+
+
+@pytest.mark.parametrize("backend", ["tensorboard", "wandb", "trackio"])
+def test_report_to_backends_write_the_gspo_metrics_offline(tmp_path, tiny_model_dir, monkeypatch, backend):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    config = make_config(tmp_path, max_steps=1, report_to=backend, run_name="gspo-test")
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()
+    if backend == "wandb":
+        import wandb
+
+        wandb.finish()
+    written = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "out" not in p.parts)
+    # every backend stores the metric names; clip_ratio/region is GSPO's own
+    assert b"clip_ratio/region" in written and b"reward" in written, sorted(str(p) for p in tmp_path.rglob("*"))
+
+
+def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    config = make_config(tmp_path, activation_checkpointing=True, steps_per_generation=1)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config)
+    cache_flags = []
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    original_generate = model.generate
+
+    def spy(*args, **kwargs):
+        # generation runs in eval mode, where transformers keeps the KV cache despite checkpointing
+        cache_flags.append((kwargs["generation_config"].use_cache, model.training))
+        return original_generate(*args, **kwargs)
+
+    model.generate = spy
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert cache_flags == [(True, False), (True, False)]
+    assert model.get_base_model().is_activation_checkpointing
+    assert any("lora_" in name for name in changed(before, trainer.model))
