@@ -57,8 +57,9 @@ so `per_device_train_batch_size` need not be a multiple of `num_generations`.
 Training is **on-policy** exactly when `steps_per_generation == gradient_accumulation_steps` and
 `num_iterations == 1` (`GSPOConfig.is_on_policy`): each rollout feeds one optimizer step with the weights that
 sampled it, every importance ratio is exactly 1, and the trainer skips the extra no-grad forward pass that
-records the old log-probabilities. With the defaults, training is off-policy: that pass runs once per rollout,
-and `epsilon` / `epsilon_high` clip the later steps.
+records the old log-probabilities. With the defaults, training is off-policy: the micro-batches of a rollout's
+first optimizer step are still on-policy (no extra pass, ratio 1), the later ones get their old log-probabilities
+from one no-grad pass made before any update, and `epsilon` / `epsilon_high` clip them.
 
 Example, 1 GPU, `per_device_train_batch_size=8`, `gradient_accumulation_steps=2`, `num_generations=8`:
 `steps_per_generation = 8`, `generation_batch_size = 64`, so each rollout is 8 prompts × 8 completions,

@@ -153,10 +153,21 @@ class GSPOTrainer(Trainer):
             self._step = self.state.global_step * self.args.gradient_accumulation_steps
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             rollout_batch = self._generate_and_score(generation_batch, mode="train")
-            self._buffered_inputs = _split_batch(
-                rollout_batch, self.args.steps_per_generation, self._rollout_generator
-            )
+            micro_batches = _split_batch(rollout_batch, self.args.steps_per_generation, self._rollout_generator)
+            for index, micro_batch in enumerate(micro_batches):
+                if self._trained_after_an_update(index):
+                    micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
+            self._buffered_inputs = micro_batches
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _trained_after_an_update(self, micro_index: int) -> bool:
+        """Whether a rollout's micro-batch meets weights other than those that sampled it.
+
+        The micro-batches of the first optimizer step after a rollout are trained with the sampling
+        weights, so their π_old is the current policy: the loss uses old = sg[log π] (ratio exactly
+        1) and no old-log-prob forward is needed. The others need one, computed before any update.
+        """
+        return self.args.num_iterations > 1 or micro_index >= self.args.gradient_accumulation_steps
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -204,9 +215,7 @@ class GSPOTrainer(Trainer):
             "completion_mask": completion_mask,
             "advantages": advantages,
         }
-        inputs["old_per_token_logps"] = (
-            None if mode == "eval" or args.is_on_policy else self._score_without_grad(self.model, inputs)
-        )
+        inputs["old_per_token_logps"] = None  # filled per micro-batch by _prepare_inputs where needed
         inputs["ref_per_token_logps"] = None
         if args.beta > 0:
             with reference_weights(self.model, self.ref_model) as reference:

@@ -273,3 +273,38 @@ def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp
     assert cache_flags == [(True, False), (True, False)]
     assert model.get_base_model().is_activation_checkpointing
     assert any("lora_" in name for name in changed(before, trainer.model))
+
+
+def test_old_logprob_pass_only_for_micro_batches_trained_after_an_update(tmp_path, tiny_model_dir):
+    # GA=2, steps_per_generation=8: micro-batches 0-1 form the first optimizer step (sampling weights),
+    # micro-batches 2-7 come after updates and need π_old from a pass made before any update.
+    config = make_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4)
+    assert config.steps_per_generation == 8
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    scored, seen_old = [], []
+    original_score, original_loss = trainer._score_without_grad, trainer.compute_loss
+    trainer._score_without_grad = lambda model, inputs: scored.append(model.training) or original_score(model, inputs)
+    trainer.compute_loss = lambda model, inputs, **kw: seen_old.append(inputs["old_per_token_logps"] is not None) or original_loss(model, inputs, **kw)
+    trainer.train()
+    assert len(scored) == 6
+    assert seen_old == [False, False] + [True] * 6
+
+
+def test_first_step_without_old_pass_equals_explicit_old_logprobs(tmp_path, tiny_model_dir):
+    """Skipping the pass keeps the loss and gradient of computing π_old explicitly (same weights)."""
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path), train_dataset=text_dataset())
+    trainer.model.train()
+    batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
+    batch["advantages"] = torch.linspace(-1, 1, 8)
+
+    def loss_and_grads(old):
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, {**batch, "old_per_token_logps": old})
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
+
+    skipped_loss, skipped_grads = loss_and_grads(None)
+    explicit_loss, explicit_grads = loss_and_grads(trainer._score_without_grad(trainer.model, batch))
+    torch.testing.assert_close(skipped_loss, explicit_loss, atol=1e-6, rtol=1e-5)
+    for skipped, explicit in zip(skipped_grads, explicit_grads):
+        torch.testing.assert_close(skipped, explicit, atol=1e-6, rtol=1e-4)
