@@ -22,7 +22,7 @@ worker process only, the methods that do them (neither library is edited):
     rollout        _generate_and_score_completions                  _generate_and_score
     generate       _generate (tokenize + model.generate + decode)   rollout_backend.generate (tokenize + generate)
     reward         _calculate_rewards                               gspo_trl.trainer.compute_rewards
-    old_logps      _get_per_token_logps_and_entropies in rollout    _score_without_grad
+    old_logps      _get_per_token_logps_and_entropies in rollout    _score_without_grad (counted in rollout)
     train_forward  compute_loss                                     compute_loss
 
 `train` = round time − rollout: the training forward, backward, optimizer step, logging and data
@@ -170,7 +170,8 @@ class PhaseRecorder:
                 if marks_rollout:
                     recorder.in_rollout -= 1
             if only_in_rollout is None or only_in_rollout == inside:
-                recorder.events.append((phase, start, end, extra(result) if extra else {}))
+                fields = {"inside_rollout": inside, **(extra(result) if extra else {})}
+                recorder.events.append((phase, start, end, fields))
             return result
 
         timed.__wrapped__ = function
@@ -414,7 +415,11 @@ def summarize_worker(args, recorder: PhaseRecorder, callback) -> dict:
 
         generate_events = [e for e in inside if e[0] == "generate"]
         round_s = end - start
-        rollout = total("rollout")
+        # gspo-trl computes old log-probs per micro-batch right after `_generate_and_score` (only for
+        # the micro-batches that need them); count those passes as rollout work, as TRL's are.
+        rollout = total("rollout") + sum(
+            e[2] - e[1] for e in inside if e[0] == "old_logps" and not e[3]["inside_rollout"]
+        )
         forward = total("train_forward")
         tokens = sum(e[3].get("tokens", 0) for e in generate_events)
         completions = sum(e[3].get("completions", 0) for e in generate_events)
