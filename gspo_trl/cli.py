@@ -135,7 +135,8 @@ def _import_function(path: str):
     module_name, sep, attribute = path.partition(":")
     if not sep:
         raise ValueError(f"--reward_funcs {path!r}: expected 'module:function', e.g. 'my_rewards:accuracy'.")
-    sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:  # let `my_rewards:fn` name a file in the working directory
+        sys.path.insert(0, os.getcwd())
     return getattr(importlib.import_module(module_name), attribute)
 
 

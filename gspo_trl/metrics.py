@@ -50,6 +50,16 @@ class MetricsBuffer:
         return averages
 
 
+def reward_function_metrics(rewards_per_func: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """Mean and std of each reward function's scores (N, F), ignoring its None (NaN) rows."""
+    metrics = {}
+    for index, name in enumerate(names):
+        scored = rewards_per_func[:, index][~torch.isnan(rewards_per_func[:, index])]  # (n_scored,)
+        metrics[f"rewards/{name}/mean"] = scored.mean().item() if scored.numel() else float("nan")
+        metrics[f"rewards/{name}/std"] = scored.std().item() if scored.numel() > 1 else float("nan")
+    return metrics
+
+
 def completion_length_metrics(completion_mask: torch.Tensor, is_truncated: torch.Tensor) -> dict[str, float]:
     lengths = completion_mask.sum(dim=1).float()  # (N,)
     return {

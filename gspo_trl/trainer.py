@@ -21,7 +21,13 @@ from .advantages import aggregate_rewards, group_advantages
 from .config import GSPOConfig
 from .logprobs import completion_logprobs
 from .loss import policy_loss
-from .metrics import MetricsBuffer, completion_length_metrics, loss_metrics, reduce_across_processes
+from .metrics import (
+    MetricsBuffer,
+    completion_length_metrics,
+    loss_metrics,
+    reduce_across_processes,
+    reward_function_metrics,
+)
 from .model_card import render_model_card
 from .models import (
     apply_peft,
@@ -250,10 +256,7 @@ class GSPOTrainer(Trainer):
 
     def _record_rollout_metrics(self, mode, rollout, rewards_per_func, advantage_stats) -> None:
         metrics = self._metrics
-        for index, reward_func in enumerate(self.reward_funcs):
-            column = rewards_per_func[:, index]
-            metrics.add(mode, f"rewards/{reward_func.name}/mean", torch.nanmean(column))
-            metrics.add(mode, f"rewards/{reward_func.name}/std", _nanstd(column))
+        metrics.add_many(mode, reward_function_metrics(rewards_per_func, [f.name for f in self.reward_funcs]))
         for name in ("reward", "reward_std", "frac_reward_zero_std"):
             metrics.add(mode, name, advantage_stats[name])
         lengths = completion_length_metrics(
@@ -366,11 +369,6 @@ def _split_batch(batch: dict[str, Any], num_slices: int, generator: torch.Genera
     for part in order.chunk(num_slices):
         slices.append({key: None if value is None else value[part.to(value.device)] for key, value in batch.items()})
     return slices
-
-
-def _nanstd(values: torch.Tensor) -> torch.Tensor:
-    finite = values[~torch.isnan(values)]
-    return finite.std() if finite.numel() > 1 else torch.tensor(float("nan"))
 
 
 def _print_completions(samples: list[dict], limit: int | None, step: int) -> None:

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from gspo_trl.metrics import MetricsBuffer, completion_length_metrics, loss_metrics, reduce_across_processes
+from gspo_trl.metrics import (
+    MetricsBuffer,
+    completion_length_metrics,
+    loss_metrics,
+    reduce_across_processes,
+    reward_function_metrics,
+)
 
 
 def test_buffer_averages_ignoring_nan_and_clears():
@@ -42,3 +48,10 @@ def test_reduce_across_processes_uses_min_max_for_ratio_extremes():
     assert reduced["ratio/min"].item() == pytest.approx(0.9)
     assert reduced["ratio/max"].item() == pytest.approx(2.2)
     assert reduced["entropy"].item() == pytest.approx(1.5)
+
+
+def test_reward_function_metrics_ignore_none_rows():
+    rewards = torch.tensor([[1.0, math.nan], [3.0, math.nan], [math.nan, 2.0]])
+    metrics = reward_function_metrics(rewards, ["a", "b"])
+    assert metrics["rewards/a/mean"] == 2.0 and metrics["rewards/a/std"] == pytest.approx(math.sqrt(2))
+    assert metrics["rewards/b/mean"] == 2.0 and math.isnan(metrics["rewards/b/std"])  # one score: no spread
