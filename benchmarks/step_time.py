@@ -62,6 +62,12 @@ FIGURES = [
     ("train_forward_s", "    forward + loss (compute_loss)", "s", "{:.2f}"),
     ("train_backward_etc_s", "    backward + optimizer + logging", "s", "{:.2f}"),
     ("train_step_s", "  train per optimizer step", "s", "{:.2f}"),
+    ("logprob_positions", "positions in log-prob forwards (train + old)", "tok", "{:.0f}"),
+    ("padding_share", "  of which padding", "", "{:.3f}"),
+    ("train_tflop", "useful training FLOPs per round", "TFLOP", "{:.2f}"),
+    ("train_gflop_per_s", "  achieved in the training phase", "GFLOP/s", "{:.1f}"),
+    ("matmul_peak_gflop_per_s", "  fp32 matmul peak (same process)", "GFLOP/s", "{:.1f}"),
+    ("mfu", "  training-phase MFU", "", "{:.3f}"),
     ("completion_tokens", "completion tokens per round", "tok", "{:.0f}"),
     ("mean_completion_length", "mean completion length", "tok", "{:.1f}"),
     ("generate_tok_per_s", "completion tokens / generate time", "tok/s", "{:.1f}"),
@@ -153,6 +159,10 @@ class PhaseRecorder:
     def __init__(self):
         self.events: list[tuple[str, float, float, dict]] = []
         self.in_rollout = 0
+        self.active: list[str] = []  # phases currently running, outermost first
+        # (time, "train" | "old", positions, real tokens, attended pairs, LM-head tokens) per model forward
+        self.forwards: list[tuple[float, str, int, int, int, int]] = []
+        self.last_pack = None  # gspo-trl's packed layout of the forward about to run
 
     def wrap(self, function, phase: str, extra=None, only_in_rollout: bool | None = None, marks_rollout=False):
         """`function` timed as `phase`; `extra(result)` adds fields; `only_in_rollout` filters by context."""
@@ -162,11 +172,13 @@ class PhaseRecorder:
             inside = recorder.in_rollout > 0
             if marks_rollout:
                 recorder.in_rollout += 1
+            recorder.active.append(phase)
             start = time.perf_counter()
             try:
                 result = function(*args, **kwargs)
             finally:
                 end = time.perf_counter()
+                recorder.active.pop()
                 if marks_rollout:
                     recorder.in_rollout -= 1
             if only_in_rollout is None or only_in_rollout == inside:
@@ -235,6 +247,79 @@ def instrument_ours(recorder: PhaseRecorder) -> None:
     trainer_module.compute_rewards = recorder.wrap(trainer_module.compute_rewards, "reward")
     cls._score_without_grad = recorder.wrap(cls._score_without_grad, "old_logps")
     cls.compute_loss = recorder.wrap(cls.compute_loss, "train_forward")
+    import gspo_trl.logprobs as logprobs_module
+
+    pack = logprobs_module.pack_shared_prefix
+
+    def remembered_pack(*args, **kwargs):
+        recorder.last_pack = pack(*args, **kwargs)
+        return recorder.last_pack
+
+    logprobs_module.pack_shared_prefix = remembered_pack
+
+
+def model_dimensions(model) -> dict:
+    """What the FLOP count needs: linear weights per layer, attention width, vocabulary."""
+    config = model.config.get_text_config()
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    attention_weights = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v projections
+    mlp_weights = 3 * hidden * config.intermediate_size  # gate, up, down
+    return {
+        "linear_params": layers * (attention_weights + mlp_weights),
+        "attention_flops_per_pair": 4 * heads * head_dim * layers,  # QK^T and AV, forward
+        "lm_head_flops_per_token": 2 * config.vocab_size * hidden,
+    }
+
+
+def count_forward_tokens(recorder: PhaseRecorder, model) -> None:
+    """Record positions, real tokens and attended pairs of every log-prob forward (training and
+    old-log-prob passes; sampling is excluded). Works for TRL's padded rows (2D mask) and for
+    gspo-trl's packed rows (4D mask plus the layout recorded by `remembered_pack`)."""
+
+    def pre_hook(module, args, kwargs):
+        if "generate" in recorder.active:
+            return
+        if "train_forward" in recorder.active:
+            kind = "train"
+        elif "old_logps" in recorder.active:
+            kind = "old"
+        else:
+            return
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        positions = input_ids.numel()
+        if mask is not None and mask.dim() == 4:  # packed: additive bias, 0 where attended
+            pack = recorder.last_pack
+            real = pack.num_real_tokens
+            pairs = int((mask == 0).sum()) - pack.num_padding_tokens  # padding only attends to itself
+            lm_tokens = int(pack.score_index.numel())
+        else:
+            mask = mask if mask is not None else input_ids.new_ones(input_ids.shape)
+            lengths = mask.sum(1)
+            real = int(lengths.sum())
+            pairs = int((lengths * (lengths + 1) // 2).sum())  # causal pairs among each row's real tokens
+            keep = kwargs.get("logits_to_keep", 0)
+            lm_tokens = int(mask[:, -(keep - 1):].sum()) if isinstance(keep, int) and keep > 1 else 0
+        recorder.forwards.append((time.perf_counter(), kind, positions, real, pairs, lm_tokens))
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def measure_matmul_peak(seconds: float = 3.0, size: int = 2048) -> float:
+    """Best fp32 matmul GFLOP/s of this process (its thread count), the denominator of the MFU."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def config_kwargs(args, output_dir: str) -> dict:
@@ -389,7 +474,7 @@ def _plain(value):
     return str(value)
 
 
-def summarize_worker(args, recorder: PhaseRecorder, callback) -> dict:
+def summarize_worker(args, recorder: PhaseRecorder, callback, dims: dict, matmul_peak_gflops: float) -> dict:
     """Per-round figures of the timed rounds from the step marks and the phase intervals."""
     steps_per_round = optimizer_steps_per_round(args)
     first_timed_step = args.warmup_rounds * steps_per_round + 1
@@ -423,7 +508,24 @@ def summarize_worker(args, recorder: PhaseRecorder, callback) -> dict:
         forward = total("train_forward")
         tokens = sum(e[3].get("tokens", 0) for e in generate_events)
         completions = sum(e[3].get("completions", 0) for e in generate_events)
+        forwards = [f for f in recorder.forwards if start <= f[0] <= end]
+        positions = sum(f[2] for f in forwards)
+        real = sum(f[3] for f in forwards)
+        train = [f for f in forwards if f[1] == "train"]
+        # Useful training FLOPs: the real tokens through the linear layers, the attended pairs, the LM head
+        # on scored tokens; backward twice the forward with full fine-tuning, once (input gradients only)
+        # for frozen weights under LoRA. Padding, masked-out pairs and recomputation are not counted.
+        forward_flops = sum(
+            2 * dims["linear_params"] * f[3] + dims["attention_flops_per_pair"] * f[4] + dims["lm_head_flops_per_token"] * f[5]
+            for f in train
+        )
+        train_flops = forward_flops * (2 if args.lora else 3)
         rounds.append({
+            "logprob_positions": positions,
+            "padding_share": (positions - real) / positions if positions else float("nan"),
+            "train_tflop": train_flops / 1e12,
+            "train_gflop_per_s": train_flops / 1e9 / (round_s - rollout),
+            "mfu": train_flops / 1e9 / (round_s - rollout) / matmul_peak_gflops,
             "round_s": round_s,
             "rollouts": sum(1 for e in inside if e[0] == "rollout"),
             "rollout_s": rollout,
@@ -490,12 +592,18 @@ def run_worker(args) -> dict:
         trainer = build_trainer(args.impl, args, model_path, dataset, reward, output_dir, callback)
         setup_s = time.perf_counter() - setup_start
         described = describe_trainer(args.impl, trainer)
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        count_forward_tokens(recorder, unwrapped)
+        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        dims = model_dimensions(base)
+        matmul_peak_gflops = measure_matmul_peak()
         train_start = time.perf_counter()
         trainer.train()
         train_wall_s = time.perf_counter() - train_start
         log_history = trainer.state.log_history
 
-    result = summarize_worker(args, recorder, callback)
+    result = summarize_worker(args, recorder, callback, dims, matmul_peak_gflops)
+    result["figures"]["matmul_peak_gflop_per_s"] = matmul_peak_gflops
     result["figures"]["setup_s"] = setup_s
     result["figures"]["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
     rewards = [entry["reward"] for entry in log_history if "reward" in entry]

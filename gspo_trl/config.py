@@ -139,6 +139,16 @@ class GSPOConfig(TrainingArguments):
             "Bounds the logits memory at chunk × vocabulary floats; never the full (batch, length, vocabulary)."
         },
     )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the training forward and the old-log-prob / reference passes on packed rows: each prompt "
+            "once, followed by its completions, under a block-tree attention mask, with no padding inside rows. "
+            "Same log-probabilities and gradients as padded rows up to float rounding, for far fewer tokens. "
+            "Models that cannot take the mask (flash-attention, "
+            "sliding-window or ALiBi attention) fall back to padded rows with a warning."
+        },
+    )
 
     # --- Objective ---------------------------------------------------------------------------
     importance_sampling_level: str = field(

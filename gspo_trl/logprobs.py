@@ -6,7 +6,8 @@ vocabulary) logits tensor: the model returns its final hidden states, only the v
 positions are kept, and those are projected through the LM head a chunk of tokens at a time. In
 training each chunk is checkpointed, so its logits exist only while that chunk is being processed
 (forward, then again in backward). What it does not own: which tokens count (the caller's mask)
-and anything about the objective.
+and anything about the objective. With `padding_free`, the forward runs on the packed layout built
+by `packing` instead of padded rows.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix
 
 
 def _chunk_logps_and_entropy(
@@ -45,6 +48,8 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    padding_free: bool = False,
+    max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities and entropies of the completion tokens, each (B, C), zero where masked.
 
@@ -52,22 +57,70 @@ def completion_logprobs(
     so that π_θ and π_θ_old in the importance ratio describe the same sampling policy. The model is
     called through its own `forward` (so DDP, DeepSpeed and PEFT wrappers see the call), asking for
     hidden states and the logits of a single position only.
-    """
-    completion_length = completion_ids.shape[1]
-    outputs = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        output_hidden_states=True,
-        logits_to_keep=1,
-        use_cache=False,
-    )
-    # The hidden state at position t predicts token t + 1, so the completion is scored from the
-    # C positions that end one before the last.
-    hidden = outputs.hidden_states[-1][:, -completion_length - 1 : -1]  # (B, C, H)
-    valid = completion_mask.bool()
-    hidden_valid = hidden[valid]  # (N, H), padding-free from here on
-    labels_valid = completion_ids[valid]  # (N,)
 
+    With `padding_free`, the forward runs on the packed layout of `packing.pack_shared_prefix` (each
+    prompt once, no padding inside rows): the same values up to float rounding, for less work. The
+    caller checks that the model supports it (`packing.padding_free_unsupported_reason`).
+    """
+    valid = completion_mask.bool()
+    labels_valid = completion_ids[valid]  # (N,)
+    packed = None
+    prompt_length = input_ids.shape[1] - completion_ids.shape[1]
+    if padding_free and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask):
+        packed = pack_shared_prefix(
+            input_ids[:, :prompt_length],
+            attention_mask[:, :prompt_length],
+            completion_ids,
+            completion_mask,
+            max_row_tokens=max_row_tokens,
+        )
+    if packed is not None:
+        dtype = _unwrap(model).get_input_embeddings().weight.dtype
+        outputs = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=packed.float_attention_mask(dtype),
+            output_hidden_states=True,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+        hidden = outputs.hidden_states[-1]  # (R, L, H)
+        hidden_valid = hidden.flatten(0, 1)[packed.score_index]  # (N, H)
+    else:
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+        # The hidden state at position t predicts token t + 1, so the completion is scored from the
+        # C positions that end one before the last.
+        completion_length = completion_ids.shape[1]
+        hidden = outputs.hidden_states[-1][:, -completion_length - 1 : -1]  # (B, C, H)
+        hidden_valid = hidden[valid]  # (N, H), padding-free from here on
+
+    logps, entropy = _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size)
+    per_token_logps = hidden.new_zeros(completion_ids.shape, dtype=torch.float32)
+    per_token_entropy = torch.zeros_like(per_token_logps)
+    if logps is None:
+        per_token_logps = per_token_logps + 0.0 * hidden.sum()  # keep the graph (and DDP) connected
+    else:
+        # masked_scatter keeps the result connected to the graph.
+        per_token_logps = per_token_logps.masked_scatter(valid, logps)
+        per_token_entropy = per_token_entropy.masked_scatter(valid, entropy)
+    return per_token_logps, per_token_entropy
+
+
+def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_mask: torch.Tensor) -> bool:
+    """Whether every completion is attended as one prefix covering its scored tokens: the packed
+    layout assumes it (rollouts always have it; other masks take the padded path)."""
+    is_prefix = bool((completion_attention[:, 1:] <= completion_attention[:, :-1]).all())
+    return is_prefix and not bool((completion_mask.bool() & ~completion_attention.bool()).any())
+
+
+def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size):
+    """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time."""
     head = _unwrap(model).get_output_embeddings()
     softcap = getattr(_unwrap(model).config.get_text_config(), "final_logit_softcapping", None)
     use_checkpoint = torch.is_grad_enabled() and hidden_valid.requires_grad
@@ -87,16 +140,9 @@ def completion_logprobs(
             logps, entropy = _chunk_logps_and_entropy(*args)
         logps_chunks.append(logps)
         entropy_chunks.append(entropy)
-
-    per_token_logps = hidden.new_zeros(completion_ids.shape, dtype=torch.float32)
-    per_token_entropy = torch.zeros_like(per_token_logps)
-    if logps_chunks:
-        # masked_scatter keeps the result connected to the graph even when it scatters nothing.
-        per_token_logps = per_token_logps.masked_scatter(valid, torch.cat(logps_chunks))
-        per_token_entropy = per_token_entropy.masked_scatter(valid, torch.cat(entropy_chunks))
-    else:
-        per_token_logps = per_token_logps + 0.0 * hidden.sum()
-    return per_token_logps, per_token_entropy
+    if not logps_chunks:
+        return None, None
+    return torch.cat(logps_chunks), torch.cat(entropy_chunks)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

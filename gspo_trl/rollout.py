@@ -1,8 +1,8 @@
 """Rollout backends: prompts in, sampled completion ids and masks out.
 
 Owns prompt rendering (chat template for conversational prompts), tokenization with left padding,
-sampling, and the EOS/truncation bookkeeping of the result. The trainer only sees the `Rollout`
-record, so another backend (a vLLM server, vLLM colocated) plugs in by implementing
+sampling (each distinct prompt prefilled once), and the EOS/truncation bookkeeping of the result.
+The trainer only sees the `Rollout` record, so another backend (a vLLM server, vLLM colocated) plugs in by implementing
 `RolloutBackend.generate`. What it does not own: rewards, advantages and log-probabilities.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import DynamicCache, GenerationConfig, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
 
@@ -113,8 +113,14 @@ class HFGenerateBackend(RolloutBackend):
         # (about 7x slower sampling).
         model.eval()
         try:
+            cache = None
+            if self.generation_config.cache_implementation is None:
+                cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)
             sequences = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                past_key_values=cache,
+                generation_config=self.generation_config,
             )
         finally:
             model.train(was_training)
@@ -123,6 +129,34 @@ class HFGenerateBackend(RolloutBackend):
         # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
+
+
+def prefill_shared_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> DynamicCache | None:
+    """KV cache of every prompt row but its last token, computed once per distinct prompt.
+
+    The rows of a rollout repeat each prompt num_generations times; prefilling the distinct ones
+    and copying their cache rows (`reorder_cache`) saves (G - 1)/G of the prefill. `generate` then
+    starts from the last prompt token, exactly as after its own prefill. Returns None (plain
+    `generate`) when no prompt repeats or a prompt is too short to leave a token for `generate`.
+    """
+    rows = torch.cat([prompt_ids, prompt_mask], dim=1)
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if distinct.shape[0] == rows.shape[0] or int(prompt_mask.sum(1).min()) < 2:
+        return None
+    ids, mask = distinct[:, : prompt_ids.shape[1]], distinct[:, prompt_ids.shape[1] :]
+    # Position ids as `generate` derives them from a left-padded mask.
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=ids[:, :-1],
+        attention_mask=mask[:, :-1],
+        position_ids=positions[:, :-1],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache.reorder_cache(inverse.to(prompt_ids.device))
+    return cache
 
 
 def is_conversational_prompt(prompt: Any) -> bool:

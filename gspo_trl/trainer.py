@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, set_seed
+from transformers.utils import logging
 from trl.trainer.utils import RepeatSampler
 
 from . import __version__
@@ -38,8 +39,12 @@ from .models import (
     load_tokenizer,
     reference_weights,
 )
+from .packing import padding_free_unsupported_reason
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import HFGenerateBackend, is_conversational_prompt
+
+
+logger = logging.get_logger(__name__)
 
 
 def _keep_as_list(features: list[dict]) -> list[dict]:
@@ -105,6 +110,7 @@ class GSPOTrainer(Trainer):
             if isinstance(reward_func, RewardModelFunction):
                 reward_func.model = self.accelerator.prepare_model(reward_func.model, evaluation_mode=True)
 
+        self.padding_free = args.padding_free and _padding_free_supported(self.accelerator.unwrap_model(self.model))
         self.rollout_backend = HFGenerateBackend(
             lambda: self.accelerator.unwrap_model(self.model), tokenizer, args
         )
@@ -159,7 +165,9 @@ class GSPOTrainer(Trainer):
             self._step = self.state.global_step * self.args.gradient_accumulation_steps
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             rollout_batch = self._generate_and_score(generation_batch, mode="train")
-            micro_batches = _split_batch(rollout_batch, self.args.steps_per_generation, self._rollout_generator)
+            micro_batches = _split_batch(
+                rollout_batch, self.args.steps_per_generation, self.args.num_generations, self._rollout_generator
+            )
             for index, micro_batch in enumerate(micro_batches):
                 if self._trained_after_an_update(index):
                     micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
@@ -250,6 +258,7 @@ class GSPOTrainer(Trainer):
                 inputs["completion_mask"][rows],
                 temperature=self.args.temperature,
                 chunk_size=self.args.logprob_chunk_size,
+                padding_free=self.padding_free,
             )
             chunks.append(logps)
         return torch.cat(chunks)
@@ -281,6 +290,7 @@ class GSPOTrainer(Trainer):
             inputs["completion_mask"],
             temperature=self.args.temperature,
             chunk_size=self.args.logprob_chunk_size,
+            padding_free=self.padding_free,
         )
         loss, stats = policy_loss(
             per_token_logps,
@@ -348,6 +358,14 @@ class GSPOTrainer(Trainer):
             handle.write(card)
 
 
+def _padding_free_supported(model) -> bool:
+    base = model.get_base_model() if is_peft_model(model) else model
+    reason = padding_free_unsupported_reason(base)
+    if reason is not None:
+        logger.warning(f"padding_free=True is not used: {reason}. Training runs on padded rows.")
+    return reason is None
+
+
 def _check_prompt_dataset(dataset, name: str) -> None:
     if dataset is None:
         return
@@ -361,10 +379,18 @@ def _check_prompt_dataset(dataset, name: str) -> None:
         )
 
 
-def _split_batch(batch: dict[str, Any], num_slices: int, generator: torch.Generator) -> list[dict[str, Any]]:
-    """Shuffle the rows of a rollout batch and cut them into `num_slices` micro-batches."""
+def _split_batch(
+    batch: dict[str, Any], num_slices: int, group_size: int, generator: torch.Generator
+) -> list[dict[str, Any]]:
+    """Cut a rollout batch into `num_slices` micro-batches made of whole groups, in shuffled order.
+
+    Rows arrive group by group (`group_size` completions of one prompt in a row). Shuffling groups
+    rather than rows keeps each micro-batch a set of complete groups (as verl does), so the packed
+    forward processes each prompt once per micro-batch and every step sees whole groups.
+    """
     size = batch["input_ids"].shape[0]
-    order = torch.randperm(size, generator=generator)
+    blocks = list(torch.arange(size).split(group_size))
+    order = torch.cat([blocks[i] for i in torch.randperm(len(blocks), generator=generator).tolist()])
     slices = []
     for part in order.chunk(num_slices):
         slices.append({key: None if value is None else value[part.to(value.device)] for key, value in batch.items()})

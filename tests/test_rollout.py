@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gspo_trl import GSPOConfig
-from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, render_prompts
+from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, prefill_shared_prompts, render_prompts
 
 
 def test_completion_mask_keeps_tokens_through_first_eos():
@@ -57,3 +57,29 @@ def test_max_prompt_length_truncates_from_the_left(tmp_path, tiny_model, tiny_to
     ids, _ = backend.tokenize_prompts(["one two three four five six"])
     full = tiny_tokenizer("one two three four five six", add_special_tokens=False).input_ids
     assert ids[0].tolist() == full[-3:]
+
+
+def test_shared_prompt_prefill_samples_what_plain_generate_samples(tmp_path, tiny_model, tiny_tokenizer):
+    args = GSPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, max_completion_length=6, use_cpu=True,
+        generation_kwargs={"do_sample": False},  # greedy: both paths must give the same tokens
+    )
+    backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
+    prompts = ["What is 1 + 1?"] * 3 + ["Hi"] * 3
+    prompt_ids, prompt_mask = backend.tokenize_prompts(prompts)
+    expected = tiny_model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=backend.generation_config)
+
+    batch_sizes = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda module, inputs, output: batch_sizes.append(output.shape[:2]))
+    try:
+        rollout = backend.generate(prompts)
+    finally:
+        hook.remove()
+    assert batch_sizes[0] == (2, prompt_ids.shape[1] - 1)  # the prefill ran once per distinct prompt
+    assert all(shape == (6, 1) for shape in batch_sizes[1:])  # then one token per row per step
+    assert torch.equal(rollout.completion_ids[rollout.completion_mask.bool()], expected[:, prompt_ids.shape[1] :][rollout.completion_mask.bool()])
+
+
+def test_prefill_is_skipped_when_no_prompt_repeats(tiny_model, tiny_tokenizer):
+    encoded = tiny_tokenizer(["one two", "three"], return_tensors="pt", padding=True, padding_side="left")
+    assert prefill_shared_prompts(tiny_model, encoded["input_ids"], encoded["attention_mask"]) is None

@@ -308,3 +308,48 @@ def test_first_step_without_old_pass_equals_explicit_old_logprobs(tmp_path, tiny
     torch.testing.assert_close(skipped_loss, explicit_loss, atol=1e-6, rtol=1e-5)
     for skipped, explicit in zip(skipped_grads, explicit_grads):
         torch.testing.assert_close(skipped, explicit, atol=1e-6, rtol=1e-4)
+
+
+def test_padding_free_training_keeps_the_padded_loss_and_gradient(tmp_path, tiny_model_dir):
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path), train_dataset=text_dataset())
+    assert trainer.padding_free  # the default, and the tiny Llama supports it
+    trainer.model.train()
+    batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
+    batch["advantages"] = torch.linspace(-1, 1, 8)
+    batch["old_per_token_logps"] = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
+
+    def loss_and_grads(padding_free):
+        trainer.padding_free = padding_free
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
+
+    padded_loss, padded_grads = loss_and_grads(False)
+    packed_loss, packed_grads = loss_and_grads(True)
+    torch.testing.assert_close(packed_loss, padded_loss, atol=1e-6, rtol=1e-5)
+    for packed, padded in zip(packed_grads, padded_grads):
+        torch.testing.assert_close(packed, padded, atol=1e-6, rtol=1e-4)
+
+
+def test_micro_batches_hold_whole_groups():
+    from gspo_trl.trainer import _split_batch
+
+    rows = torch.arange(16)
+    batch = {"input_ids": rows.unsqueeze(1), "old_per_token_logps": None}
+    micro_batches = _split_batch(batch, num_slices=4, group_size=4, generator=torch.Generator().manual_seed(0))
+    groups = [sorted((mb["input_ids"].flatten() // 4).tolist()) for mb in micro_batches]
+    assert all(len(set(g)) == 1 for g in groups) and sorted(g[0] for g in groups) == [0, 1, 2, 3]
+    assert sorted(torch.cat([mb["input_ids"].flatten() for mb in micro_batches]).tolist()) == rows.tolist()
+
+
+def test_unsupported_attention_falls_back_to_padded_rows(tmp_path, tiny_model_dir, caplog):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.config.sliding_window = 4  # a model with sliding-window attention cannot take the block-tree mask
+    with caplog.at_level("WARNING"):
+        trainer = GSPOTrainer(model, count_digits, args=make_config(tmp_path), train_dataset=text_dataset())
+    assert not trainer.padding_free
+    assert "padding_free=True is not used: it uses sliding-window attention" in caplog.text
+    trainer.train()  # trains on padded rows

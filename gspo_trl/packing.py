@@ -1,0 +1,207 @@
+"""Shared-prefix packing: the layout of a padding-free training (and old-log-prob) forward.
+
+A GSPO micro-batch holds G completions of each prompt. The padded layout runs every (prompt +
+completion) row padded to the longest one, so each prompt is processed G times and short
+completions drag padding along. This module lays the same micro-batch out as a few packed rows:
+
+    row: [prompt_a, completion_a1, completion_a2, ..., prompt_b, completion_b1, ...]
+
+Each prompt appears once per row, followed by the completions that share it. A block-tree
+attention mask lets a completion token see its own prompt and its own earlier tokens only, and
+position ids restart for every completion right after its prompt, so each completion token gets
+exactly the hidden state it gets in its own padded row (up to float rounding). Only the end of the
+last rows is padding.
+
+What it owns: the packed token layout, its attention mask and position ids, and the index of the
+hidden state that predicts each scored completion token. What it does not own: running the model
+(`logprobs`), and deciding whether a model can take a custom mask (`padding_free_unsupported_reason`
+answers that from the config).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MAX_ROW_TOKENS = 1024
+
+
+@dataclass
+class PackedBatch:
+    """A micro-batch in packed layout. R rows of L positions."""
+
+    input_ids: torch.Tensor  # (R, L)
+    position_ids: torch.Tensor  # (R, L)
+    attention_mask: torch.Tensor  # (R, 1, L, L) bool, True where query (dim 2) may attend to key (dim 3)
+    score_index: torch.Tensor  # (N,) flat index into R × L of the hidden state predicting each scored token,
+    #                             in the row-major order of the completion mask's True entries
+    num_real_tokens: int  # non-padding positions
+
+    @property
+    def num_positions(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return self.num_positions - self.num_real_tokens
+
+    def float_attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias (0 where allowed, the dtype's minimum elsewhere): what both
+        the eager and the SDPA attention of transformers take as a custom 4D mask."""
+        bias = torch.zeros(self.attention_mask.shape, dtype=dtype, device=self.attention_mask.device)
+        return bias.masked_fill_(~self.attention_mask, torch.finfo(dtype).min)
+
+
+@dataclass
+class _Unit:
+    """One prompt followed by some of the completions that share it."""
+
+    prompt: torch.Tensor  # (P,)
+    rows: list[int]  # micro-batch row of each completion
+    completions: list[torch.Tensor]  # input tokens of each completion
+
+    @property
+    def length(self) -> int:
+        return self.prompt.numel() + sum(c.numel() for c in self.completions)
+
+
+def pack_shared_prefix(
+    prompt_ids: torch.Tensor,  # (B, P) left-padded
+    prompt_mask: torch.Tensor,  # (B, P)
+    completion_ids: torch.Tensor,  # (B, C)
+    completion_mask: torch.Tensor,  # (B, C) 1 where a log-probability is wanted
+    *,
+    max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
+    pad_token_id: int = 0,
+) -> PackedBatch | None:
+    """Pack a micro-batch, sharing each distinct prompt among the completions that follow it.
+
+    The log-probability of completion token t comes from the hidden state of token t - 1 (of the
+    last prompt token for t = 0), so a completion's input stops one token before its last scored
+    token, and a row with nothing to score contributes no tokens. Rows that share a prompt are found
+    by comparing prompt tokens, so any row order works; whole groups in one micro-batch share best.
+
+    A packed row holds at most `max_row_tokens` positions (or one prompt plus one completion, if
+    that is longer): attention inside a row is computed densely, so the cap bounds the work spent on
+    masked-out pairs. Returns None when nothing in the micro-batch is scored.
+    """
+    if max_row_tokens < 1:
+        raise ValueError(f"max_row_tokens must be >= 1, got {max_row_tokens}.")
+    units = _build_units(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens)
+    if not units:
+        return None
+    rows = _fill_rows(units, max_row_tokens)
+    length = max(sum(unit.length for unit in row) for row in rows)
+    device = completion_ids.device
+
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=completion_ids.dtype, device=device)
+    position_ids = torch.zeros((len(rows), length), dtype=torch.long, device=device)
+    # Per position: which unit it belongs to (-1 for padding) and which completion (-1 for a prompt).
+    unit_of = torch.full((len(rows), length), -1, dtype=torch.long, device=device)
+    branch_of = torch.full((len(rows), length), -1, dtype=torch.long, device=device)
+    predictor = torch.full(completion_ids.shape, -1, dtype=torch.long, device=device)  # (B, C)
+
+    unit_number = 0
+    for r, row in enumerate(rows):
+        cursor = 0
+        for unit in row:
+            prompt_length = unit.prompt.numel()
+            input_ids[r, cursor : cursor + prompt_length] = unit.prompt
+            position_ids[r, cursor : cursor + prompt_length] = torch.arange(prompt_length, device=device)
+            unit_of[r, cursor : cursor + prompt_length] = unit_number
+            last_prompt_position = r * length + cursor + prompt_length - 1
+            cursor += prompt_length
+            for batch_row, completion in zip(unit.rows, unit.completions):
+                n = completion.numel()
+                input_ids[r, cursor : cursor + n] = completion
+                position_ids[r, cursor : cursor + n] = torch.arange(prompt_length, prompt_length + n, device=device)
+                unit_of[r, cursor : cursor + n] = unit_number
+                branch_of[r, cursor : cursor + n] = batch_row
+                # Token 0 is predicted by the last prompt token, token t by completion input t - 1.
+                flat = torch.arange(r * length + cursor, r * length + cursor + n, device=device)
+                predictor[batch_row, : n + 1] = torch.cat([flat.new_tensor([last_prompt_position]), flat])
+                cursor += n
+            unit_number += 1
+
+    same_unit = (unit_of.unsqueeze(2) == unit_of.unsqueeze(1)) & (unit_of.unsqueeze(2) >= 0)  # (R, L, L)
+    key_is_prompt_or_same_branch = (branch_of.unsqueeze(1) == -1) | (branch_of.unsqueeze(2) == branch_of.unsqueeze(1))
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(length, dtype=torch.bool, device=device)  # padding queries see themselves: no empty rows
+    attention_mask = (same_unit & key_is_prompt_or_same_branch & causal) | diagonal
+
+    score_index = predictor[completion_mask.bool()]
+    if (score_index < 0).any():  # a bug here would silently score the wrong hidden states
+        raise RuntimeError("pack_shared_prefix left a scored completion token without a predicting position.")
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask.unsqueeze(1),
+        score_index=score_index,
+        num_real_tokens=int((unit_of >= 0).sum()),
+    )
+
+
+def _build_units(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens) -> list[_Unit]:
+    """Group completions by prompt, in order of first appearance, cutting groups at the row cap."""
+    units_by_prompt: dict[tuple[int, ...], list[_Unit]] = {}
+    order: list[_Unit] = []
+    scored = completion_mask.bool()
+    for row in range(completion_ids.shape[0]):
+        positions = scored[row].nonzero().flatten()
+        if positions.numel() == 0:
+            continue
+        completion = completion_ids[row, : int(positions[-1])]  # inputs stop before the last scored token
+        prompt = prompt_ids[row][prompt_mask[row].bool()]
+        if prompt.numel() == 0:
+            raise ValueError("pack_shared_prefix needs at least one prompt token per row to predict the first completion token.")
+        key = tuple(prompt.tolist())
+        units = units_by_prompt.setdefault(key, [])
+        if not units or (units[-1].length + completion.numel() > max_row_tokens and units[-1].completions):
+            units.append(_Unit(prompt=prompt, rows=[], completions=[]))
+            order.append(units[-1])
+        units[-1].rows.append(row)
+        units[-1].completions.append(completion)
+    return order
+
+
+def _fill_rows(units: list[_Unit], max_row_tokens: int) -> list[list[_Unit]]:
+    """First-fit decreasing: few rows, little padding at their ends."""
+    rows: list[list[_Unit]] = []
+    free: list[int] = []
+    for unit in sorted(units, key=lambda u: u.length, reverse=True):
+        for index, space in enumerate(free):
+            if unit.length <= space:
+                rows[index].append(unit)
+                free[index] -= unit.length
+                break
+        else:
+            rows.append([unit])
+            free.append(max(max_row_tokens, unit.length) - unit.length)
+    return rows
+
+
+def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot run the packed layout exactly, or None if it can.
+
+    The packed layout needs a decoder-only model that takes explicit position ids and a custom 4D
+    attention mask (transformers' eager and SDPA attention do), with full attention in every layer:
+    a sliding window, ALiBi biases or flash-attention kernels would not see the block-tree mask.
+    """
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return f"its attention implementation is {implementation!r} (padding-free needs 'sdpa' or 'eager')"
+    layer_types = getattr(text_config, "layer_types", None) or []
+    sliding = getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True)
+    if sliding or any("sliding" in str(kind) for kind in layer_types):
+        return "it uses sliding-window attention"
+    if getattr(text_config, "alibi", False) or getattr(text_config, "model_type", "") in ("bloom", "mpt"):
+        return "it uses ALiBi position biases"
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return "its forward takes no position_ids"
+    return None

@@ -1,0 +1,166 @@
+"""Shared-prefix packing: the layout by hand, then log-probs and gradients against padded rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.packing import pack_shared_prefix, padding_free_unsupported_reason
+
+PAD = 0
+
+
+def test_two_completions_share_one_prompt():
+    # Prompt [5, 6, 7] (left-padded by one) with completions [10, 11, 12] and [20, 21] (+ one padding).
+    prompt_ids = torch.tensor([[PAD, 5, 6, 7], [PAD, 5, 6, 7]])
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]])
+    completion_ids = torch.tensor([[10, 11, 12], [20, 21, PAD]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    packed = pack_shared_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+    # The last scored token of each completion is never an input: nothing is predicted from it.
+    assert packed.input_ids.tolist() == [[5, 6, 7, 10, 11, 20]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3]]
+    # Token 10 and token 20 are predicted by the last prompt token (position 2), 11 by 10, 12 by 11, 21 by 20.
+    assert packed.score_index.tolist() == [2, 3, 4, 2, 5]
+    allowed = packed.attention_mask[0, 0].int().tolist()
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 0, 0, 1],  # token 20 sees the prompt and itself, not the other completion
+    ]
+    assert packed.num_real_tokens == 6 and packed.num_padding_tokens == 0
+
+
+def test_rows_are_grouped_by_prompt_in_any_order_and_unscored_rows_drop_out():
+    prompt_ids = torch.tensor([[1, 2], [3, 4], [1, 2], [3, 4]])
+    prompt_mask = torch.ones_like(prompt_ids)
+    completion_ids = torch.tensor([[7, 8], [9, 9], [6, 6], [5, 5]])
+    completion_mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
+    packed = pack_shared_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    # Prompt [1, 2] with completions 0 and 2 (inputs [7] and [6]); prompt [3, 4] with completion 1 (no input:
+    # its only scored token comes from the prompt); row 3 scores nothing and adds no tokens.
+    assert packed.input_ids.tolist() == [[1, 2, 7, 6, 3, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 2, 0, 1]]
+    assert packed.score_index.tolist() == [1, 2, 5, 1, 3]
+    mask = packed.attention_mask[0, 0]
+    assert not mask[4, :4].any() and mask[5, 4:6].all()  # the second prompt does not see the first unit
+
+
+def test_row_cap_splits_groups_repeats_the_prompt_and_pads_only_row_ends():
+    prompt_ids = torch.tensor([[1, 2, 3]] * 3)
+    prompt_mask = torch.ones_like(prompt_ids)
+    completion_ids = torch.arange(10, 25).reshape(3, 5)
+    completion_mask = torch.ones_like(completion_ids)
+    packed = pack_shared_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens=8, pad_token_id=PAD)
+    # Each unit is the prompt plus one 4-token completion input: 7 tokens, so one unit per row.
+    assert packed.input_ids.shape == (3, 7)
+    assert packed.num_padding_tokens == 0
+    assert all(row[:3] == [1, 2, 3] for row in packed.input_ids.tolist())
+
+    completion_mask[2, 2:] = 0  # the last completion's input is now one token: it joins the second unit
+    packed = pack_shared_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens=8, pad_token_id=PAD)
+    assert packed.input_ids.tolist() == [[1, 2, 3, 15, 16, 17, 18, 20], [1, 2, 3, 10, 11, 12, 13, PAD]]
+    assert packed.num_padding_tokens == 1
+
+
+def test_nothing_scored_gives_none():
+    ids = torch.ones(2, 3, dtype=torch.long)
+    assert pack_shared_prefix(ids, ids, ids, torch.zeros_like(ids)) is None
+
+
+def test_float_mask_is_additive_bias():
+    ids = torch.tensor([[5, 6]])
+    packed = pack_shared_prefix(ids, torch.ones_like(ids), torch.tensor([[7, 8]]), torch.tensor([[1, 1]]))
+    bias = packed.float_attention_mask(torch.float32)[0, 0]
+    assert bias[1, 0] == 0 and bias[0, 1] == torch.finfo(torch.float32).min
+
+
+def group_batch(vocab_size, groups=3, group_size=4, completion_length=9, seed=0):
+    """Left-padded prompts of different lengths, each repeated group_size times, with ragged completions."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_length = 7
+    prompt_ids, prompt_mask = [], []
+    for g in range(groups):
+        real = 3 + 2 * g  # 3, 5, 7 tokens
+        ids = torch.randint(5, vocab_size, (prompt_length,), generator=generator)
+        mask = (torch.arange(prompt_length) >= prompt_length - real).long()
+        prompt_ids += [ids * mask] * group_size
+        prompt_mask += [mask] * group_size
+    prompt_ids, prompt_mask = torch.stack(prompt_ids), torch.stack(prompt_mask)
+    rows = groups * group_size
+    completion_ids = torch.randint(5, vocab_size, (rows, completion_length), generator=generator)
+    lengths = torch.randint(1, completion_length + 1, (rows,), generator=generator)
+    attended = (torch.arange(completion_length) < lengths.unsqueeze(1)).long()  # up to EOS
+    completion_ids = completion_ids * attended
+    completion_mask = attended.clone()
+    completion_mask[1] = 0  # a masked-out (e.g. truncated) completion
+    completion_mask[2, 0] = 0  # a loss mask that is not a prefix
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, attended], dim=1)
+    return input_ids, attention_mask, completion_ids, completion_mask
+
+
+def logps_and_grads(model, inputs, **kwargs):
+    model.zero_grad()
+    weights = torch.linspace(-1, 1, inputs[2].numel()).reshape(inputs[2].shape)
+    logps, entropy = completion_logprobs(model, *inputs, temperature=0.8, **kwargs)
+    (logps * weights).sum().backward()
+    return logps.detach(), entropy, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("max_row_tokens", [1024, 12])  # one row for everything / groups split over rows
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_forward_matches_padded_rows(tiny_model, max_row_tokens, attention):
+    tiny_model.config._attn_implementation = attention
+    try:
+        inputs = group_batch(tiny_model.config.vocab_size)
+        padded_logps, padded_entropy, padded_grads = logps_and_grads(tiny_model, inputs, chunk_size=5)
+        packed_logps, packed_entropy, packed_grads = logps_and_grads(
+            tiny_model, inputs, chunk_size=5, padding_free=True, max_row_tokens=max_row_tokens
+        )
+    finally:
+        tiny_model.config._attn_implementation = "sdpa"
+    assert (padded_logps[inputs[3] == 1] != 0).all()
+    torch.testing.assert_close(packed_logps, padded_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_attention_holes_in_completions_fall_back_to_padded_rows(tiny_model):
+    input_ids, attention_mask, completion_ids, completion_mask = group_batch(tiny_model.config.vocab_size)
+    attention_mask[0, -completion_ids.shape[1]] = 0  # a completion token hidden from attention
+    inputs = (input_ids, attention_mask, completion_ids, completion_mask)
+    padded, _ = completion_logprobs(tiny_model, *inputs)
+    packed, _ = completion_logprobs(tiny_model, *inputs, padding_free=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_forward_processes_fewer_tokens(tiny_model):
+    input_ids, attention_mask, completion_ids, completion_mask = group_batch(tiny_model.config.vocab_size)
+    prompt_length = input_ids.shape[1] - completion_ids.shape[1]
+    packed = pack_shared_prefix(input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids, completion_mask)
+    assert packed.num_positions < input_ids.numel() / 2
+
+
+def tiny_config(model_type, **overrides):
+    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def test_supported_models_and_reasons_for_the_rest():
+    llama = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    assert padding_free_unsupported_reason(llama) is None
+    qwen2 = AutoModelForCausalLM.from_config(tiny_config("qwen2", use_sliding_window=False, sliding_window=4096))
+    assert padding_free_unsupported_reason(qwen2) is None  # a window that is switched off does not count
+    mistral = AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=16))
+    assert "sliding-window" in padding_free_unsupported_reason(mistral)
+    llama.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in padding_free_unsupported_reason(llama)
