@@ -359,7 +359,7 @@ def config_kwargs(args, output_dir: str) -> dict:
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        optim="adamw_torch",
+        optim="adamw_torch_fused",  # the default of both configs
         seed=args.seed,
         # numerics and memory: fp32 on CPU (TRL's bf16 default is True, its checkpointing default True)
         use_cpu=True,

@@ -20,6 +20,7 @@ from trl.trainer.utils import RepeatSampler
 from . import __version__
 from .advantages import aggregate_rewards, group_advantages
 from .config import GSPOConfig
+from .cpu_memory import pool_freed_memory
 from .logprobs import completion_logprobs
 from .loss import policy_loss
 from .metrics import (
@@ -102,6 +103,8 @@ class GSPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        if args.cpu_memory_pool and self.accelerator.device.type == "cpu":
+            pool_freed_memory()
         # compute_loss returns a per-micro-batch mean; Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         if self.ref_model is not None:

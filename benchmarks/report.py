@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Rewrite the result tables of docs/benchmarks.md from the benchmark JSON files.
+
+Only the text between `<!-- results:NAME -->` and `<!-- /results:NAME -->` markers is replaced; the
+prose around the tables is written by hand. NAME is `main` (full fine-tuning and LoRA side by side,
+from `results/step_time_full.json` and `results/step_time_lora.json`) or `scaling` (from
+`results/scaling/scaling.json`).
+
+    python benchmarks/report.py            # rewrite docs/benchmarks.md in place
+    python benchmarks/report.py --check    # exit 1 if the tables are not what the JSON files say
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+# (figure key, row label, format, what the ratio means)
+MAIN_ROWS = [
+    ("step_s", "**per optimizer step (s)**", "{:.2f}"),
+    ("generate_s", "generate, per round of 64 (s)", "{:.2f}"),
+    ("old_logps_s", "old log-probs, per round (s)", "{:.2f}"),
+    ("train_step_s", "training fwd+bwd+optim, per step (s)", "{:.2f}"),
+    ("logprob_positions", "positions in log-prob forwards, per round", "{:.0f}"),
+    ("padding_share", "of which padding", "{:.1%}"),
+    ("train_gflop_per_s", "training phase, useful GFLOP/s", "{:.1f}"),
+    ("mfu", "training-phase MFU (vs fp32 matmul peak)", "{:.1%}"),
+    ("matmul_peak_gflop_per_s", "fp32 matmul peak, GFLOP/s", "{:.0f}"),
+    ("completion_tokens", "completion tokens per round", "{:.0f}"),
+    ("peak_rss_mb", "peak RSS (MiB)", "{:.0f}"),
+]
+
+
+def _median(summary: dict, impl: str, key: str):
+    figure = summary["per_impl"].get(impl, {}).get(key)
+    return None if figure is None else figure["median"]
+
+
+def _cell(value, fmt: str) -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def main_table() -> str:
+    columns = []
+    for name, label in (("full", "full fine-tune"), ("lora", "LoRA r=16")):
+        path = RESULTS / f"step_time_{name}.json"
+        columns.append((label, json.loads(path.read_text())))
+    header = "| median over runs |"
+    rule = "|---|"
+    for label, data in columns:
+        runs = len(data["summary"]["per_impl"]["ours"]["step_s"]["values"])
+        header += f" {label}: ours | TRL | ours/TRL (min–max over {runs} pairs) |"
+        rule += "---|---|---|"
+    lines = [header, rule]
+    for key, label, fmt in MAIN_ROWS:
+        row = f"| {label} |"
+        for _, data in columns:
+            summary = data["summary"]
+            ours, trl = _median(summary, "ours", key), _median(summary, "trl", key)
+            ratios = [r for r in summary["ratio_ours_over_trl"].get(key, {}).get("per_pair", []) if r is not None]
+            if ratios and key not in ("matmul_peak_gflop_per_s", "padding_share"):
+                ratio = f"{sorted(ratios)[len(ratios) // 2]:.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
+            else:
+                ratio = ""
+            bold = key == "step_s"
+            ratio = f"**{ratio}**" if bold and ratio else ratio
+            row += f" {_cell(ours, fmt)} | {_cell(trl, fmt)} | {ratio} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def scaling_table() -> str:
+    rows = json.loads((RESULTS / "scaling" / "scaling.json").read_text())
+    lines = [
+        "| max completion length | mean sampled | ours s/step | TRL s/step | ours/TRL | ours peak RSS (MiB) | TRL peak RSS (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for length in sorted({r["max_completion_length"] for r in rows}):
+        got = {r["impl"]: r for r in rows if r["max_completion_length"] == length}
+        ours, trl = got.get("ours"), got.get("trl")
+        mean = " / ".join(f"{got[i]['mean_completion_length']:.0f}" for i in ("ours", "trl") if i in got)
+        ratio = f"{ours['step_s'] / trl['step_s']:.2f}" if ours and trl else "—"
+        lines.append(
+            f"| {length} | {mean} | {_cell(ours and ours['step_s'], '{:.2f}')} | {_cell(trl and trl['step_s'], '{:.2f}')} "
+            f"| {ratio} | {_cell(ours and ours['peak_rss_mb'], '{:.0f}')} | {_cell(trl and trl['peak_rss_mb'], '{:.0f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def render(text: str) -> str:
+    for name, build in (("main", main_table), ("scaling", scaling_table)):
+        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(\n<!-- /results:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"report.py: no <!-- results:{name} --> markers in {DOC}")
+        table = build()
+        text = pattern.sub(lambda m: m.group(1) + table + m.group(2), text)
+    return text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="Fail if docs/benchmarks.md is out of date.")
+    args = parser.parse_args(argv)
+    current = DOC.read_text(encoding="utf-8")
+    updated = render(current)
+    if args.check:
+        if updated != current:
+            print("docs/benchmarks.md tables differ from the benchmark JSON files; run benchmarks/report.py")
+            return 1
+        return 0
+    DOC.write_text(updated, encoding="utf-8")
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
