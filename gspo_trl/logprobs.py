@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix
+from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, relative_attention_cost
 
 
 def _chunk_logps_and_entropy(
@@ -73,6 +73,7 @@ def completion_logprobs(
             completion_ids,
             completion_mask,
             max_row_tokens=max_row_tokens,
+            attention_pair_cost=relative_attention_cost(_unwrap(model).config),
         )
     if packed is not None:
         dtype = _unwrap(model).get_input_embeddings().weight.dtype

@@ -21,11 +21,13 @@ answers that from the config).
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
 
-DEFAULT_MAX_ROW_TOKENS = 1024
+DEFAULT_MAX_ROW_TOKENS = 2048  # bounds the (rows, 1, L, L) mask and the attention of one row
+DEFAULT_ATTENTION_PAIR_COST = 1 / 3000  # about SmolLM2-135M's; see relative_attention_cost
 
 
 @dataclass
@@ -74,6 +76,7 @@ def pack_shared_prefix(
     completion_mask: torch.Tensor,  # (B, C) 1 where a log-probability is wanted
     *,
     max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
+    attention_pair_cost: float | None = None,
     pad_token_id: int = 0,
 ) -> PackedBatch | None:
     """Pack a micro-batch, sharing each distinct prompt among the completions that follow it.
@@ -83,16 +86,18 @@ def pack_shared_prefix(
     token, and a row with nothing to score contributes no tokens. Rows that share a prompt are found
     by comparing prompt tokens, so any row order works; whole groups in one micro-batch share best.
 
-    A packed row holds at most `max_row_tokens` positions (or one prompt plus one completion, if
-    that is longer): attention inside a row is computed densely, so the cap bounds the work spent on
-    masked-out pairs. Returns None when nothing in the micro-batch is scored.
+    Attention inside a packed row is computed densely, so rows are kept short enough that masked-out
+    pairs cost little: `_assign_rows` weighs positions against attention pairs (`attention_pair_cost`,
+    see `relative_attention_cost`) and never exceeds `max_row_tokens` per row (unless one prompt plus
+    one completion is longer). Returns None when nothing in the micro-batch is scored.
     """
     if max_row_tokens < 1:
         raise ValueError(f"max_row_tokens must be >= 1, got {max_row_tokens}.")
-    units = _build_units(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens)
-    if not units:
+    if attention_pair_cost is None:
+        attention_pair_cost = DEFAULT_ATTENTION_PAIR_COST
+    rows = _assign_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens, attention_pair_cost)
+    if not rows:
         return None
-    rows = _fill_rows(units, max_row_tokens)
     length = max(sum(unit.length for unit in row) for row in rows)
     device = completion_ids.device
 
@@ -143,43 +148,70 @@ def pack_shared_prefix(
     )
 
 
-def _build_units(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens) -> list[_Unit]:
-    """Group completions by prompt, in order of first appearance, cutting groups at the row cap."""
-    units_by_prompt: dict[tuple[int, ...], list[_Unit]] = {}
-    order: list[_Unit] = []
+def _assign_rows(
+    prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens, attention_pair_cost
+) -> list[list[_Unit]]:
+    """Completions to rows: few positions, little padding, bounded attention.
+
+    A micro-batch that fits `max_row_tokens` becomes one row. Otherwise, for a few row counts from
+    the fewest that can hold it, completions go longest first to the row they lengthen least (a row
+    that already holds their prompt saves the prompt), and the cheapest candidate wins, counting a
+    row of L positions as L + attention_pair_cost × L² (attention inside a row is dense). Rows stay
+    within `max_row_tokens` unless a single prompt + completion is longer.
+    """
+    prompts: dict[tuple[int, ...], torch.Tensor] = {}
+    items: list[tuple[int, tuple[int, ...], torch.Tensor]] = []
     scored = completion_mask.bool()
     for row in range(completion_ids.shape[0]):
         positions = scored[row].nonzero().flatten()
         if positions.numel() == 0:
             continue
-        completion = completion_ids[row, : int(positions[-1])]  # inputs stop before the last scored token
         prompt = prompt_ids[row][prompt_mask[row].bool()]
         if prompt.numel() == 0:
             raise ValueError("pack_shared_prefix needs at least one prompt token per row to predict the first completion token.")
         key = tuple(prompt.tolist())
-        units = units_by_prompt.setdefault(key, [])
-        if not units or (units[-1].length + completion.numel() > max_row_tokens and units[-1].completions):
-            units.append(_Unit(prompt=prompt, rows=[], completions=[]))
-            order.append(units[-1])
-        units[-1].rows.append(row)
-        units[-1].completions.append(completion)
-    return order
+        prompts.setdefault(key, prompt)
+        items.append((row, key, completion_ids[row, : int(positions[-1])]))  # inputs stop before the last scored token
+    if not items:
+        return []
+    items.sort(key=lambda item: (-item[2].numel(), item[0]))
+    total = sum(c.numel() for _, _, c in items) + sum(p.numel() for p in prompts.values())
+    longest = max(prompts[key].numel() + c.numel() for _, key, c in items)
+    if total <= max_row_tokens:
+        candidates = range(1, 2)  # everything fits one row: no padding at all
+    else:
+        fewest = min(len(items), math.ceil(total / max_row_tokens))
+        candidates = range(fewest, min(len(items), fewest + 3) + 1)
+    best = None
+    for num_rows in candidates:
+        rows: list[dict[tuple[int, ...], _Unit]] = [{} for _ in range(num_rows)]
+        lengths = [0] * num_rows
+        for row, key, completion in items:
+            grown = [lengths[r] + completion.numel() + (0 if key in rows[r] else prompts[key].numel()) for r in range(num_rows)]
+            r = min(range(num_rows), key=grown.__getitem__)
+            unit = rows[r].setdefault(key, _Unit(prompt=prompts[key], rows=[], completions=[]))
+            unit.rows.append(row)
+            unit.completions.append(completion)
+            lengths[r] = grown[r]
+        length = max(lengths)
+        rank = (length > max(max_row_tokens, longest), num_rows * length * (1 + attention_pair_cost * length))
+        if best is None or rank < best[0]:
+            best = (rank, [list(units.values()) for units in rows if units])
+    return best[1]
 
 
-def _fill_rows(units: list[_Unit], max_row_tokens: int) -> list[list[_Unit]]:
-    """First-fit decreasing: few rows, little padding at their ends."""
-    rows: list[list[_Unit]] = []
-    free: list[int] = []
-    for unit in sorted(units, key=lambda u: u.length, reverse=True):
-        for index, space in enumerate(free):
-            if unit.length <= space:
-                rows[index].append(unit)
-                free[index] -= unit.length
-                break
-        else:
-            rows.append([unit])
-            free.append(max(max_row_tokens, unit.length) - unit.length)
-    return rows
+def relative_attention_cost(config) -> float:
+    """Forward cost of one attended (query, key) pair relative to one token through a decoder layer's
+    linear weights: 4·heads·head_dim FLOPs against 2·(weights per layer)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        weights = hidden * head_dim * 2 * (heads + kv_heads) + 3 * hidden * config.intermediate_size
+    except (AttributeError, TypeError):
+        return DEFAULT_ATTENTION_PAIR_COST
+    return 2 * heads * head_dim / weights
 
 
 def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:

@@ -178,3 +178,13 @@ def test_migration_metrics_table_covers_logged_names(migration_text):
             if "<" in name or "*" in name or name == "loss":  # patterns, and Trainer's own metric
                 continue
             assert f'"{name}"' in trl_source, f"TRL's GRPOTrainer does not log {name!r}"
+
+
+def test_benchmark_tables_match_the_result_files():
+    """docs/benchmarks.md shows what benchmarks/results/*.json hold (benchmarks/report.py writes the tables)."""
+    spec = importlib.util.spec_from_file_location("benchmark_report", ROOT / "benchmarks" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    assert report.render(text) == text, "run: python benchmarks/report.py"
+    assert "| 0." in text  # the tables are filled in, not empty markers

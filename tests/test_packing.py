@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gspo_trl.logprobs import completion_logprobs
-from gspo_trl.packing import pack_shared_prefix, padding_free_unsupported_reason
+from gspo_trl.packing import pack_shared_prefix, padding_free_unsupported_reason, relative_attention_cost
 
 PAD = 0
 
@@ -63,10 +63,20 @@ def test_row_cap_splits_groups_repeats_the_prompt_and_pads_only_row_ends():
     assert packed.num_padding_tokens == 0
     assert all(row[:3] == [1, 2, 3] for row in packed.input_ids.tolist())
 
-    completion_mask[2, 2:] = 0  # the last completion's input is now one token: it joins the second unit
+    completion_mask[2, 2:] = 0  # the last completion's input is now one token: it joins a row with room
     packed = pack_shared_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens=8, pad_token_id=PAD)
-    assert packed.input_ids.tolist() == [[1, 2, 3, 15, 16, 17, 18, 20], [1, 2, 3, 10, 11, 12, 13, PAD]]
+    assert packed.input_ids.tolist() == [[1, 2, 3, 10, 11, 12, 13, 20], [1, 2, 3, 15, 16, 17, 18, PAD]]
     assert packed.num_padding_tokens == 1
+
+
+def test_rows_are_balanced_longest_completion_first():
+    # Completion inputs of 6, 6, 2 and 2 tokens after a 2-token prompt, rows capped at 10: two rows of
+    # prompt + 6 + 2 = 10 positions each, no padding (cutting the group in order would need three rows).
+    prompt_ids = torch.tensor([[1, 2]] * 4)
+    completion_ids = torch.arange(10, 38).reshape(4, 7)
+    completion_mask = torch.tensor([[1] * 7, [1] * 7, [1] * 3 + [0] * 4, [1] * 3 + [0] * 4])
+    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, max_row_tokens=10)
+    assert packed.input_ids.shape == (2, 10) and packed.num_padding_tokens == 0
 
 
 def test_nothing_scored_gives_none():
@@ -114,7 +124,7 @@ def logps_and_grads(model, inputs, **kwargs):
     return logps.detach(), entropy, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("max_row_tokens", [1024, 12])  # one row for everything / groups split over rows
+@pytest.mark.parametrize("max_row_tokens", [1024, 12])  # one row for everything / groups spread over rows
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_packed_forward_matches_padded_rows(tiny_model, max_row_tokens, attention):
     tiny_model.config._attn_implementation = attention
@@ -164,3 +174,10 @@ def test_supported_models_and_reasons_for_the_rest():
     assert "sliding-window" in padding_free_unsupported_reason(mistral)
     llama.config._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in padding_free_unsupported_reason(llama)
+
+
+def test_relative_attention_cost_by_hand():
+    config = tiny_config("llama", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    # weights per layer: q, o 64×64 each, k, v 64×32 each (12,288) + gate, up, down 3×64×128 (24,576);
+    # a pair costs 4·heads·head_dim = 256 FLOPs against 2 × 36,864 for a token.
+    assert relative_attention_cost(config) == pytest.approx(256 / (2 * 36864))
