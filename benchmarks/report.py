@@ -47,6 +47,40 @@ def _cell(value, fmt: str) -> str:
     return "—" if value is None else fmt.format(value)
 
 
+def _row(columns, key: str, label: str, fmt: str) -> str:
+    row = f"| {label} |"
+    for _, data in columns:
+        summary = data["summary"]
+        ours, trl = _median(summary, "ours", key), _median(summary, "trl", key)
+        ratios = [r for r in summary["ratio_ours_over_trl"].get(key, {}).get("per_pair", []) if r is not None]
+        ratio = _ratio_cell(ratios) if ratios and key not in ("matmul_peak_gflop_per_s", "padding_share") else ""
+        if key == "step_s" and ratio:
+            ratio = f"**{ratio}**"
+        row += f" {_cell(ours, fmt)} | {_cell(trl, fmt)} | {ratio} |"
+    return row
+
+
+def _ratio_cell(ratios: list[float]) -> str:
+    return f"{sorted(ratios)[len(ratios) // 2]:.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
+
+
+def _normalized_row(columns) -> str:
+    """Round time per 1000 sampled completion tokens: the step time with the token count divided out
+    (sampling diverges after the warm-up round, so the two trainers do not sample equally long completions)."""
+    row = "| **round time per 1000 completion tokens (s)** |"
+    for _, data in columns:
+        per_pair: dict[int, dict[str, float]] = {}
+        for run in data["runs"]:
+            figures = run.get("result", {}).get("figures")
+            if figures:
+                per_pair.setdefault(run["pair"], {})[run["impl"]] = 1000 * figures["round_s"] / figures["completion_tokens"]
+        ours = sorted(v["ours"] for v in per_pair.values() if "ours" in v)
+        trl = sorted(v["trl"] for v in per_pair.values() if "trl" in v)
+        ratios = [v["ours"] / v["trl"] for v in per_pair.values() if "ours" in v and "trl" in v]
+        row += f" {ours[len(ours) // 2]:.2f} | {trl[len(trl) // 2]:.2f} | **{_ratio_cell(ratios)}** |"
+    return row
+
+
 def main_table() -> str:
     columns = []
     for name, label in (("full", "full fine-tune"), ("lora", "LoRA r=16")):
@@ -58,49 +92,49 @@ def main_table() -> str:
         runs = len(data["summary"]["per_impl"]["ours"]["step_s"]["values"])
         header += f" {label}: ours | TRL | ours/TRL (min–max over {runs} pairs) |"
         rule += "---|---|---|"
-    lines = [header, rule]
-    for key, label, fmt in MAIN_ROWS:
-        row = f"| {label} |"
-        for _, data in columns:
-            summary = data["summary"]
-            ours, trl = _median(summary, "ours", key), _median(summary, "trl", key)
-            ratios = [r for r in summary["ratio_ours_over_trl"].get(key, {}).get("per_pair", []) if r is not None]
-            if ratios and key not in ("matmul_peak_gflop_per_s", "padding_share"):
-                ratio = f"{sorted(ratios)[len(ratios) // 2]:.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
-            else:
-                ratio = ""
-            bold = key == "step_s"
-            ratio = f"**{ratio}**" if bold and ratio else ratio
-            row += f" {_cell(ours, fmt)} | {_cell(trl, fmt)} | {ratio} |"
-        lines.append(row)
+    lines = [header, rule, _row(columns, *MAIN_ROWS[0])]
+    lines.append(_normalized_row(columns))
+    for key, label, fmt in MAIN_ROWS[1:]:
+        lines.append(_row(columns, key, label, fmt))
     return "\n".join(lines)
 
 
 def scaling_table() -> str:
     rows = json.loads((RESULTS / "scaling" / "scaling.json").read_text())
     lines = [
-        "| max completion length | mean sampled | ours s/step | TRL s/step | ours/TRL | ours peak RSS (MiB) | TRL peak RSS (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| max completion length | mean sampled: ours / TRL | s/step: ours | TRL | ours/TRL | per completion token: ours/TRL "
+        "| peak RSS (MiB): ours | TRL |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for length in sorted({r["max_completion_length"] for r in rows}):
-        got = {r["impl"]: r for r in rows if r["max_completion_length"] == length}
+        failed = {r["impl"]: r["error"] for r in rows if r["max_completion_length"] == length and "error" in r}
+        got = {r["impl"]: r for r in rows if r["max_completion_length"] == length and "error" not in r}
         ours, trl = got.get("ours"), got.get("trl")
-        mean = " / ".join(f"{got[i]['mean_completion_length']:.0f}" for i in ("ours", "trl") if i in got)
-        ratio = f"{ours['step_s'] / trl['step_s']:.2f}" if ours and trl else "—"
+        mean = " / ".join(f"{got[i]['mean_completion_length']:.1f}" if i in got else "—" for i in ("ours", "trl"))
+        ratio = per_token = "—"
+        if ours and trl:
+            ratio = f"{ours['step_s'] / trl['step_s']:.2f}"
+            per_token = f"{(ours['step_s'] / ours['mean_completion_length']) / (trl['step_s'] / trl['mean_completion_length']):.2f}"
+        def step(impl, row):
+            return f"failed ({failed[impl]})" if impl in failed else _cell(row and row["step_s"], "{:.2f}")
+
+        def rss(impl, row):
+            return "—" if impl in failed else _cell(row and row["peak_rss_mb"], "{:.0f}")
+
         lines.append(
-            f"| {length} | {mean} | {_cell(ours and ours['step_s'], '{:.2f}')} | {_cell(trl and trl['step_s'], '{:.2f}')} "
-            f"| {ratio} | {_cell(ours and ours['peak_rss_mb'], '{:.0f}')} | {_cell(trl and trl['peak_rss_mb'], '{:.0f}')} |"
+            f"| {length} | {mean} | {step('ours', ours)} | {step('trl', trl)} "
+            f"| {ratio} | {per_token} | {rss('ours', ours)} | {rss('trl', trl)} |"
         )
     return "\n".join(lines)
 
 
 def render(text: str) -> str:
     for name, build in (("main", main_table), ("scaling", scaling_table)):
-        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(\n<!-- /results:{name} -->)", re.S)
+        pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"report.py: no <!-- results:{name} --> markers in {DOC}")
         table = build()
-        text = pattern.sub(lambda m: m.group(1) + table + m.group(2), text)
+        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
     return text
 
 

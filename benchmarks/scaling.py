@@ -40,7 +40,8 @@ def run_length(args, length: int) -> Path:
         "--out", str(out),
     ]
     print("[scaling] " + " ".join(command), flush=True)
-    subprocess.run(command, check=True)
+    # A worker that fails (e.g. killed for memory) is recorded in the JSON; the other lengths still run.
+    subprocess.run(command, check=False)
     return out
 
 
@@ -48,7 +49,13 @@ def collect(paths: dict[int, Path]) -> list[dict]:
     rows = []
     for length, path in sorted(paths.items()):
         data = json.loads(path.read_text())
+        for run in data["runs"]:
+            if run.get("error"):
+                rows.append({"max_completion_length": length, "impl": run["impl"], "error": run["error"],
+                             "source": str(path.relative_to(HERE.parent))})
         for impl, figures in data["summary"]["per_impl"].items():
+            if "step_s" not in figures:
+                continue
             rows.append({
                 "max_completion_length": length,
                 "impl": impl,
@@ -72,7 +79,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for impl, style in (("ours", "o-"), ("trl", "s--")):
-        points = [r for r in rows if r["impl"] == impl]
+        points = [r for r in rows if r["impl"] == impl and "error" not in r]
         if not points:
             continue
         label = "gspo-trl" if impl == "ours" else "TRL 1.16 (GSPO mode)"
@@ -82,6 +89,10 @@ def plot(rows: list[dict], out: Path) -> None:
         for r in points:
             left.annotate(f"{r['mean_completion_length']:.0f}", (r["max_completion_length"], r["step_s"]),
                           textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for r in rows:
+        if "error" in r:
+            left.annotate(f"{r['impl']}: {r['error']}", (r["max_completion_length"], 0), textcoords="offset points",
+                          xytext=(-120, 8), fontsize=7, color="red")
     for axis in (left, right):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("max completion length (tokens)")
@@ -119,6 +130,9 @@ def main(argv=None) -> int:
     (out_dir / "scaling.json").write_text(json.dumps(rows, indent=1) + "\n")
     plot(rows, out_dir / "scaling.png")
     for r in rows:
+        if "error" in r:
+            print(f"  max {r['max_completion_length']:>5}  {r['impl']:<4}  failed: {r['error']}")
+            continue
         print(f"  max {r['max_completion_length']:>5}  {r['impl']:<4}  {r['step_s']:7.2f} s/step  "
               f"{r['peak_rss_mb']:7.0f} MiB  mean completion {r['mean_completion_length']:.1f}")
     return 0
