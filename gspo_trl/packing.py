@@ -168,7 +168,10 @@ def _assign_rows(
             continue
         prompt = prompt_ids[row][prompt_mask[row].bool()]
         if prompt.numel() == 0:
-            raise ValueError("pack_shared_prefix needs at least one prompt token per row to predict the first completion token.")
+            raise ValueError(
+                f"pack_shared_prefix: row {row} has an empty prompt (zero tokens), so nothing predicts its first "
+                "completion token. Remove empty prompts from the dataset (e.g. dataset.filter(lambda r: r['prompt']))."
+            )
         key = tuple(prompt.tolist())
         prompts.setdefault(key, prompt)
         items.append((row, key, completion_ids[row, : int(positions[-1])]))  # inputs stop before the last scored token

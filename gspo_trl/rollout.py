@@ -2,8 +2,9 @@
 
 Owns prompt rendering (chat template for conversational prompts), tokenization with left padding,
 sampling (each distinct prompt prefilled once), and the EOS/truncation bookkeeping of the result.
-The trainer only sees the `Rollout` record, so another backend (a vLLM server, vLLM colocated) plugs in by implementing
-`RolloutBackend.generate`. What it does not own: rewards, advantages and log-probabilities.
+The trainer only sees the `Rollout` record, so another backend (a vLLM server, vLLM colocated)
+plugs in by implementing `RolloutBackend.generate`. What it does not own: rewards, advantages and
+log-probabilities.
 """
 
 from __future__ import annotations

@@ -181,3 +181,11 @@ def test_relative_attention_cost_by_hand():
     # weights per layer: q, o 64×64 each, k, v 64×32 each (12,288) + gate, up, down 3×64×128 (24,576);
     # a pair costs 4·heads·head_dim = 256 FLOPs against 2 × 36,864 for a token.
     assert relative_attention_cost(config) == pytest.approx(256 / (2 * 36864))
+
+
+def test_an_empty_prompt_is_a_clear_error():
+    prompt_ids = torch.tensor([[PAD, PAD], [5, 6]])
+    prompt_mask = torch.tensor([[0, 0], [1, 1]])
+    completion = torch.tensor([[7, 8], [7, 8]])
+    with pytest.raises(ValueError, match="row 0 has an empty prompt"):
+        pack_shared_prefix(prompt_ids, prompt_mask, completion, torch.ones_like(completion))
