@@ -68,6 +68,14 @@ class GSPOConfig(TrainingArguments):
             "a path) when the `model` argument of `GSPOTrainer` is a string."
         },
     )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the LM head's weight in fp32 and project to the vocabulary in fp32, outside autocast, for "
+            "precise log-probabilities with a bf16/fp16 model (the ScaleRL recipe, as in TRL). A tied head's input "
+            "embedding becomes fp32 too (its output is cast back). Not with a PEFT adapter on lm_head."
+        },
+    )
     disable_dropout: bool = field(
         default=True,
         metadata={

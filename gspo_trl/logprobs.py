@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, relative_attention_cost
+from .precision import Float32LMHead, project_in_fp32
 
 
 def _chunk_logps_and_entropy(
@@ -26,8 +27,9 @@ def _chunk_logps_and_entropy(
     labels: torch.Tensor,  # (N,)
     temperature: float,
     softcap: float | None,
+    fp32_head: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float()  # (N, V), fp32 for a stable log-softmax
+    logits = _project(hidden, weight, bias, fp32_head).float()  # (N, V), fp32 for a stable log-softmax
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
@@ -37,6 +39,16 @@ def _chunk_logps_and_entropy(
         probs = torch.softmax(logits, dim=-1)
         entropy = log_normalizer - (probs * logits).sum(-1)
     return logps, entropy
+
+
+def _project(hidden, weight, bias, fp32_head: bool) -> torch.Tensor:
+    """The LM head projection. Under autocast (see `precision`) both operands take autocast's dtype;
+    without it, the hidden states take the head's dtype, as inside the model's own forward."""
+    if fp32_head:
+        return project_in_fp32(hidden, weight, bias)
+    if not torch.is_autocast_enabled(hidden.device.type):
+        hidden = hidden.to(weight.dtype)
+    return F.linear(hidden, weight, bias)
 
 
 def completion_logprobs(
@@ -134,6 +146,7 @@ def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_s
             labels_valid[start : start + chunk_size],
             temperature,
             softcap,
+            isinstance(head, Float32LMHead),
         )
         if use_checkpoint:
             logps, entropy = checkpoint(_chunk_logps_and_entropy, *args, use_reentrant=False)

@@ -41,6 +41,7 @@ from .models import (
     reference_weights,
 )
 from .packing import padding_free_unsupported_reason
+from .precision import cast_lm_head_to_fp32, check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import HFGenerateBackend, is_conversational_prompt
 
@@ -88,7 +89,10 @@ class GSPOTrainer(Trainer):
         tokenizer = load_tokenizer(processing_class, model)
         if args.disable_dropout:
             disable_dropout(model)
+        if args.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(model)
         model = apply_peft(model, peft_config, args.activation_checkpointing)
+        check_precision(model, args)
         self.reward_funcs = load_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs)
         self.reward_weights = resolve_reward_weights(args.reward_weights, len(self.reward_funcs))
         self.ref_model = create_reference_model(model) if args.beta > 0 else None
@@ -123,6 +127,13 @@ class GSPOTrainer(Trainer):
         self._step = 0
         self._num_tokens_seen = 0
         self._rollout_generator = torch.Generator().manual_seed(args.seed)
+
+    # --- precision ----------------------------------------------------------------------------
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        # Trainer wraps compute_loss in this; every other forward takes the same context, so the LM head
+        # (outside the model's autocast-wrapped forward) and the old/new log-probs match.
+        return precision_context(self.accelerator)
 
     # --- data ---------------------------------------------------------------------------------
 
@@ -200,7 +211,8 @@ class GSPOTrainer(Trainer):
     def _generate_and_score(self, batch: list[dict], mode: str) -> dict[str, Any]:
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in batch]
-        rollout = self.rollout_backend.generate(prompts)
+        with precision_context(self.accelerator):
+            rollout = self.rollout_backend.generate(prompts)
         completion_mask = rollout.completion_mask
         completion_texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         if is_conversational_prompt(prompts[0]):
@@ -253,16 +265,17 @@ class GSPOTrainer(Trainer):
         chunks = []
         for start in range(0, inputs["input_ids"].shape[0], micro):
             rows = slice(start, start + micro)
-            logps, _ = completion_logprobs(
-                model,
-                inputs["input_ids"][rows],
-                inputs["attention_mask"][rows],
-                inputs["completion_ids"][rows],
-                inputs["completion_mask"][rows],
-                temperature=self.args.temperature,
-                chunk_size=self.args.logprob_chunk_size,
-                padding_free=self.padding_free,
-            )
+            with precision_context(self.accelerator):
+                logps, _ = completion_logprobs(
+                    model,
+                    inputs["input_ids"][rows],
+                    inputs["attention_mask"][rows],
+                    inputs["completion_ids"][rows],
+                    inputs["completion_mask"][rows],
+                    temperature=self.args.temperature,
+                    chunk_size=self.args.logprob_chunk_size,
+                    padding_free=self.padding_free,
+                )
             chunks.append(logps)
         return torch.cat(chunks)
 
@@ -316,7 +329,7 @@ class GSPOTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
-        with torch.no_grad():
+        with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# trackio fixes its folder when first imported (TRL imports it): keep test runs out of the user's cache.
+os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="gspo-trl-tests-trackio-"))
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

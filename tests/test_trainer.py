@@ -4,6 +4,7 @@ metrics, checkpoints and the model card. Learning itself is tested on the real m
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,9 +248,15 @@ def test_report_to_backends_write_the_gspo_metrics_offline(tmp_path, tiny_model_
         import wandb
 
         wandb.finish()
-    written = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "out" not in p.parts)
+    folders = [tmp_path]
+    if backend == "trackio":  # trackio reads TRACKIO_DIR once, at import (TRL imports it): conftest sets it
+        import trackio.utils
+
+        folders.append(Path(trackio.utils.TRACKIO_DIR))
+    files = [p for folder in folders for p in folder.rglob("*") if p.is_file() and "out" not in p.parts]
+    written = b"".join(p.read_bytes() for p in files)
     # every backend stores the metric names; clip_ratio/region is GSPO's own
-    assert b"clip_ratio/region" in written and b"reward" in written, sorted(str(p) for p in tmp_path.rglob("*"))
+    assert b"clip_ratio/region" in written and b"reward" in written, sorted(map(str, files))
 
 
 def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp_path, tiny_model_dir):
