@@ -47,7 +47,7 @@ trainer then takes several micro-steps on it.
   `generation_batch_size / num_generations` prompts. Set either this or `steps_per_generation`, not both.
 - `steps_per_generation`: micro-steps trained on each rollout. Default `4 × gradient_accumulation_steps`: every
   rollout is split into four optimizer steps, the GSPO paper's setting (TRL's default is GA, i.e. one step).
-  Keep it a multiple of GA so that no optimizer step mixes two rollouts.
+  A multiple of GA keeps each optimizer step within one rollout; other values are scheduled correctly too.
 - `num_iterations` (μ): passes over each rollout, so a rollout lasts `steps_per_generation × num_iterations`
   micro-steps, or `steps_per_generation × num_iterations / GA` optimizer steps.
 
@@ -56,10 +56,21 @@ so `per_device_train_batch_size` need not be a multiple of `num_generations`.
 
 Training is **on-policy** exactly when `steps_per_generation == gradient_accumulation_steps` and
 `num_iterations == 1` (`GSPOConfig.is_on_policy`): each rollout feeds one optimizer step with the weights that
-sampled it, every importance ratio is exactly 1, and the trainer skips the extra no-grad forward pass that
-records the old log-probabilities. With the defaults, training is off-policy: the micro-batches of a rollout's
-first optimizer step are still on-policy (no extra pass, ratio 1), the later ones get their old log-probabilities
-from one no-grad pass made before any update, and `epsilon` / `epsilon_high` clip them.
+sampled it, every importance ratio is exactly 1, and no old-log-prob pass runs.
+
+**When π_old is computed** (`gspo_trl.schedule.micro_batches_needing_old_logprobs`). Micro-batch i of a rollout
+is trained on at uses j × steps_per_generation + i (pass j < μ), counted in micro-steps from the sampling. An
+optimizer step comes after every GA micro-steps (transformers closes a shorter last window at the end of an
+epoch, which always ends with a rollout). If the rollout was sampled `o` micro-steps into an accumulation window,
+the weights first move after use GA − o − 1. So micro-batch i needs π_old exactly when its last use,
+(μ − 1) × steps_per_generation + i, is ≥ GA − o; it then gets π_old from one no-grad pass made right after
+sampling, before any update. Every other micro-batch is trained only with the sampling weights, and the loss uses
+old = sg[log π] (ratio exactly 1, one forward saved). This holds for every accepted combination of the fields
+above, including rollouts that start inside an accumulation window and runs resumed mid-rollout (which sample a
+new rollout at the resume point and train on its remaining uses). `always_compute_old_logprobs=True` runs the pass
+for every micro-batch: the reference the tests compare the rule against (same losses, ratios and weights). The
+trainer also checks, at each micro-step, that a micro-batch without π_old meets the weights that sampled it, and
+raises otherwise.
 
 Example, 1 GPU, `per_device_train_batch_size=8`, `gradient_accumulation_steps=2`, `num_generations=8`:
 `steps_per_generation = 8`, `generation_batch_size = 64`, so each rollout is 8 prompts × 8 completions,

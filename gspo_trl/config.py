@@ -117,6 +117,15 @@ class GSPOConfig(TrainingArguments):
         default=1,
         metadata={"help": "Passes over each rollout batch (μ in the GRPO/GSPO papers)."},
     )
+    always_compute_old_logprobs: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the π_old forward for every micro-batch of a rollout. By default it is skipped for the "
+            "micro-batches whose every use comes before the first optimizer step after their rollout: there the "
+            "current weights are π_old, so old = sg[log π] and the ratio is exactly 1. Same results either way "
+            "(a reference mode for checking the schedule), one forward more per skipped micro-batch."
+        },
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature. Must be > 0."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the top tokens of this mass, in (0, 1]."})
     top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens when sampling; 0 disables it."})

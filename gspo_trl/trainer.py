@@ -44,6 +44,7 @@ from .packing import padding_free_unsupported_reason
 from .precision import cast_lm_head_to_fp32, check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import HFGenerateBackend, is_conversational_prompt
+from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
 
 
 logger = logging.get_logger(__name__)
@@ -124,7 +125,10 @@ class GSPOTrainer(Trainer):
         self._metrics = MetricsBuffer()
         self._completion_samples: list[dict] = []
         self._buffered_inputs: list[dict] | None = None
-        self._step = 0
+        self._step = 0  # micro-steps trained, counted from the start of the epoch on resume
+        self._window_global_step, self._window_offset = None, 0  # micro-steps since the last optimizer step
+        self._rollout_global_step = 0  # optimizer steps done when the buffered rollout was sampled
+        self._micro_steps_per_epoch = 0
         self._num_tokens_seen = 0
         self._rollout_generator = torch.Generator().manual_seed(args.seed)
 
@@ -144,13 +148,15 @@ class GSPOTrainer(Trainer):
 
     def get_train_dataloader(self):
         # One dataloader batch is a whole local generation batch (steps_per_generation micro-batches).
-        return self._get_dataloader(
+        dataloader = self._get_dataloader(
             dataset=self.train_dataset,
             description="Training",
             batch_size=self._train_batch_size * self.args.steps_per_generation,
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
+        self._micro_steps_per_epoch = len(dataloader)  # the Trainer's steps_in_epoch
+        return dataloader
 
     def _get_train_sampler(self, dataset=None):
         # Each prompt appears num_generations times in a row; each generation batch is repeated for
@@ -172,38 +178,45 @@ class GSPOTrainer(Trainer):
     def _prepare_inputs(self, generation_batch: list[dict]) -> dict[str, Any]:
         if not self.model.training:
             return self._generate_and_score(generation_batch, mode="eval")
-        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        args = self.args
+        uses_per_rollout = args.steps_per_generation * args.num_iterations
         if self._buffered_inputs is None:
-            # Start or resume: take up the schedule at the dataloader's position (a resumed run
-            # regenerates the current rollout, then stays aligned with the prompts it is given).
-            self._step = self.state.global_step * self.args.gradient_accumulation_steps
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            # Start or resume: take up the schedule at the dataloader's position. A run resumed
+            # mid-rollout samples a new rollout there and trains on its remaining uses.
+            self._step = micro_steps_into_epoch(
+                self.state.global_step, self._micro_steps_per_epoch, args.gradient_accumulation_steps
+            )
+        use = self._step % uses_per_rollout
+        if use == 0 or self._buffered_inputs is None:
             rollout_batch = self._generate_and_score(generation_batch, mode="train")
             micro_batches = _split_batch(
-                rollout_batch, self.args.steps_per_generation, self.args.num_generations, self._rollout_generator
+                rollout_batch, args.steps_per_generation, args.num_generations, self._rollout_generator
             )
-            for index, micro_batch in enumerate(micro_batches):
-                if self._trained_after_an_update(index):
+            needs_old = micro_batches_needing_old_logprobs(
+                steps_per_generation=args.steps_per_generation,
+                num_iterations=args.num_iterations,
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
+                window_offset=self._window_offset,
+                first_use=use,
+            )
+            for micro_batch, needed in zip(micro_batches, needs_old):
+                if needed or args.always_compute_old_logprobs:
                     micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
             self._buffered_inputs = micro_batches
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
-    def _trained_after_an_update(self, micro_index: int) -> bool:
-        """Whether a rollout's micro-batch meets weights other than those that sampled it.
-
-        The micro-batches of the first optimizer step after a rollout are trained with the sampling
-        weights, so their π_old is the current policy: the loss uses old = sg[log π] (ratio exactly
-        1) and no old-log-prob forward is needed. The others need one, computed before any update.
-        """
-        return self.args.num_iterations > 1 or micro_index >= self.args.gradient_accumulation_steps
+            self._rollout_global_step = self.state.global_step
+        return self._buffered_inputs[use % args.steps_per_generation]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.state.global_step != self._window_global_step:  # the first micro-step after an optimizer step
+            self._window_global_step, self._window_offset = self.state.global_step, 0
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._step += 1
+        self._window_offset += 1
         return loss
 
     def _inner_training_loop(self, *args, **kwargs):
         self._buffered_inputs = None
+        self._window_global_step, self._window_offset = None, 0
         return super()._inner_training_loop(*args, **kwargs)
 
     # --- rollout ------------------------------------------------------------------------------
@@ -298,6 +311,8 @@ class GSPOTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("GSPOTrainer.compute_loss does not return model outputs (return_outputs=True).")
+        if inputs["old_per_token_logps"] is None and self.model.training:
+            self._check_sampling_weights_unchanged()
         per_token_logps, per_token_entropy = completion_logprobs(
             model,
             inputs["input_ids"],
@@ -326,6 +341,16 @@ class GSPOTrainer(Trainer):
         metrics = loss_metrics(stats, entropy_mean.detach(), self.args.beta)
         self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather))
         return loss
+
+    def _check_sampling_weights_unchanged(self) -> None:
+        # Training with old = sg[log π] is only right while the weights are those that sampled the rollout.
+        if self.state.global_step != self._rollout_global_step:
+            raise RuntimeError(
+                f"gspo-trl schedule error: a micro-batch without π_old log-probs is trained at optimizer step "
+                f"{self.state.global_step}, after its rollout was sampled at step {self._rollout_global_step}; its "
+                "importance ratio would be wrong. Please report this with your GSPOConfig; "
+                "always_compute_old_logprobs=True avoids it."
+            )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

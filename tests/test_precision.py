@@ -1,5 +1,5 @@
 """gspo_trl.precision on CPU (bf16 autocast runs there): the GPU recipes users run train, log-probs
-match TRL's on the same batch in each mode."""
+match TRL's on the same batch in each mode, and an unchanged policy's importance ratio is exactly 1."""
 
 from __future__ import annotations
 
@@ -79,6 +79,19 @@ def test_gpu_recipes_train(tmp_path, tiny_model_dir, recipe):
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in logs)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if n in before)
+
+
+def test_unchanged_policy_ratio_is_exactly_one_in_bf16(tmp_path, tiny_model_dir):
+    # π_old from the no-grad pass, π from the training forward: the same arithmetic, so bf16 rounding
+    # cannot make the first step's ratio differ from 1. The second step's weights have moved.
+    trainer = GSPOTrainer(
+        load(tiny_model_dir, torch.bfloat16), count_digits, train_dataset=dataset(),
+        args=config(tmp_path, always_compute_old_logprobs=True, learning_rate=5e-2),
+    )
+    trainer.train()
+    first, second = [e for e in trainer.state.log_history if "loss" in e]
+    assert first["ratio/min"] == first["ratio/max"] == 1.0
+    assert second["ratio/min"] != 1.0 or second["ratio/max"] != 1.0
 
 
 def test_fp16_weights_with_fp16_are_rejected_at_construction(tmp_path, tiny_model_dir):

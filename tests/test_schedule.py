@@ -1,0 +1,193 @@
+"""gspo_trl.schedule: which micro-batches need π_old, by hand, against a simulation of Trainer's
+optimizer steps, and end to end: the shortcut gives the reference mode's losses, ratios and weights
+for every combination of gradient_accumulation_steps × steps_per_generation × num_iterations."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from datasets import Dataset
+
+from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl.schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
+
+
+def needs(spg, mu, ga, offset=0, first_use=0):
+    return micro_batches_needing_old_logprobs(
+        steps_per_generation=spg, num_iterations=mu, gradient_accumulation_steps=ga, window_offset=offset,
+        first_use=first_use,
+    )
+
+
+def test_hand_derived_cases():
+    # The paper's schedule: 4 optimizer steps of 2 micro-batches; only the first step's pair is on-policy.
+    assert needs(8, 1, 2) == [False, False] + [True] * 6
+    # On-policy: one optimizer step per rollout, no π_old at all.
+    assert needs(4, 1, 4) == [False] * 4
+    # A rollout that starts after one micro-step of a window of 2: micro-batch 0 ends the window.
+    assert needs(3, 1, 2, offset=1) == [False, True, True]
+    # Two passes inside one window of 4 micro-steps: the weights never move under this rollout.
+    assert needs(2, 2, 4) == [False, False]
+    # Two passes, one step per pass: every micro-batch is reused after the first update.
+    assert needs(2, 2, 2) == [True, True]
+    # Resumed at use 3 of 4 (two passes of 2): micro-batch 0 is done, micro-batch 1 has its last use left.
+    assert needs(2, 2, 1, first_use=3) == [False, False]
+    assert needs(2, 2, 1, first_use=2) == [False, True]
+
+
+def test_rejects_positions_outside_the_rollout():
+    with pytest.raises(ValueError, match="window_offset"):
+        needs(2, 1, 2, offset=2)
+    with pytest.raises(ValueError, match="first_use"):
+        needs(2, 1, 2, first_use=2)
+
+
+def simulate(spg, mu, ga, rollouts_per_epoch, epochs=2):
+    """Trainer's loop written out: per micro-step (epoch position, optimizer steps done before it)."""
+    steps_in_epoch = rollouts_per_epoch * spg * mu
+    timeline, updates = [], 0
+    for _ in range(epochs):
+        for t in range(steps_in_epoch):
+            timeline.append((t, updates))
+            if (t + 1) % ga == 0 or t + 1 == steps_in_epoch:
+                updates += 1
+    return timeline, steps_in_epoch
+
+
+GRID = list(itertools.product([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3], [1, 2, 3]))  # ga, spg, mu, rollouts/epoch
+
+
+@pytest.mark.parametrize("ga,spg,mu,rollouts_per_epoch", GRID)
+def test_rule_matches_simulated_optimizer_steps(ga, spg, mu, rollouts_per_epoch):
+    timeline, steps_in_epoch = simulate(spg, mu, ga, rollouts_per_epoch)
+    uses = spg * mu
+    for start in range(0, len(timeline), uses):
+        epoch_position, sampled_at = timeline[start]
+        expected = [
+            any(timeline[start + j * spg + i][1] != sampled_at for j in range(mu)) for i in range(spg)
+        ]
+        assert needs(spg, mu, ga, offset=epoch_position % ga) == expected, (start, expected)
+
+
+@pytest.mark.parametrize("ga,spg,mu,rollouts_per_epoch", GRID)
+def test_resume_position_and_rule_match_simulation(ga, spg, mu, rollouts_per_epoch):
+    timeline, steps_in_epoch = simulate(spg, mu, ga, rollouts_per_epoch)
+    uses = spg * mu
+    for step, (epoch_position, updates) in enumerate(timeline):
+        if step and timeline[step - 1][1] == updates:
+            continue  # a run resumes only right after an optimizer step
+        assert micro_steps_into_epoch(updates, steps_in_epoch, ga) == epoch_position
+        first_use = epoch_position % uses
+        rollout_end = step - first_use + uses
+        # A re-sampled rollout: its remaining uses compare with the weights at the resume point.
+        expected = []
+        for i in range(spg):
+            later = [step - first_use + j * spg + i for j in range(mu) if j * spg + i >= first_use]
+            expected.append(any(timeline[t][1] != updates for t in later if t < rollout_end))
+        assert needs(spg, mu, ga, first_use=first_use) == expected, (step, expected)
+
+
+# --- end to end: the shortcut against the reference mode ----------------------------------------
+
+
+def count_digits(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def length_reward(completion_ids, **kwargs):
+    return [len(ids) / 8 for ids in completion_ids]
+
+
+def train(tmp_path, tiny_model_dir, name, max_steps, resume=None, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=max_steps,
+        learning_rate=5e-3,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+    )
+    values.update(overrides)
+    dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(6)]})
+    trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=GSPOConfig(**values), train_dataset=dataset)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+STAT_NAMES = ("loss", "ratio/mean", "ratio/min", "ratio/max", "clip_ratio/region", "reward")
+
+
+def compare_runs(shortcut, reference):
+    logs = [[{k: e[k] for k in STAT_NAMES if k in e} for e in t.state.log_history if "loss" in e] for t in (shortcut, reference)]
+    assert len(logs[0]) == len(logs[1]) > 0
+    for step, (a, b) in enumerate(zip(*logs)):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name] == pytest.approx(b[name], abs=1e-6), (step, name, a[name], b[name])
+    for (name, p), q in zip(shortcut.model.named_parameters(), reference.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+
+
+SCHEDULES = [  # (gradient_accumulation_steps, steps_per_generation, num_iterations)
+    (1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 4, 1), (2, 3, 1), (3, 2, 1),
+    (2, 1, 2), (2, 2, 2), (2, 3, 2), (3, 4, 1), (4, 2, 2),
+]
+
+
+@pytest.mark.parametrize("ga,spg,mu", SCHEDULES)
+def test_shortcut_equals_always_computing_old_logprobs(tmp_path, tiny_model_dir, ga, spg, mu):
+    # 6 prompts, 1 per micro-batch: rollouts of spg prompts, so some schedules end an epoch on a short window.
+    steps = 4
+    common = dict(gradient_accumulation_steps=ga, steps_per_generation=spg, num_iterations=mu)
+    shortcut = train(tmp_path, tiny_model_dir, "shortcut", steps, **common)
+    reference = train(tmp_path, tiny_model_dir, "reference", steps, always_compute_old_logprobs=True, **common)
+    compare_runs(shortcut, reference)
+
+
+def test_ratio_moves_once_the_weights_do(tmp_path, tiny_model_dir):
+    # Four optimizer steps per rollout: steps 2-4 train with moved weights and must see ratios != 1.
+    trainer = train(tmp_path, tiny_model_dir, "moving", 4, steps_per_generation=4, learning_rate=2e-2)
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert logs[0]["ratio/min"] == logs[0]["ratio/max"] == 1.0  # sampling weights: exactly 1
+    assert all(e["ratio/max"] > 1.0 or e["ratio/min"] < 1.0 for e in logs[1:]), logs
+
+
+@pytest.mark.parametrize("resume_step", [1, 2, 3])
+def test_resume_mid_rollout_matches_the_reference_mode(tmp_path, tiny_model_dir, resume_step):
+    common = dict(gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2, save_strategy="steps", save_steps=1)
+    first = train(tmp_path, tiny_model_dir, "first", resume_step, **common)
+    checkpoint = str(tmp_path / "first" / f"checkpoint-{resume_step}")
+    resumed = [
+        train(tmp_path, tiny_model_dir, "first", 5, resume=checkpoint, **common),
+        train(tmp_path, tiny_model_dir, "first", 5, resume=checkpoint, always_compute_old_logprobs=True, **common),
+    ]
+    assert all(t.state.global_step == 5 for t in resumed) and first.state.global_step == resume_step
+    compare_runs(*resumed)
+
+
+def test_trainer_refuses_to_train_a_stale_micro_batch_without_old_logprobs(tmp_path, tiny_model_dir):
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}),
+        args=GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, use_cpu=True,
+                        max_completion_length=4, report_to="none"),
+    )
+    trainer.model.train()
+    batch = trainer._generate_and_score([{"prompt": "a"}, {"prompt": "a"}], "train")
+    trainer.state.global_step = 1  # an optimizer step happened after the rollout was sampled at step 0
+    with pytest.raises(RuntimeError, match="schedule error"):
+        trainer.compute_loss(trainer.model, batch)
+
+
+def test_epoch_structure_assumed_by_the_rule(tmp_path, tiny_model_dir):
+    # An epoch ends where a rollout ends: the dataloader holds whole rollouts' uses.
+    trainer = train(tmp_path, tiny_model_dir, "epochs", 1, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2)
+    assert trainer._micro_steps_per_epoch == 6 // 3 * 3 * 2  # 2 rollouts of 3 prompts, 6 uses each
