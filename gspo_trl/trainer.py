@@ -40,7 +40,7 @@ from .models import (
     load_tokenizer,
     reference_weights,
 )
-from .packing import padding_free_unsupported_reason
+from .packing import packing_pays_on, padding_free_unsupported_reason
 from .precision import cast_lm_head_to_fp32, check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import HFGenerateBackend, is_conversational_prompt
@@ -118,7 +118,10 @@ class GSPOTrainer(Trainer):
             if isinstance(reward_func, RewardModelFunction):
                 reward_func.model = self.accelerator.prepare_model(reward_func.model, evaluation_mode=True)
 
-        self.padding_free = args.padding_free and _padding_free_supported(self.accelerator.unwrap_model(self.model))
+        padding_free = args.padding_free
+        if padding_free is None:
+            padding_free = packing_pays_on(self.accelerator.device.type)
+        self.padding_free = padding_free and _padding_free_supported(self.accelerator.unwrap_model(self.model))
         self.rollout_backend = HFGenerateBackend(
             lambda: self.accelerator.unwrap_model(self.model), tokenizer, args
         )
@@ -403,7 +406,7 @@ def _padding_free_supported(model) -> bool:
     base = model.get_base_model() if is_peft_model(model) else model
     reason = padding_free_unsupported_reason(base)
     if reason is not None:
-        logger.warning(f"padding_free=True is not used: {reason}. Training runs on padded rows.")
+        logger.warning(f"padding_free is not used: {reason}. Training runs on padded rows.")
     return reason is None
 
 

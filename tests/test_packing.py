@@ -189,3 +189,10 @@ def test_an_empty_prompt_is_a_clear_error():
     completion = torch.tensor([[7, 8], [7, 8]])
     with pytest.raises(ValueError, match="row 0 has an empty prompt"):
         pack_shared_prefix(prompt_ids, prompt_mask, completion, torch.ones_like(completion))
+
+
+def test_packing_is_the_default_on_cpu_only():
+    from gspo_trl.packing import packing_pays_on
+
+    assert packing_pays_on("cpu")
+    assert not packing_pays_on("cuda") and not packing_pays_on("xpu")
