@@ -66,13 +66,14 @@ FIGURES = [
     ("padding_share", "  of which padding", "", "{:.3f}"),
     ("train_tflop", "useful training FLOPs per round", "TFLOP", "{:.2f}"),
     ("train_gflop_per_s", "  achieved in the training phase", "GFLOP/s", "{:.1f}"),
-    ("matmul_peak_gflop_per_s", "  fp32 matmul peak (same process)", "GFLOP/s", "{:.1f}"),
+    ("matmul_peak_gflop_per_s", "  matmul peak (same process; fp32 CPU, bf16 GPU)", "GFLOP/s", "{:.1f}"),
     ("mfu", "  training-phase MFU", "", "{:.3f}"),
     ("completion_tokens", "completion tokens per round", "tok", "{:.0f}"),
     ("mean_completion_length", "mean completion length", "tok", "{:.1f}"),
     ("generate_tok_per_s", "completion tokens / generate time", "tok/s", "{:.1f}"),
     ("overall_tok_per_s", "completion tokens / round time", "tok/s", "{:.2f}"),
     ("peak_rss_mb", "peak RSS of the worker", "MiB", "{:.0f}"),
+    ("peak_gpu_mem_gib", "peak GPU memory (torch allocator)", "GiB", "{:.2f}"),
     ("setup_s", "trainer construction (untimed)", "s", "{:.1f}"),
 ]
 
@@ -103,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=float, default=None, help="Seconds before a worker is killed (default: none).")
 
     work = parser.add_argument_group("work (identical for both implementations)")
+    work.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: fp32, use_cpu=True. cuda: the "
+                      "GPU recipe, a bf16 model (model_init_kwargs dtype) with bf16=True; phases timed with the device "
+                      "synchronised; peak GPU memory and a bf16 matmul peak are recorded.")
+    work.add_argument("--architecture", choices=("smollm2-135m", "smollm2-1.7b", "tiny"), default=None,
+                      help="Time a random-init model of these sizes with the SmolLM2 tokenizer (benchmarks/"
+                      "architectures.py) on synthetic chat prompts, instead of --model on the demo's task.")
+    work.add_argument("--tokenizer", default=None, help="With --architecture: a directory holding the SmolLM2 "
+                      "tokenizer files. Default: saved once from the demo model's GGUF.")
     work.add_argument("--model", default=None, help="Model directory. Default: gspo_trl.default_model.default_model_path() "
                       "(SmolLM2-135M-Instruct, fp32).")
     work.add_argument("--dataset_size", type=int, default=256, help="Prompts drawn from the demo's reasoning-gym task.")
@@ -153,6 +162,16 @@ def default_threads() -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+_synchronize = None  # torch.cuda.synchronize when timing a GPU run
+
+
+def now() -> float:
+    """Wall-clock seconds, after the device has finished the work queued so far (whole phases are timed)."""
+    if _synchronize is not None:
+        _synchronize()
+    return time.perf_counter()
+
+
 class PhaseRecorder:
     """Intervals (phase, start, end, extra) recorded by the wrappers and the step callback."""
 
@@ -173,11 +192,11 @@ class PhaseRecorder:
             if marks_rollout:
                 recorder.in_rollout += 1
             recorder.active.append(phase)
-            start = time.perf_counter()
+            start = now()
             try:
                 result = function(*args, **kwargs)
             finally:
-                end = time.perf_counter()
+                end = now()
                 recorder.active.pop()
                 if marks_rollout:
                     recorder.in_rollout -= 1
@@ -201,10 +220,10 @@ def make_step_callback(recorder: PhaseRecorder):
             self.end: dict[int, float] = {}
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.begin[state.global_step + 1] = time.perf_counter()
+            self.begin[state.global_step + 1] = now()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.end[state.global_step] = time.perf_counter()
+            self.end[state.global_step] = now()
             if state.global_step == 1:  # Trainer turns checkpointing on inside train(), so look here
                 self.checkpointing_during_training = checkpointing_state(kwargs.get("model"))
 
@@ -302,23 +321,30 @@ def count_forward_tokens(recorder: PhaseRecorder, model) -> None:
             real = int(lengths.sum())
             pairs = int((lengths * (lengths + 1) // 2).sum())  # causal pairs among each row's real tokens
             keep = kwargs.get("logits_to_keep", 0)
-            lm_tokens = int(mask[:, -(keep - 1):].sum()) if isinstance(keep, int) and keep > 1 else 0
+            labels = kwargs.get("labels")
+            if labels is not None:  # TRL 1.16's fused head scores the positions whose next label is not -100
+                lm_tokens = int((labels[:, 1:] != -100).sum())
+            else:
+                lm_tokens = int(mask[:, -(keep - 1):].sum()) if isinstance(keep, int) and keep > 1 else 0
         recorder.forwards.append((time.perf_counter(), kind, positions, real, pairs, lm_tokens))
 
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
-def measure_matmul_peak(seconds: float = 3.0, size: int = 2048) -> float:
-    """Best fp32 matmul GFLOP/s of this process (its thread count), the denominator of the MFU."""
+def measure_matmul_peak(device: str = "cpu", seconds: float = 3.0) -> float:
+    """Best matmul GFLOP/s of this process, the denominator of the MFU: fp32 at 2048 on CPU (its
+    thread count), bf16 at 8192 on CUDA (the precision the GPU recipe trains in)."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    size, dtype = (2048, torch.float32) if device == "cpu" else (8192, torch.bfloat16)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        start = time.perf_counter()
+        start = now()
         a @ b
-        best = max(best, 2 * size**3 / (time.perf_counter() - start) / 1e9)
+        best = max(best, 2 * size**3 / (now() - start) / 1e9)
     return best
 
 
@@ -361,13 +387,13 @@ def config_kwargs(args, output_dir: str) -> dict:
         max_grad_norm=1.0,
         optim="adamw_torch_fused",  # the default of both configs
         seed=args.seed,
-        # numerics and memory: fp32 on CPU (TRL's bf16 default is True, its checkpointing default True)
-        use_cpu=True,
-        bf16=False,
+        # numerics and memory: fp32 on CPU, the bf16 GPU recipe on CUDA (TRL's checkpointing default is True)
+        use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda",
         fp16=False,
         activation_checkpointing=args.gradient_checkpointing,
         gradient_checkpointing=args.gradient_checkpointing,
-        model_init_kwargs={"dtype": "float32"},
+        model_init_kwargs={"dtype": "bfloat16" if args.device == "cuda" else "float32"},
         # bookkeeping
         logging_steps=1,
         save_strategy="no",
@@ -508,7 +534,7 @@ def summarize_worker(args, recorder: PhaseRecorder, callback, dims: dict, matmul
         forward = total("train_forward")
         tokens = sum(e[3].get("tokens", 0) for e in generate_events)
         completions = sum(e[3].get("completions", 0) for e in generate_events)
-        forwards = [f for f in recorder.forwards if start <= f[0] <= end]
+        forwards = [f for f in recorder.forwards if start <= f[0] <= end]  # (time, kind, positions, ...)
         positions = sum(f[2] for f in forwards)
         real = sum(f[3] for f in forwards)
         train = [f for f in forwards if f[1] == "train"]
@@ -556,6 +582,25 @@ def summarize_worker(args, recorder: PhaseRecorder, callback, dims: dict, matmul
     return {"figures": figures, "rounds": rounds, "step_seconds": step_seconds}
 
 
+def the_work(args, scratch_dir: str):
+    """(model path, prompt dataset, reward): the demo's model and task, or a random-init architecture."""
+    if args.architecture is not None:
+        from architectures import build_random_model, length_reward, smollm2_tokenizer_dir, synthetic_prompts
+
+        tokenizer_dir = args.tokenizer or smollm2_tokenizer_dir(Path(scratch_dir))
+        model_path = build_random_model(args.architecture, tokenizer_dir, Path(scratch_dir) / "model", args.seed)
+        return model_path, synthetic_prompts(args.dataset_size, seed=0), length_reward
+    from gspo_trl.tasks import default_task_dataset, default_task_reward
+
+    if args.model is None:
+        from gspo_trl.default_model import default_model_path
+
+        model_path = default_model_path()
+    else:
+        model_path = args.model
+    return model_path, default_task_dataset(size=args.dataset_size, seed=0), default_task_reward()
+
+
 def run_worker(args) -> dict:
     threads = args.threads or default_threads()
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -573,21 +618,15 @@ def run_worker(args) -> dict:
 
     torch.set_num_threads(threads)
 
-    from gspo_trl.tasks import default_task_dataset, default_task_reward
-
-    if args.model is None:
-        from gspo_trl.default_model import default_model_path
-
-        model_path = default_model_path()
-    else:
-        model_path = args.model
-    dataset = default_task_dataset(size=args.dataset_size, seed=0)
-    reward = default_task_reward()
+    global _synchronize
+    if args.device == "cuda":
+        _synchronize = torch.cuda.synchronize
 
     recorder = PhaseRecorder()
     (instrument_trl if args.impl == "trl" else instrument_ours)(recorder)
     callback = make_step_callback(recorder)
     with tempfile.TemporaryDirectory(prefix=f"step_time_{args.impl}_") as output_dir:
+        model_path, dataset, reward = the_work(args, output_dir)
         setup_start = time.perf_counter()
         trainer = build_trainer(args.impl, args, model_path, dataset, reward, output_dir, callback)
         setup_s = time.perf_counter() - setup_start
@@ -596,7 +635,9 @@ def run_worker(args) -> dict:
         count_forward_tokens(recorder, unwrapped)
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         dims = model_dimensions(base)
-        matmul_peak_gflops = measure_matmul_peak()
+        matmul_peak_gflops = measure_matmul_peak(args.device)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         train_start = time.perf_counter()
         trainer.train()
         train_wall_s = time.perf_counter() - train_start
@@ -606,6 +647,9 @@ def run_worker(args) -> dict:
     result["figures"]["matmul_peak_gflop_per_s"] = matmul_peak_gflops
     result["figures"]["setup_s"] = setup_s
     result["figures"]["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    if args.device == "cuda":
+        result["figures"]["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["gpu"] = torch.cuda.get_device_name()
     rewards = [entry["reward"] for entry in log_history if "reward" in entry]
     result.update({
         "impl": args.impl,
@@ -709,8 +753,10 @@ def worker_command(args, impl: str, threads: int) -> list[str]:
                  "gradient_accumulation_steps", "steps_per_generation", "max_completion_length", "temperature",
                  "learning_rate", "epsilon", "epsilon_high", "lora_r", "lora_alpha", "seed"):
         command += [f"--{name}", str(getattr(args, name))]
-    if args.model:
-        command += ["--model", args.model]
+    command += ["--device", args.device]
+    for name in ("model", "architecture", "tokenizer"):
+        if getattr(args, name):
+            command += [f"--{name}", str(getattr(args, name))]
     if args.lora:
         command.append("--lora")
     if args.gradient_checkpointing:
@@ -793,9 +839,13 @@ def format_table(machine: dict, args, threads: int, summary: dict, impls: list[s
     lines.append(f"software: torch {versions['torch']}, transformers {versions['transformers']}, trl {versions['trl']}, "
                  f"peft {versions['peft']}, gspo-trl {versions['gspo-trl']}, python {machine['python']}")
     lines.append(f"date    : {machine['date']} | load average at start {machine['load_average_at_start'][0]:.2f}")
+    gpus = sorted({r["result"]["gpu"] for r in runs if "gpu" in r.get("result", {})})
+    if gpus:
+        lines.append(f"gpu     : {', '.join(gpus)}")
     generation_batch = args.per_device_train_batch_size * args.steps_per_generation
     lines.append(
-        f"work    : {Path(runs[0].get('result', {}).get('model_path', args.model or 'default model')).name} fp32 CPU, "
+        f"work    : {args.architecture + ' (random init)' if args.architecture else Path(runs[0].get('result', {}).get('model_path', args.model or 'default model')).name} "
+        f"{'bf16 CUDA' if args.device == 'cuda' else 'fp32 CPU'}, "
         f"{'LoRA r=%d alpha=%d' % (args.lora_r, args.lora_alpha) if args.lora else 'full fine-tune'}, "
         f"checkpointing {'on' if args.gradient_checkpointing else 'off'}, {threads} threads; "
         f"{generation_batch} completions/round ({generation_batch // args.num_generations} prompts × "
