@@ -191,3 +191,27 @@ def test_epoch_structure_assumed_by_the_rule(tmp_path, tiny_model_dir):
     # An epoch ends where a rollout ends: the dataloader holds whole rollouts' uses.
     trainer = train(tmp_path, tiny_model_dir, "epochs", 1, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2)
     assert trainer._micro_steps_per_epoch == 6 // 3 * 3 * 2  # 2 rollouts of 3 prompts, 6 uses each
+
+
+def test_shortcut_equals_reference_on_two_processes(tmp_path, tiny_model_dir):
+    # Two gloo processes under torchrun (use_cpu=True), rollouts starting inside accumulation windows.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = tmp_path / "result.json"
+    worker = Path(__file__).with_name("schedule_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), tiny_model_dir,
+               str(result)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    runs = json.loads(result.read_text())
+    shortcut, reference = runs["shortcut"], runs["reference"]
+    assert shortcut["world_size"] == reference["world_size"] == 2
+    assert len(shortcut["logs"]) == len(reference["logs"]) == 4
+    for step, (a, b) in enumerate(zip(shortcut["logs"], reference["logs"])):
+        for name in b:
+            assert a[name] == pytest.approx(b[name], abs=1e-6), (step, name)
+    assert any(e["ratio/max"] != 1.0 for e in reference["logs"])  # weights moved under some micro-batches
+    assert shortcut["weights"] == pytest.approx(reference["weights"], abs=1e-5)
