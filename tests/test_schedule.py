@@ -137,17 +137,20 @@ def compare_runs(shortcut, reference):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
 
 
-SCHEDULES = [  # (gradient_accumulation_steps, steps_per_generation, num_iterations)
-    (1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 4, 1), (2, 3, 1), (3, 2, 1),
-    (2, 1, 2), (2, 2, 2), (2, 3, 2), (3, 4, 1), (4, 2, 2),
+SCHEDULES = [  # (gradient_accumulation_steps, steps_per_generation, num_iterations, batch, group size)
+    (1, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2), (2, 2, 1, 2, 2), (2, 4, 1, 2, 2), (2, 3, 1, 2, 2),
+    (3, 2, 1, 2, 2), (2, 1, 2, 2, 2), (2, 2, 2, 2, 2), (2, 3, 2, 2, 2), (3, 4, 1, 2, 2), (4, 2, 2, 2, 2),
+    # other batch geometries: two groups per micro-batch; a group split over two micro-batches
+    (2, 3, 1, 4, 2), (3, 2, 2, 4, 2), (2, 2, 1, 2, 4), (3, 4, 1, 2, 4),
 ]
 
 
-@pytest.mark.parametrize("ga,spg,mu", SCHEDULES)
-def test_shortcut_equals_always_computing_old_logprobs(tmp_path, tiny_model_dir, ga, spg, mu):
-    # 6 prompts, 1 per micro-batch: rollouts of spg prompts, so some schedules end an epoch on a short window.
+@pytest.mark.parametrize("ga,spg,mu,batch,group", SCHEDULES)
+def test_shortcut_equals_always_computing_old_logprobs(tmp_path, tiny_model_dir, ga, spg, mu, batch, group):
+    # 6 prompts: rollouts of spg × batch / group prompts, so some schedules end an epoch on a short window.
     steps = 4
-    common = dict(gradient_accumulation_steps=ga, steps_per_generation=spg, num_iterations=mu)
+    common = dict(gradient_accumulation_steps=ga, steps_per_generation=spg, num_iterations=mu,
+                  per_device_train_batch_size=batch, num_generations=group)
     shortcut = train(tmp_path, tiny_model_dir, "shortcut", steps, **common)
     reference = train(tmp_path, tiny_model_dir, "reference", steps, always_compute_old_logprobs=True, **common)
     compare_runs(shortcut, reference)
