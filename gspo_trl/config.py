@@ -15,13 +15,17 @@ from typing import Any
 
 import torch
 from transformers import TrainingArguments
+from transformers.utils import logging
 
 from .advantages import SCALE_REWARDS_OPTIONS
+from .distributed import launched_processes, needs_cpu_process_group
 from .loss import IMPORTANCE_SAMPLING_LEVELS
 
 # Optimizer steps per rollout batch when the user leaves `steps_per_generation` unset (the paper's
 # "each batch of rollouts is split into four minibatches for gradient updates").
 PAPER_MINIBATCHES_PER_ROLLOUT = 4
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -251,6 +255,13 @@ class GSPOConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        if needs_cpu_process_group(self.use_cpu):
+            # Otherwise accelerate trains each process alone on a full copy of the batch.
+            logger.warning(
+                f"{launched_processes()} processes were launched on a machine without a GPU: training on CPU over a "
+                "gloo process group (use_cpu=True)."
+            )
+            self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = (
                 not self.fp16

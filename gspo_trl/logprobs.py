@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .distributed import unwrap_model
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
 
@@ -85,10 +86,10 @@ def completion_logprobs(
             completion_ids,
             completion_mask,
             max_row_tokens=max_row_tokens,
-            attention_pair_cost=relative_attention_cost(_unwrap(model).config),
+            attention_pair_cost=relative_attention_cost(unwrap_model(model).config),
         )
     if packed is not None:
-        dtype = _unwrap(model).get_input_embeddings().weight.dtype
+        dtype = unwrap_model(model).get_input_embeddings().weight.dtype
         outputs = model(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
@@ -134,8 +135,8 @@ def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_
 
 def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size):
     """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time."""
-    head = _unwrap(model).get_output_embeddings()
-    softcap = getattr(_unwrap(model).config.get_text_config(), "final_logit_softcapping", None)
+    head = unwrap_model(model).get_output_embeddings()
+    softcap = getattr(unwrap_model(model).config.get_text_config(), "final_logit_softcapping", None)
     use_checkpoint = torch.is_grad_enabled() and hidden_valid.requires_grad
     logps_chunks, entropy_chunks = [], []
     for start in range(0, hidden_valid.shape[0], chunk_size):
@@ -157,10 +158,3 @@ def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_s
     if not logps_chunks:
         return None, None
     return torch.cat(logps_chunks), torch.cat(entropy_chunks)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module that owns `get_output_embeddings` under DDP / DeepSpeed wrappers."""
-    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
-        model = model.module
-    return model

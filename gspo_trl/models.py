@@ -14,6 +14,8 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .distributed import unwrap_model
+
 
 def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
     if isinstance(model, str):
@@ -91,6 +93,5 @@ def reference_weights(policy, reference):
     if reference is not None:
         yield reference
         return
-    unwrapped = policy.module if hasattr(policy, "module") and not hasattr(policy, "disable_adapter") else policy
-    with unwrapped.disable_adapter():
+    with unwrap_model(policy).disable_adapter():
         yield policy

@@ -1,0 +1,62 @@
+"""Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
+mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, each optionally with `+lora` and/or
+`+beta`. Each rank writes its per-step logs and a checksum of its full weights to <out>.rank<R>.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from datasets import Dataset
+
+from gspo_trl import GSPOConfig, GSPOTrainer
+
+DEEPSPEED = {
+    "zero2": {
+        "zero_optimization": {"stage": 2},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    },
+}
+
+
+def count_digits(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def length_reward(completion_ids, **kwargs):
+    return [len(ids) / 8 for ids in completion_ids]
+
+
+def main(model_dir: str, mode: str, out: str) -> None:
+    mode, *options = mode.split("+")
+    peft_config = None
+    if "lora" in options:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    config = GSPOConfig(
+        output_dir=f"{out}.output", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+        gradient_accumulation_steps=1, steps_per_generation=2, max_steps=3, learning_rate=5e-3, epsilon=0.2,
+        epsilon_high=0.2, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+        use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
+        deepspeed=DEEPSPEED.get(mode), beta=0.04 if "beta" in options else 0.0,
+    )
+    dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
+    trainer = GSPOTrainer(model_dir, [count_digits, length_reward], args=config, train_dataset=dataset,
+                          peft_config=peft_config)
+    trainer.train()
+    logs = [{k: e[k] for k in ("loss", "reward", "ratio/max", "kl") if k in e} for e in trainer.state.log_history if "loss" in e]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    checksum = sum(p.detach().double().abs().sum().item() for p in model.parameters())
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as handle:
+        json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
+                   "distributed_type": str(trainer.accelerator.distributed_type)}, handle)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

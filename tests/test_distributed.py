@@ -1,0 +1,84 @@
+"""Multi-process training on CPU (gloo, torchrun, 2 processes) through tests/distributed_worker.py:
+gspo_trl.distributed's unwrapping (a DeepSpeed engine forwards attribute access) and its choice of a
+gloo group when no GPU is present, with DDP and DeepSpeed ZeRO-2, full fine-tuning and LoRA + KL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo_trl.distributed import needs_cpu_process_group, unwrap_model
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def launch(tmp_path, model_dir, mode, processes=2):
+    out = tmp_path / mode.replace("+", "_")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), str(WORKER),
+               model_dir, mode, str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+def assert_same_run(a, b, tolerance):
+    assert len(a["logs"]) == len(b["logs"]) == 3
+    for step, (x, y) in enumerate(zip(a["logs"], b["logs"])):
+        assert x.keys() == y.keys()
+        for name in x:
+            assert x[name] == pytest.approx(y[name], abs=tolerance), (step, name)
+    assert a["checksum"] == pytest.approx(b["checksum"], rel=tolerance)
+
+
+@pytest.mark.parametrize("options", ["", "+lora+beta"])
+def test_deepspeed_zero2_trains_like_ddp_and_ranks_agree(tmp_path, tiny_model_dir, options):
+    ddp = launch(tmp_path, tiny_model_dir, ("ddp_no_flag" if not options else "ddp") + options)
+    zero2 = launch(tmp_path, tiny_model_dir, "zero2" + options)
+    assert [r["distributed_type"] for r in ddp] == ["DistributedType.MULTI_CPU"] * 2  # gloo, even without use_cpu
+    assert [r["distributed_type"] for r in zero2] == ["DistributedType.DEEPSPEED"] * 2
+    assert all(r["world_size"] == 2 for r in ddp + zero2)
+    for ranks in (ddp, zero2):
+        assert_same_run(ranks[0], ranks[1], 0)  # every rank logs the same numbers and holds the same weights
+    assert_same_run(ddp[0], zero2[0], 1e-6)
+    assert any(e["ratio/max"] != 1.0 for e in zero2[0]["logs"])  # off-policy steps happened
+    if "beta" in options:
+        assert any(e["kl"] > 0 for e in zero2[0]["logs"])
+
+
+def test_unwrap_model_peels_engines_that_forward_attributes(tiny_model):
+    class ForwardingEngine(torch.nn.Module):  # like deepspeed.DeepSpeedEngine: unknown attributes go to the module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+            self.config = {"train_batch_size": 8}  # its own config, not the model's
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.module, name)
+
+    engine = ForwardingEngine(tiny_model)
+    assert engine.get_output_embeddings() is tiny_model.get_output_embeddings()  # why probing is wrong
+    assert unwrap_model(engine) is tiny_model
+    assert unwrap_model(torch.compile(tiny_model)) is tiny_model
+    assert unwrap_model(tiny_model) is tiny_model
+
+
+def test_cpu_process_group_only_for_multi_process_launches_without_accelerator(monkeypatch):
+    import gspo_trl.distributed as distributed
+
+    monkeypatch.setattr(distributed, "has_accelerator", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert needs_cpu_process_group(use_cpu=False)
+    assert not needs_cpu_process_group(use_cpu=True)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not needs_cpu_process_group(use_cpu=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(distributed, "has_accelerator", lambda: True)
+    assert not needs_cpu_process_group(use_cpu=False)
