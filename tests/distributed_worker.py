@@ -11,6 +11,7 @@ import torch
 from datasets import Dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
+from helpers import count_digits, length_reward
 
 DEEPSPEED = {
     "zero2": {
@@ -21,14 +22,6 @@ DEEPSPEED = {
         "gradient_clipping": "auto",
     },
 }
-
-
-def count_digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
-def length_reward(completion_ids, **kwargs):
-    return [len(ids) / 8 for ids in completion_ids]
 
 
 def main(model_dir: str, mode: str, out: str) -> None:

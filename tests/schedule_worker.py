@@ -11,14 +11,7 @@ import torch
 from datasets import Dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-
-
-def count_digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
-def length_reward(completion_ids, **kwargs):
-    return [len(ids) / 8 for ids in completion_ids]
+from helpers import count_digits, length_reward
 
 
 def run(model_dir: str, out_dir: str, reference: bool) -> dict:

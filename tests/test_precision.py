@@ -10,12 +10,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl import GSPOTrainer
 from gspo_trl.precision import Float32LMHead
-
-
-def count_digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+from helpers import count_digits, small_config
 
 
 def dataset(n=8):
@@ -24,23 +21,12 @@ def dataset(n=8):
 
 def config(tmp_path, **overrides):
     values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
         max_completion_length=8,
-        max_steps=2,
         steps_per_generation=2,  # the second micro-batch needs the old-log-prob pass (where the crash was)
         gradient_accumulation_steps=1,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
         bf16=True,
-        seed=0,
     )
-    values.update(overrides)
-    return GSPOConfig(**values)
+    return small_config(tmp_path / "out", **{**values, **overrides})
 
 
 def lora():

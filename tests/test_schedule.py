@@ -12,6 +12,7 @@ from datasets import Dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
+from helpers import count_digits, length_reward, small_config, text_dataset
 
 
 def needs(spg, mu, ga, offset=0, first_use=0):
@@ -92,33 +93,11 @@ def test_resume_position_and_rule_match_simulation(ga, spg, mu, rollouts_per_epo
 # --- end to end: the shortcut against the reference mode ----------------------------------------
 
 
-def count_digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
-def length_reward(completion_ids, **kwargs):
-    return [len(ids) / 8 for ids in completion_ids]
-
-
 def train(tmp_path, tiny_model_dir, name, max_steps, resume=None, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / name),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=6,
-        max_steps=max_steps,
-        learning_rate=5e-3,
-        epsilon=0.2,
-        epsilon_high=0.2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-    )
-    values.update(overrides)
-    dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(6)]})
-    trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=GSPOConfig(**values), train_dataset=dataset)
+    values = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=6, max_steps=max_steps,
+                  learning_rate=5e-3, epsilon=0.2, epsilon_high=0.2)
+    config = small_config(tmp_path / name, **{**values, **overrides})
+    trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=config, train_dataset=text_dataset(6))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 

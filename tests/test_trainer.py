@@ -11,20 +11,7 @@ import torch
 from datasets import Dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-
-
-def count_digits(completions, **kwargs):
-    """A dense toy reward: the fraction of characters that are digits."""
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
-
-
-def length_reward(completion_ids, **kwargs):
-    return [len(ids) / 16 for ids in completion_ids]
-
-
-def text_dataset(n=8):
-    return Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(n)], "answer": [str(2 * i + 1) for i in range(n)]})
+from helpers import count_digits, length_reward, small_config, text_dataset
 
 
 def chat_dataset(n=8):
@@ -34,21 +21,7 @@ def chat_dataset(n=8):
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-    )
-    values.update(overrides)
-    return GSPOConfig(**values)
+    return small_config(tmp_path / "out", **overrides)
 
 
 def snapshot(model):
