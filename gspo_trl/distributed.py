@@ -1,16 +1,23 @@
 """Distributed concerns the other modules call instead of branching on the launcher themselves.
 
 Owns finding the Hugging Face model inside whatever wraps it (DDP, a DeepSpeed engine, FSDP,
-`torch.compile`) and choosing the process group's backend for a multi-process launch on a machine
-without an accelerator. What it does not own: gathering rewards and metrics (the trainer, through
+`torch.compile`), joining the process group before the model is built, gathering a ZeRO-3-partitioned
+module for a direct call, placing evaluation-only models like the policy, choosing the process group's
+backend for a multi-process launch on a machine without an accelerator, and saying when a requested
+sharding was not applied. What it does not own: gathering rewards and metrics (the trainer, through
 accelerate) and the sharding itself (accelerate, DeepSpeed, FSDP).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -25,6 +32,77 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
+
+
+def set_up_process_group(args) -> None:
+    """Join the launch's process group before the model is built.
+
+    `TrainingArguments` sets up accelerate's state (and the process group) on its first `device`
+    access, which `Trainer.__init__` makes only after the model exists. DeepSpeed ZeRO-3 partitions
+    parameters while `from_pretrained` runs (`zero.Init`) and checks its batch sizes against the world
+    size then: without the group it sees one process and fails.
+    """
+    args.device  # noqa: B018 (a cached property with side effects)
+    if args.deepspeed and torch.distributed.is_available() and torch.distributed.is_initialized():
+        import deepspeed
+
+        # DeepSpeed's own communication layer, which zero.Init asks for the world size, wraps the
+        # group just made (on CPU accelerate makes a gloo group and leaves DeepSpeed's uninitialized).
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 manages `module`'s own parameters."""
+    return any(getattr(p, "ds_status", None) is not None for p in module.parameters(recurse=False))
+
+
+def gathered_if_partitioned(module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Gather `module`'s own DeepSpeed ZeRO-3 partitions for a direct call, if they are not gathered.
+
+    ZeRO-3 gathers a module's parameters in its forward hook, but not when a checkpointed region that
+    uses a frozen module (the LM head under LoRA) is recomputed in the backward pass: there the weight
+    would be an empty shard. Elsewhere this is a no-op.
+    """
+    partitioned = [p for p in module.parameters(recurse=False) if getattr(p, "ds_status", None) is not None]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    missing = [p for p in partitioned if p.ds_status != ZeroParamStatus.AVAILABLE]
+    return deepspeed.zero.GatheredParameters(missing) if missing else contextlib.nullcontext()
+
+
+def prepare_frozen_model(model: torch.nn.Module, accelerator) -> torch.nn.Module:
+    """Place a model that is only evaluated (the reference, a reward model) like the policy.
+
+    Under DeepSpeed ZeRO-3 its parameters were partitioned while it loaded, and only a DeepSpeed engine
+    gathers them for a forward: it gets an inference engine (no optimizer), sharded like the policy.
+    Otherwise accelerate's evaluation-mode preparation (device placement, autocast).
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return accelerator.prepare_model(model, evaluation_mode=True)
+    import deepspeed
+
+    config = copy.deepcopy(plugin.deepspeed_config)
+    for training_only in ("optimizer", "scheduler"):
+        config.pop(training_only, None)
+    config["zero_optimization"].pop("offload_optimizer", None)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def warn_if_fsdp_dropped(args, accelerator) -> None:
+    """FSDP asked for but not set up (accelerate leaves it out on CPU): say so, since each process then
+    holds the whole model, as under DDP."""
+    if args.fsdp and getattr(accelerator.state, "fsdp_plugin", None) is None:
+        logger.warning(
+            f"fsdp={args.fsdp!r} is set, but accelerate did not enable FSDP for this run (it does not on CPU, "
+            f"use_cpu={args.use_cpu}): training runs data-parallel, every process holding the whole model. Use "
+            "GPUs for FSDP, or DeepSpeed ZeRO-3 (`deepspeed=...`), which shards on CPU too."
+        )
 
 
 def launched_processes() -> int:

@@ -16,21 +16,19 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .distributed import unwrap_model
+from .distributed import gathered_if_partitioned, is_partitioned, unwrap_model
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
 
 
 def _chunk_logps_and_entropy(
     hidden: torch.Tensor,  # (N, H)
-    weight: torch.Tensor,  # (V, H)
-    bias: torch.Tensor | None,
+    head: torch.nn.Module,  # the LM head, (H) -> (V)
     labels: torch.Tensor,  # (N,)
     temperature: float,
     softcap: float | None,
-    fp32_head: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = _project(hidden, weight, bias, fp32_head).float()  # (N, V), fp32 for a stable log-softmax
+    logits = _project(hidden, head).float()  # (N, V), fp32 for a stable log-softmax
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
@@ -42,14 +40,32 @@ def _chunk_logps_and_entropy(
     return logps, entropy
 
 
-def _project(hidden, weight, bias, fp32_head: bool) -> torch.Tensor:
-    """The LM head projection. Under autocast (see `precision`) both operands take autocast's dtype;
-    without it, the hidden states take the head's dtype, as inside the model's own forward."""
-    if fp32_head:
-        return project_in_fp32(hidden, weight, bias)
-    if not torch.is_autocast_enabled(hidden.device.type):
+def _project(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+    """The LM head projection, through the head module itself so that its hooks run: DeepSpeed ZeRO-3
+    gathers a partitioned weight for the call (and again when a checkpointed chunk is recomputed), and
+    an adapter on the head applies. Under autocast (see `precision`) both operands take autocast's
+    dtype; without it, the hidden states take the head's dtype, as inside the model's own forward.
+    An FSDP2-sharded head (a DTensor weight, with no hook of its own) is gathered differentiably."""
+    weight = head.weight
+    if hasattr(weight, "full_tensor") and not isinstance(head, Float32LMHead):
+        bias = None if head.bias is None else head.bias.full_tensor()
+        weight = weight.full_tensor()
+        if not torch.is_autocast_enabled(hidden.device.type):
+            hidden = hidden.to(weight.dtype)
+        return F.linear(hidden, weight, bias)
+    if not torch.is_autocast_enabled(hidden.device.type) and not isinstance(head, Float32LMHead):
         hidden = hidden.to(weight.dtype)
-    return F.linear(hidden, weight, bias)
+    if is_partitioned(head) and not head.weight.requires_grad:
+        # A frozen ZeRO-3 head (LoRA): its hooks do not gather it again when a checkpointed chunk is
+        # recomputed in the backward pass. Gather it here and project with a copy, since autograd
+        # keeps the weight for the backward and ZeRO-3 empties the parameter itself on release.
+        with gathered_if_partitioned(head):
+            weight = head.weight.detach().clone()
+            bias = None if head.bias is None else head.bias.detach().clone()
+        if isinstance(head, Float32LMHead):
+            return project_in_fp32(hidden, weight, bias)
+        return F.linear(hidden, weight, bias)
+    return head(hidden)
 
 
 def completion_logprobs(
@@ -140,15 +156,7 @@ def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_s
     use_checkpoint = torch.is_grad_enabled() and hidden_valid.requires_grad
     logps_chunks, entropy_chunks = [], []
     for start in range(0, hidden_valid.shape[0], chunk_size):
-        args = (
-            hidden_valid[start : start + chunk_size],
-            head.weight,
-            head.bias,
-            labels_valid[start : start + chunk_size],
-            temperature,
-            softcap,
-            isinstance(head, Float32LMHead),
-        )
+        args = (hidden_valid[start : start + chunk_size], head, labels_valid[start : start + chunk_size], temperature, softcap)
         if use_checkpoint:
             logps, entropy = checkpoint(_chunk_logps_and_entropy, *args, use_reentrant=False)
         else:

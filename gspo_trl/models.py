@@ -14,7 +14,10 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
 from .distributed import unwrap_model
+from .precision import cast_lm_head_to_fp32
 
 
 def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
@@ -77,11 +80,33 @@ def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def create_reference_model(model: PreTrainedModel) -> PreTrainedModel | None:
-    """A frozen copy of the policy, or None under PEFT (the adapter is disabled instead)."""
+def prepare_weights(model: PreTrainedModel, args) -> None:
+    """What the policy and a reference loaded beside it both get: dropout off, the fp32 LM head."""
+    if args.disable_dropout:
+        disable_dropout(model)
+    if args.cast_lm_head_to_fp32:
+        cast_lm_head_to_fp32(model)
+
+
+def create_reference_model(model: PreTrainedModel, source, args) -> PreTrainedModel | None:
+    """A frozen copy of the policy, or None under PEFT (the adapter is disabled instead).
+
+    Under DeepSpeed ZeRO-3 the policy's parameters are partitioned and cannot be copied, so the
+    reference is loaded again from `source` (the `model` argument as a path or Hub id), partitioned the
+    same way, and prepared like the policy.
+    """
     if is_peft_model(model):
         return None
-    reference = copy.deepcopy(model)
+    if is_deepspeed_zero3_enabled():
+        if not isinstance(source, str):
+            raise ValueError(
+                "beta > 0 under DeepSpeed ZeRO-3 needs the reference model loaded partitioned, from a path: pass "
+                "`model` to GSPOTrainer as a path or Hub id (with model_init_kwargs), not as an instance."
+            )
+        reference = load_policy(source, args.model_init_kwargs)
+        prepare_weights(reference, args)
+    else:
+        reference = copy.deepcopy(model)
     for parameter in reference.parameters():
         parameter.requires_grad_(False)
     return reference.eval()

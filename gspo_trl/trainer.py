@@ -21,6 +21,7 @@ from . import __version__
 from .advantages import aggregate_rewards, group_advantages
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
+from .distributed import prepare_frozen_model, set_up_process_group, warn_if_fsdp_dropped
 from .logprobs import completion_logprobs
 from .loss import policy_loss
 from .metrics import (
@@ -34,14 +35,14 @@ from .model_card import render_model_card
 from .models import (
     apply_peft,
     create_reference_model,
-    disable_dropout,
     is_peft_model,
     load_policy,
     load_tokenizer,
+    prepare_weights,
     reference_weights,
 )
 from .packing import packing_pays_on, padding_free_unsupported_reason
-from .precision import cast_lm_head_to_fp32, check_precision, precision_context
+from .precision import check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import HFGenerateBackend, is_conversational_prompt
 from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
@@ -84,19 +85,18 @@ class GSPOTrainer(Trainer):
         _check_prompt_dataset(train_dataset, "train_dataset")
         _check_prompt_dataset(eval_dataset, "eval_dataset")
 
+        set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
         set_seed(args.seed)
+        model_source = model
         model = load_policy(model, args.model_init_kwargs)
         tokenizer = load_tokenizer(processing_class, model)
-        if args.disable_dropout:
-            disable_dropout(model)
-        if args.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(model)
+        prepare_weights(model, args)
         model = apply_peft(model, peft_config, args.activation_checkpointing)
         check_precision(model, args)
         self.reward_funcs = load_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs)
         self.reward_weights = resolve_reward_weights(args.reward_weights, len(self.reward_funcs))
-        self.ref_model = create_reference_model(model) if args.beta > 0 else None
+        self.ref_model = create_reference_model(model, model_source, args) if args.beta > 0 else None
 
         super().__init__(
             model=model,
@@ -108,15 +108,16 @@ class GSPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        warn_if_fsdp_dropped(args, self.accelerator)
         if args.cpu_memory_pool and self.accelerator.device.type == "cpu":
             pool_freed_memory()
         # compute_loss returns a per-micro-batch mean; Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         if self.ref_model is not None:
-            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+            self.ref_model = prepare_frozen_model(self.ref_model, self.accelerator)
         for reward_func in self.reward_funcs:
             if isinstance(reward_func, RewardModelFunction):
-                reward_func.model = self.accelerator.prepare_model(reward_func.model, evaluation_mode=True)
+                reward_func.model = prepare_frozen_model(reward_func.model, self.accelerator)
 
         padding_free = args.padding_free
         if padding_free is None:

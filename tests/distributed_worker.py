@@ -1,9 +1,12 @@
 """Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
 mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, each optionally with `+lora` and/or
-`+beta`. Each rank writes its per-step logs and a checksum of its full weights to <out>.rank<R>.json."""
+`+beta`. Each rank writes its per-step logs, a checksum of its full weights, the size of its own share
+of the parameters to <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test
+loads it with `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -21,7 +24,17 @@ DEEPSPEED = {
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
     },
+    "zero3": {
+        # threshold 0: partition every parameter, even the tiny model's (the default keeps small ones whole)
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    },
 }
+FSDP = {"fsdp2": ("full_shard", {"version": 2})}
 
 
 def main(model_dir: str, mode: str, out: str) -> None:
@@ -36,7 +49,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         gradient_accumulation_steps=1, steps_per_generation=2, max_steps=3, learning_rate=5e-3, epsilon=0.2,
         epsilon_high=0.2, logging_steps=1, save_strategy="no", report_to="none", seed=0,
         use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
-        deepspeed=DEEPSPEED.get(mode), beta=0.04 if "beta" in options else 0.0,
+        deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
+        beta=0.04 if "beta" in options else 0.0,
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     trainer = GSPOTrainer(model_dir, [count_digits, length_reward], args=config, train_dataset=dataset,
@@ -44,11 +58,22 @@ def main(model_dir: str, mode: str, out: str) -> None:
     trainer.train()
     logs = [{k: e[k] for k in ("loss", "reward", "ratio/max", "kl") if k in e} for e in trainer.state.log_history if "loss" in e]
     model = trainer.accelerator.unwrap_model(trainer.model)
-    checksum = sum(p.detach().double().abs().sum().item() for p in model.parameters())
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    gather = contextlib.nullcontext()
+    if partitioned:  # ZeRO-3: each rank holds a shard; read the full weights
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(partitioned)
+    with gather:
+        checksum = sum(p.detach().double().abs().sum().item() for p in model.parameters())
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    shard_sizes = [getattr(p, "ds_tensor", p).numel() for p in model.parameters()]
+    trainer.save_model(f"{out}.saved")  # gathered under ZeRO-3; the adapter alone under LoRA
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as handle:
         json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
-                   "distributed_type": str(trainer.accelerator.distributed_type)}, handle)
+                   "distributed_type": str(trainer.accelerator.distributed_type),
+                   "fsdp": bool(trainer.is_fsdp_enabled),
+                   "local_parameters": sum(shard_sizes)}, handle)
 
 
 if __name__ == "__main__":

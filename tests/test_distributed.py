@@ -1,6 +1,7 @@
 """Multi-process training on CPU (gloo, torchrun, 2 processes) through tests/distributed_worker.py:
-gspo_trl.distributed's unwrapping (a DeepSpeed engine forwards attribute access) and its choice of a
-gloo group when no GPU is present, with DDP and DeepSpeed ZeRO-2, full fine-tuning and LoRA + KL."""
+DDP, DeepSpeed ZeRO-2 and ZeRO-3 (every parameter partitioned), full fine-tuning and LoRA + KL, give the
+same numbers; plus gspo_trl.distributed's unwrapping (a DeepSpeed engine forwards attribute access) and
+its choice of a gloo group when no GPU is present."""
 
 from __future__ import annotations
 
@@ -36,18 +37,29 @@ def assert_same_run(a, b, tolerance):
 
 
 @pytest.mark.parametrize("options", ["", "+lora+beta"])
-def test_deepspeed_zero2_trains_like_ddp_and_ranks_agree(tmp_path, tiny_model_dir, options):
+def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny_model_dir, options):
     ddp = launch(tmp_path, tiny_model_dir, ("ddp_no_flag" if not options else "ddp") + options)
     zero2 = launch(tmp_path, tiny_model_dir, "zero2" + options)
+    zero3 = launch(tmp_path, tiny_model_dir, "zero3" + options)
     assert [r["distributed_type"] for r in ddp] == ["DistributedType.MULTI_CPU"] * 2  # gloo, even without use_cpu
-    assert [r["distributed_type"] for r in zero2] == ["DistributedType.DEEPSPEED"] * 2
-    assert all(r["world_size"] == 2 for r in ddp + zero2)
-    for ranks in (ddp, zero2):
+    assert [r["distributed_type"] for r in zero2 + zero3] == ["DistributedType.DEEPSPEED"] * 4
+    assert all(r["world_size"] == 2 for r in ddp + zero2 + zero3)
+    for ranks in (ddp, zero2, zero3):
         assert_same_run(ranks[0], ranks[1], 0)  # every rank logs the same numbers and holds the same weights
     assert_same_run(ddp[0], zero2[0], 1e-6)
-    assert any(e["ratio/max"] != 1.0 for e in zero2[0]["logs"])  # off-policy steps happened
+    assert_same_run(ddp[0], zero3[0], 1e-6)
+    # ZeRO-3 really partitions: each rank holds about half of the parameters.
+    assert zero3[0]["local_parameters"] <= 0.55 * ddp[0]["local_parameters"]
+    assert any(e["ratio/max"] != 1.0 for e in zero3[0]["logs"])  # off-policy steps happened
     if "beta" in options:
-        assert any(e["kl"] > 0 for e in zero2[0]["logs"])
+        assert any(e["kl"] > 0 for e in zero3[0]["logs"])  # the reference model, loaded partitioned, was used
+    else:
+        # save_model() under ZeRO-3 gathers a full checkpoint that from_pretrained loads.
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / "zero3.saved", dtype=torch.float64)
+        checksum = sum(p.detach().abs().sum().item() for p in saved.parameters())
+        assert checksum == pytest.approx(zero3[0]["checksum"], rel=1e-9)
 
 
 def test_unwrap_model_peels_engines_that_forward_attributes(tiny_model):
@@ -82,3 +94,27 @@ def test_cpu_process_group_only_for_multi_process_launches_without_accelerator(m
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(distributed, "has_accelerator", lambda: True)
     assert not needs_cpu_process_group(use_cpu=False)
+
+
+def test_fsdp_that_accelerate_leaves_out_is_reported(caplog):
+    from types import SimpleNamespace
+
+    from gspo_trl.distributed import warn_if_fsdp_dropped
+
+    dropped = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None))
+    with caplog.at_level("WARNING"):
+        warn_if_fsdp_dropped(SimpleNamespace(fsdp=True, use_cpu=True), dropped)
+        warn_if_fsdp_dropped(SimpleNamespace(fsdp=False, use_cpu=True), dropped)
+        warn_if_fsdp_dropped(SimpleNamespace(fsdp=True, use_cpu=False), SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object())))
+    assert caplog.text.count("did not enable FSDP") == 1
+
+
+def test_example_accelerate_configs_load():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    folder = Path(__file__).resolve().parent.parent / "examples" / "accelerate_configs"
+    loaded = {path.stem: load_config_from_file(str(path)) for path in sorted(folder.glob("*.yaml"))}
+    assert set(loaded) == {"multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"}
+    assert loaded["deepspeed_zero3"].deepspeed_config["zero_stage"] == 3
+    assert loaded["deepspeed_zero3"].deepspeed_config["zero3_init_flag"] is True
+    assert loaded["fsdp2"].fsdp_config["fsdp_version"] == 2

@@ -60,3 +60,16 @@ def test_all_masked_batch_is_zero_and_differentiable(tiny_model):
     logps, _ = completion_logprobs(tiny_model, input_ids, attention_mask, completion_ids, torch.zeros_like(completion_mask))
     assert (logps == 0).all()
     logps.sum().backward()  # no error: still connected to the graph
+
+
+def test_an_adapter_on_the_lm_head_is_applied(tiny_model):
+    # The head is called as a module, so a LoRA adapter on lm_head counts (reading head.weight would not).
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["lm_head", "q_proj"], init_lora_weights=False))
+    inputs = batch(tiny_model.config.vocab_size)
+    expected = reference_logps(model, *inputs, temperature=1.0)
+    logps, _ = completion_logprobs(model, *inputs)
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=1e-5)
+    with model.disable_adapter():
+        assert not torch.allclose(reference_logps(model, *inputs, temperature=1.0), expected, atol=1e-3)
