@@ -45,6 +45,7 @@ from .packing import packing_pays_on, padding_free_unsupported_reason
 from .precision import check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import HFGenerateBackend, is_conversational_prompt
+from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
 from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
 
 
@@ -133,6 +134,7 @@ class GSPOTrainer(Trainer):
         self._window_global_step, self._window_offset = None, 0  # micro-steps since the last optimizer step
         self._rollout_global_step = 0  # optimizer steps done when the buffered rollout was sampled
         self._micro_steps_per_epoch = 0
+        self._restored_rollout = None  # the rollout saved with the checkpoint a run resumes from
         self._num_tokens_seen = 0
         self._rollout_generator = torch.Generator().manual_seed(args.seed)
 
@@ -191,6 +193,12 @@ class GSPOTrainer(Trainer):
                 self.state.global_step, self._micro_steps_per_epoch, args.gradient_accumulation_steps
             )
         use = self._step % uses_per_rollout
+        restored, self._restored_rollout = self._restored_rollout, None
+        if self._buffered_inputs is None and use != 0 and restored is not None and restored.micro_batches:
+            # Resumed inside a rollout: continue the one saved with the checkpoint (its sampling weights
+            # are gone, so it could not be sampled again).
+            self._buffered_inputs = restored.micro_batches
+            self._rollout_global_step = restored.sampled_at_step
         if use == 0 or self._buffered_inputs is None:
             rollout_batch = self._generate_and_score(generation_batch, mode="train")
             micro_batches = _split_batch(
@@ -218,9 +226,28 @@ class GSPOTrainer(Trainer):
         self._window_offset += 1
         return loss
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:  # Trainer would take the newest folder, even a half-written one
+            resume_from_checkpoint, skipped = last_complete_checkpoint(
+                self.args.output_dir, self.accelerator.num_processes
+            )
+            if skipped:
+                logger.warning(f"Skipped incomplete checkpoints (cut off while being written): {skipped}")
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output_dir ({self.args.output_dir}) to resume from.")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _inner_training_loop(self, *args, **kwargs):
         self._buffered_inputs = None
         self._window_global_step, self._window_offset = None, 0
+        self._restored_rollout = None
+        checkpoint = kwargs.get("resume_from_checkpoint")
+        if checkpoint is not None:
+            restored = load_rollout_state(checkpoint, self.accelerator.process_index, self.accelerator.device)
+            if restored is not None:
+                self._rollout_generator.set_state(restored.shuffle_generator_state)
+                self._num_tokens_seen = restored.num_tokens_seen
+                self._restored_rollout = restored
         return super()._inner_training_loop(*args, **kwargs)
 
     # --- rollout ------------------------------------------------------------------------------
@@ -378,6 +405,16 @@ class GSPOTrainer(Trainer):
             self._completion_samples = []
 
     def _save_checkpoint(self, model, trial):
+        # The rollout goes first: Trainer writes trainer_state.json last, which marks a complete checkpoint.
+        checkpoint_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        continues = self._step % (self.args.steps_per_generation * self.args.num_iterations) != 0
+        state = RolloutState(
+            micro_batches=self._buffered_inputs if continues else None,
+            sampled_at_step=self._rollout_global_step,
+            shuffle_generator_state=self._rollout_generator.get_state(),
+            num_tokens_seen=self._num_tokens_seen,
+        )
+        save_rollout_state(checkpoint_dir, self.accelerator.process_index, state)
         self.create_model_card(model_name=Path(self.args.hub_model_id or self.args.output_dir).name)
         super()._save_checkpoint(model, trial)
 

@@ -1,17 +1,22 @@
 """Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
-mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, each optionally with `+lora` and/or
-`+beta`. Each rank writes its per-step logs, a checksum of its full weights, the size of its own share
-of the parameters to <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test
-loads it with `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
+mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp2`, each optionally with
+`+lora` and/or `+beta`; `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
+in the middle of step 3, `+resume` resumes that run from its last complete checkpoint. Each rank writes
+its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
+<out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
+`from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sys
 
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from gspo_trl import GSPOConfig, GSPOTrainer
 from helpers import count_digits, length_reward
@@ -37,26 +42,40 @@ DEEPSPEED = {
 FSDP = {"fsdp2": ("full_shard", {"version": 2})}
 
 
+class KillRank1MidWindow(TrainerCallback):
+    """SIGKILL on rank 1 between the two micro-steps of optimizer step 3 (checkpoint-2 is the last)."""
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and torch.distributed.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(model_dir: str, mode: str, out: str) -> None:
     mode, *options = mode.split("+")
+    resume_options = {"kill", "resume", "checkpoints"} & set(options)
     peft_config = None
     if "lora" in options:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    schedule = dict(gradient_accumulation_steps=1, steps_per_generation=2, max_steps=3, save_strategy="no")
+    if resume_options:  # rollouts of 3 optimizer steps of 2 micro-steps, a checkpoint at every step
+        schedule = dict(gradient_accumulation_steps=2, steps_per_generation=6, max_steps=4, save_strategy="steps",
+                        save_steps=1)
     config = GSPOConfig(
         output_dir=f"{out}.output", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        gradient_accumulation_steps=1, steps_per_generation=2, max_steps=3, learning_rate=5e-3, epsilon=0.2,
-        epsilon_high=0.2, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+        **schedule, learning_rate=5e-3, epsilon=0.2,
+        epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
         use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
         deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0,
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     trainer = GSPOTrainer(model_dir, [count_digits, length_reward], args=config, train_dataset=dataset,
-                          peft_config=peft_config)
-    trainer.train()
-    logs = [{k: e[k] for k in ("loss", "reward", "ratio/max", "kl") if k in e} for e in trainer.state.log_history if "loss" in e]
+                          peft_config=peft_config, callbacks=[KillRank1MidWindow()] if "kill" in options else None)
+    trainer.train(resume_from_checkpoint=True if "resume" in options else None)
+    logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl") if k in e}
+            for e in trainer.state.log_history if "loss" in e]
     model = trainer.accelerator.unwrap_model(trainer.model)
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
     gather = contextlib.nullcontext()

@@ -169,9 +169,9 @@ def test_checkpoint_and_resume(tmp_path, tiny_model_dir):
     resumed.rollout_backend.generate = lambda prompts: rollouts.append(resumed.state.global_step) or generate(prompts)
     resumed.train(resume_from_checkpoint=checkpoint)
     assert resumed.state.global_step == 6
-    # The interrupted rollout is regenerated for steps 3-4, and the next one comes at step 5,
-    # in step with the dataloader (which hands a new generation batch every 4 steps).
-    assert rollouts == [2, 4]
+    # The interrupted rollout continues from the checkpoint for steps 3-4 (it is not sampled again), and
+    # the next one comes at step 5, in step with the dataloader (a new generation batch every 4 steps).
+    assert rollouts == [4]
     # log_history comes back from the checkpoint (steps 1-2); the resumed run adds steps 3-6
     assert [e["step"] for e in train_logs(resumed)] == [1, 2, 3, 4, 5, 6]
 
