@@ -26,9 +26,12 @@ def _chunk_logps_and_entropy(
     head: torch.nn.Module,  # the LM head, (H) -> (V)
     labels: torch.Tensor,  # (N,)
     temperature: float,
+    scale: float,
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = _project(hidden, head).float()  # (N, V), fp32 for a stable log-softmax
+    if scale != 1.0:
+        logits = logits * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
@@ -142,6 +145,20 @@ def completion_logprobs(
     return per_token_logps, per_token_entropy
 
 
+def output_logit_scale(text_config) -> float:
+    """The factor some architectures apply to the LM head's output inside their forward, which the
+    projection here must apply too: Cohere's `logit_scale`, Falcon-H1's `lm_head_multiplier`, an
+    `output_multiplier`, and `logits_scaling` (Granite and MiniCPM3 divide by it, HyperCLOVA X multiplies)."""
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(text_config, name, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(text_config, "logits_scaling", None)
+    if scaling is not None:
+        return float(scaling) if getattr(text_config, "model_type", "") == "hyperclovax" else 1.0 / float(scaling)
+    return 1.0
+
+
 def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_mask: torch.Tensor) -> bool:
     """Whether every completion is attended as one prefix covering its scored tokens: the packed
     layout assumes it (rollouts always have it; other masks take the padded path)."""
@@ -152,11 +169,13 @@ def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_
 def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size):
     """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time."""
     head = unwrap_model(model).get_output_embeddings()
-    softcap = getattr(unwrap_model(model).config.get_text_config(), "final_logit_softcapping", None)
+    text_config = unwrap_model(model).config.get_text_config()
+    scale, softcap = output_logit_scale(text_config), getattr(text_config, "final_logit_softcapping", None)
     use_checkpoint = torch.is_grad_enabled() and hidden_valid.requires_grad
     logps_chunks, entropy_chunks = [], []
     for start in range(0, hidden_valid.shape[0], chunk_size):
-        args = (hidden_valid[start : start + chunk_size], head, labels_valid[start : start + chunk_size], temperature, softcap)
+        args = (hidden_valid[start : start + chunk_size], head, labels_valid[start : start + chunk_size], temperature,
+                scale, softcap)
         if use_checkpoint:
             logps, entropy = checkpoint(_chunk_logps_and_entropy, *args, use_reentrant=False)
         else:

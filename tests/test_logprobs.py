@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gspo_trl.logprobs import completion_logprobs
@@ -73,3 +74,21 @@ def test_an_adapter_on_the_lm_head_is_applied(tiny_model):
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=1e-5)
     with model.disable_adapter():
         assert not torch.allclose(reference_logps(model, *inputs, temperature=1.0), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type,scaling", [("cohere", {"logit_scale": 0.5}), ("granite", {"logits_scaling": 4.0})])
+def test_architectures_that_scale_their_logits(tiny_tokenizer, model_type, scaling):
+    # Cohere multiplies the head's output by logit_scale, Granite divides it by logits_scaling, inside their
+    # forward: the chunked projection must do the same to give the model's own log-probabilities.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tiny_tokenizer), max_position_embeddings=128, **scaling,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    inputs = batch(config.vocab_size)
+    expected = reference_logps(model, *inputs, temperature=0.7)
+    logps, _ = completion_logprobs(model, *inputs, temperature=0.7, chunk_size=4)
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=1e-5)
