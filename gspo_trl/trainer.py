@@ -85,6 +85,7 @@ class GSPOTrainer(Trainer):
             )
         _check_prompt_dataset(train_dataset, "train_dataset")
         _check_prompt_dataset(eval_dataset, "eval_dataset")
+        _check_enough_prompts(train_dataset, args)
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
@@ -446,6 +447,20 @@ def _padding_free_supported(model) -> bool:
     if reason is not None:
         logger.warning(f"padding_free is not used: {reason}. Training runs on padded rows.")
     return reason is None
+
+
+def _check_enough_prompts(dataset, args: GSPOConfig) -> None:
+    # Otherwise the sampler yields no rollout and Trainer ends at step 0 with only a warning.
+    if dataset is None or not hasattr(dataset, "__len__"):
+        return
+    needed = args.generation_batch_size // args.num_generations
+    if len(dataset) < needed:
+        raise ValueError(
+            f"train_dataset has {len(dataset)} prompts, but one rollout takes {needed}: generation_batch_size "
+            f"{args.generation_batch_size} (per_device_train_batch_size {args.per_device_train_batch_size} × "
+            f"{args.world_size} processes × steps_per_generation {args.steps_per_generation}) / num_generations "
+            f"{args.num_generations}. Add prompts, or lower per_device_train_batch_size or steps_per_generation."
+        )
 
 
 def _check_prompt_dataset(dataset, name: str) -> None:

@@ -30,7 +30,7 @@ def test_the_trainer_pools_memory_on_cpu_unless_told_not_to(tmp_path, tiny_model
 
     calls = []
     monkeypatch.setattr(trainer_module, "pool_freed_memory", lambda: calls.append(True) or True)
-    dataset = Dataset.from_dict({"prompt": ["a", "b"]})
+    dataset = Dataset.from_dict({"prompt": ["a", "b", "c", "d"]})  # one rollout: 2 × 4 / 2 prompts
 
     def build(**overrides):
         config = GSPOConfig(

@@ -160,7 +160,7 @@ def test_trainer_refuses_to_train_a_stale_micro_batch_without_old_logprobs(tmp_p
     trainer = GSPOTrainer(
         tiny_model_dir, count_digits, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}),
         args=GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, use_cpu=True,
-                        max_completion_length=4, report_to="none"),
+                        steps_per_generation=1, max_completion_length=4, report_to="none"),
     )
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": "a"}, {"prompt": "a"}], "train")

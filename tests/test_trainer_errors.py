@@ -95,3 +95,11 @@ def test_model_init_kwargs_with_instantiated_model(tmp_path, tiny_model):
     with pytest.raises(ValueError, match="model_init_kwargs"):
         GSPOTrainer(tiny_model, ok_reward, args=config(tmp_path, model_init_kwargs={"dtype": "float32"}),
                     train_dataset=dataset())
+
+
+def test_too_few_prompts_for_one_rollout_is_a_clear_error(tmp_path, tiny_model_dir):
+    # 2 prompts, a rollout of 4 × 2 / 2 = 4 prompts: the sampler would yield nothing and Trainer stop at step 0.
+    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      steps_per_generation=2, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=r"train_dataset has 2 prompts, but one rollout takes 4: .* 1 processes"):
+        GSPOTrainer(tiny_model_dir, ok_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
