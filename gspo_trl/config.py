@@ -153,6 +153,14 @@ class GSPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "KV cache implementation for `generate` (e.g. 'static'); None uses the model's default."},
     )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Under DeepSpeed ZeRO-3, gather every parameter once for a rollout's generation instead of layer "
+            "by layer at every decoding step: much faster sampling, at the cost of one full copy of the weights per "
+            "process while it runs. False for models that do not fit one device whole. As in TRL."
+        },
+    )
     logprob_chunk_size: int = field(
         default=1024,
         metadata={

@@ -2,7 +2,8 @@
 
 Owns finding the Hugging Face model inside whatever wraps it (DDP, a DeepSpeed engine, FSDP,
 `torch.compile`), joining the process group before the model is built, gathering a ZeRO-3-partitioned
-module for a direct call, placing evaluation-only models like the policy, choosing the process group's
+module for a direct call or for a whole rollout's generation, placing evaluation-only models like the
+policy, choosing the process group's
 backend for a multi-process launch on a machine without an accelerator, and saying when a requested
 sharding was not applied. What it does not own: gathering rewards and metrics (the trainer, through
 accelerate) and the sharding itself (accelerate, DeepSpeed, FSDP).
@@ -103,6 +104,16 @@ def warn_if_fsdp_dropped(args, accelerator) -> None:
             f"use_cpu={args.use_cpu}): training runs data-parallel, every process holding the whole model. Use "
             "GPUs for FSDP, or DeepSpeed ZeRO-3 (`deepspeed=...`), which shards on CPU too."
         )
+
+
+def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_zero3: bool):
+    """The context generation runs in: under DeepSpeed ZeRO-3 with `gather_zero3`, every parameter is
+    gathered once for the whole rollout (and ZeRO-3's per-module hooks are lifted meanwhile) instead of
+    layer by layer at every decoding step. TRL's own context, so its `ds3_gather_for_generation` means the
+    same here; elsewhere it only unwraps."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    return unwrap_model_for_generation(model_wrapped, accelerator, gather_deepspeed3_params=gather_zero3)
 
 
 def launched_processes() -> int:

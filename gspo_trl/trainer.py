@@ -21,7 +21,12 @@ from . import __version__
 from .advantages import aggregate_rewards, group_advantages
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
-from .distributed import prepare_frozen_model, set_up_process_group, warn_if_fsdp_dropped
+from .distributed import (
+    prepare_frozen_model,
+    set_up_process_group,
+    warn_if_fsdp_dropped,
+    weights_for_generation,
+)
 from .logprobs import completion_logprobs
 from .loss import policy_loss
 from .metrics import (
@@ -256,7 +261,10 @@ class GSPOTrainer(Trainer):
     def _generate_and_score(self, batch: list[dict], mode: str) -> dict[str, Any]:
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in batch]
-        with precision_context(self.accelerator):
+        with (
+            precision_context(self.accelerator),
+            weights_for_generation(self.model_wrapped, self.accelerator, args.ds3_gather_for_generation),
+        ):
             rollout = self.rollout_backend.generate(prompts)
         completion_mask = rollout.completion_mask
         completion_texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)

@@ -73,6 +73,14 @@ def main(model_dir: str, mode: str, out: str) -> None:
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     trainer = GSPOTrainer(model_dir, [count_digits, length_reward], args=config, train_dataset=dataset,
                           peft_config=peft_config, callbacks=[KillRank1MidWindow()] if "kill" in options else None)
+    generate, whole_at_generation = trainer.rollout_backend.generate, []
+
+    def spy(prompts):  # under ZeRO-3, were the weights gathered for the whole rollout?
+        params = [p for p in trainer.accelerator.unwrap_model(trainer.model).parameters() if hasattr(p, "ds_numel")]
+        whole_at_generation.append(all(p.numel() == p.ds_numel for p in params) if params else None)
+        return generate(prompts)
+
+    trainer.rollout_backend.generate = spy
     trainer.train(resume_from_checkpoint=True if "resume" in options else None)
     logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl") if k in e}
             for e in trainer.state.log_history if "loss" in e]
@@ -91,7 +99,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as handle:
         json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
                    "distributed_type": str(trainer.accelerator.distributed_type),
-                   "fsdp": bool(trainer.is_fsdp_enabled),
+                   "fsdp": bool(trainer.is_fsdp_enabled), "whole_at_generation": whole_at_generation,
                    "local_parameters": sum(shard_sizes)}, handle)
 
 

@@ -52,6 +52,8 @@ def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny
     assert_same_run(ddp[0], zero3[0], 1e-6)
     # ZeRO-3 really partitions: each rank holds about half of the parameters.
     assert zero3[0]["local_parameters"] <= 0.55 * ddp[0]["local_parameters"]
+    # ... and gathers them once per rollout for generation (ds3_gather_for_generation=True, TRL's default).
+    assert zero3[0]["whole_at_generation"] == [True, True]
     assert any(e["ratio/max"] != 1.0 for e in zero3[0]["logs"])  # off-policy steps happened
     if "beta" in options:
         assert any(e["kl"] > 0 for e in zero3[0]["logs"])  # the reference model, loaded partitioned, was used
