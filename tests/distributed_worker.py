@@ -1,7 +1,8 @@
 """Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
 mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp2`, each optionally with
 `+lora` and/or `+beta`; `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
-in the middle of step 3, `+resume` resumes that run from its last complete checkpoint. Each rank writes
+in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
+reward function that raises on rank 1 only. Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
@@ -50,6 +51,12 @@ class KillRank1MidWindow(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fails_on_rank_1(completions, **kwargs):
+    if torch.distributed.get_rank() == 1:
+        raise KeyError("answer")
+    return [0.0] * len(completions)
+
+
 def main(model_dir: str, mode: str, out: str) -> None:
     mode, *options = mode.split("+")
     resume_options = {"kill", "resume", "checkpoints"} & set(options)
@@ -71,7 +78,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         beta=0.04 if "beta" in options else 0.0,
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
-    trainer = GSPOTrainer(model_dir, [count_digits, length_reward], args=config, train_dataset=dataset,
+    rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
+    trainer = GSPOTrainer(model_dir, rewards, args=config, train_dataset=dataset,
                           peft_config=peft_config, callbacks=[KillRank1MidWindow()] if "kill" in options else None)
     generate, whole_at_generation = trainer.rollout_backend.generate, []
 

@@ -77,6 +77,18 @@ def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_
     assert any(e["ratio/max"] != 1.0 for e in resumed[0]["logs"] if e["step"] == 3)  # continued rollout, off-policy
 
 
+def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir):
+    # rank 1's reward function raises while rank 0 waits in the reward gather: both must end, with the
+    # message naming the function, not hang until the process group's timeout.
+    import time
+
+    start = time.monotonic()
+    completed = launch(tmp_path, tiny_model_dir, "ddp+raise", must_succeed=False)
+    assert completed.returncode != 0
+    assert "reward function 'fails_on_rank_1' raised KeyError" in completed.stderr
+    assert time.monotonic() - start < 120
+
+
 def test_unwrap_model_peels_engines_that_forward_attributes(tiny_model):
     class ForwardingEngine(torch.nn.Module):  # like deepspeed.DeepSpeedEngine: unknown attributes go to the module
         def __init__(self, module):
