@@ -149,6 +149,16 @@ class GSPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Extra keyword arguments for `apply_chat_template` on conversational prompts."},
     )
+    layout_independent_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "Give every completion its own random stream, a function of (seed, optimizer step, its index in "
+            "the global generation batch): the same completions whatever the number of processes or the batch they "
+            "are generated in (exact Gumbel-max sampling of the same distribution). Costs a hash of every "
+            "(row, vocabulary) pair per decoding step: measured 0.12 s per step for 64 rows × 49,152 tokens on 2 CPU "
+            "cores, so leave it off for speed."
+        },
+    )
     cache_implementation: str | None = field(
         default=None,
         metadata={"help": "KV cache implementation for `generate` (e.g. 'static'); None uses the model's default."},

@@ -106,14 +106,19 @@ def warn_if_fsdp_dropped(args, accelerator) -> None:
         )
 
 
-def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_zero3: bool):
+def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_zero3: bool, checkpointing_kwargs=None):
     """The context generation runs in: under DeepSpeed ZeRO-3 with `gather_zero3`, every parameter is
     gathered once for the whole rollout (and ZeRO-3's per-module hooks are lifted meanwhile) instead of
-    layer by layer at every decoding step. TRL's own context, so its `ds3_gather_for_generation` means the
-    same here; elsewhere it only unwraps."""
+    layer by layer at every decoding step, through TRL's own context, so `ds3_gather_for_generation`
+    means what it means in TRL. Elsewhere nothing (the backend unwraps the model itself)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if not gather_zero3 or plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
     from trl.models.utils import unwrap_model_for_generation
 
-    return unwrap_model_for_generation(model_wrapped, accelerator, gather_deepspeed3_params=gather_zero3)
+    return unwrap_model_for_generation(
+        model_wrapped, accelerator, gather_deepspeed3_params=True, gradient_checkpointing_kwargs=checkpointing_kwargs
+    )
 
 
 def launched_processes() -> int:

@@ -49,7 +49,7 @@ from .models import (
 from .packing import packing_pays_on, padding_free_unsupported_reason
 from .precision import check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
-from .rollout import HFGenerateBackend, is_conversational_prompt
+from .rollout import HFGenerateBackend, is_conversational_prompt, stream_keys
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
 from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
 
@@ -263,9 +263,11 @@ class GSPOTrainer(Trainer):
         prompts = [row["prompt"] for row in batch]
         with (
             precision_context(self.accelerator),
-            weights_for_generation(self.model_wrapped, self.accelerator, args.ds3_gather_for_generation),
+            weights_for_generation(
+                self.model_wrapped, self.accelerator, args.ds3_gather_for_generation, args.gradient_checkpointing_kwargs
+            ),
         ):
-            rollout = self.rollout_backend.generate(prompts)
+            rollout = self.rollout_backend.generate(prompts, self._stream_keys(len(prompts), mode))
         completion_mask = rollout.completion_mask
         completion_texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         if is_conversational_prompt(prompts[0]):
@@ -310,6 +312,14 @@ class GSPOTrainer(Trainer):
                 for i, (p, c, r, a) in enumerate(zip(prompts, completion_texts, rewards[local].tolist(), advantages.tolist()))
             ]
         return inputs
+
+    def _stream_keys(self, num_rows: int, mode: str) -> torch.Tensor | None:
+        """Per-completion sampling keys that do not depend on the process layout (None: global RNG)."""
+        if not self.args.layout_independent_sampling:
+            return None
+        # Ranks hold consecutive slices of the global generation batch.
+        rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
+        return stream_keys(self.args.seed, self.state.global_step, 0 if mode == "train" else 1, rows)
 
     @torch.no_grad()
     def _score_without_grad(self, model, inputs: dict[str, Any]) -> torch.Tensor:

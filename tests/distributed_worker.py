@@ -2,7 +2,8 @@
 mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp2`, each optionally with
 `+lora` and/or `+beta`; `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
-reward function that raises on rank 1 only. Each rank writes
+reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
+completions per micro-step over however many processes run. Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
@@ -69,9 +70,12 @@ def main(model_dir: str, mode: str, out: str) -> None:
     if resume_options:  # rollouts of 3 optimizer steps of 2 micro-steps, a checkpoint at every step
         schedule = dict(gradient_accumulation_steps=2, steps_per_generation=6, max_steps=4, save_strategy="steps",
                         save_steps=1)
+    if "seeded" in options:  # 8 completions per micro-step over all processes, each with its own random stream
+        schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]), layout_independent_sampling=True)
     config = GSPOConfig(
-        output_dir=f"{out}.output", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        **schedule, learning_rate=5e-3, epsilon=0.2,
+        output_dir=f"{out}.output", **{"per_device_train_batch_size": 4, **schedule}, num_generations=4,
+        max_completion_length=6,
+        learning_rate=5e-3, epsilon=0.2,
         epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
         use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
         deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
@@ -83,14 +87,14 @@ def main(model_dir: str, mode: str, out: str) -> None:
                           peft_config=peft_config, callbacks=[KillRank1MidWindow()] if "kill" in options else None)
     generate, whole_at_generation = trainer.rollout_backend.generate, []
 
-    def spy(prompts):  # under ZeRO-3, were the weights gathered for the whole rollout?
+    def spy(prompts, *rest):  # under ZeRO-3, were the weights gathered for the whole rollout?
         params = [p for p in trainer.accelerator.unwrap_model(trainer.model).parameters() if hasattr(p, "ds_numel")]
         whole_at_generation.append(all(p.numel() == p.ds_numel for p in params) if params else None)
-        return generate(prompts)
+        return generate(prompts, *rest)
 
     trainer.rollout_backend.generate = spy
     trainer.train(resume_from_checkpoint=True if "resume" in options else None)
-    logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl") if k in e}
+    logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl", "completions/mean_length") if k in e}
             for e in trainer.state.log_history if "loss" in e]
     model = trainer.accelerator.unwrap_model(trainer.model)
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]

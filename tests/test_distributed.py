@@ -89,6 +89,16 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
     assert time.monotonic() - start < 120
 
 
+def test_layout_independent_sampling_gives_one_and_two_processes_the_same_rollout(tmp_path, tiny_model_dir):
+    # 8 completions per micro-step: one process of 8, or two of 4. The first rollout (step 1's reward and
+    # lengths) is the same; later steps may differ, since micro-batches are cut per process.
+    one = launch(tmp_path, tiny_model_dir, "ddp+seeded", processes=1, name="one")
+    two = launch(tmp_path, tiny_model_dir, "ddp+seeded", processes=2, name="two")
+    first_one, first_two = one[0]["logs"][0], two[0]["logs"][0]
+    assert first_one["reward"] == pytest.approx(first_two["reward"], abs=1e-7)
+    assert first_one["completions/mean_length"] == first_two["completions/mean_length"]
+
+
 def test_unwrap_model_peels_engines_that_forward_attributes(tiny_model):
     class ForwardingEngine(torch.nn.Module):  # like deepspeed.DeepSpeedEngine: unknown attributes go to the module
         def __init__(self, module):

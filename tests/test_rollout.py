@@ -83,3 +83,36 @@ def test_shared_prompt_prefill_samples_what_plain_generate_samples(tmp_path, tin
 def test_prefill_is_skipped_when_no_prompt_repeats(tiny_model, tiny_tokenizer):
     encoded = tiny_tokenizer(["one two", "three"], return_tensors="pt", padding=True, padding_side="left")
     assert prefill_shared_prompts(tiny_model, encoded["input_ids"], encoded["attention_mask"]) is None
+
+
+def test_keyed_streams_sample_the_same_completion_in_any_batch(tmp_path, tiny_model, tiny_tokenizer):
+    from gspo_trl.rollout import stream_keys
+
+    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8, use_cpu=True,
+                      temperature=0.9, top_p=0.95)
+    backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
+    keys = stream_keys(0, 7, 0, torch.arange(4))
+    together = backend.generate(["What is 1 + 1?", "What is 1 + 1?", "Hi", "Hi"], keys)
+    alone = backend.generate(["Hi", "Hi"], keys[2:])  # another batch: other padding, other rows around
+    assert together.prompt_ids.shape[1] > alone.prompt_ids.shape[1]
+    assert torch.equal(together.completion_ids[2:], alone.completion_ids)
+    assert not torch.equal(together.completion_ids[2], together.completion_ids[3])  # each row its own stream
+    again = backend.generate(["What is 1 + 1?", "What is 1 + 1?", "Hi", "Hi"], keys)
+    assert torch.equal(together.completion_ids, again.completion_ids)
+
+
+def test_keyed_gumbel_sampler_draws_from_the_warped_distribution():
+    from gspo_trl.rollout import KeyedGumbelSampler, stream_keys
+
+    rows = 40000
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    sampler = KeyedGumbelSampler(stream_keys(1, torch.arange(rows)), 0, None, 0, 1.0, None)
+    picks = sampler(torch.zeros(rows, 0, dtype=torch.long), logits.expand(rows, 5).clone()).argmax(1)
+    frequencies = torch.bincount(picks, minlength=5).double() / rows
+    torch.testing.assert_close(frequencies, logits.exp().double(), atol=0.01, rtol=0)  # ~4 standard errors
+    # temperature 0.5 squares and renormalises the probabilities; top-k 2 keeps the two largest
+    sharp = KeyedGumbelSampler(stream_keys(2, torch.arange(rows)), 0, 0.5, 2, 1.0, None)
+    picks = sharp(torch.zeros(rows, 0, dtype=torch.long), logits.expand(rows, 5).clone()).argmax(1)
+    frequencies = torch.bincount(picks, minlength=5).double() / rows
+    expected = torch.tensor([0.25, 0.04, 0, 0, 0], dtype=torch.float64) / 0.29
+    torch.testing.assert_close(frequencies, expected, atol=0.01, rtol=0)

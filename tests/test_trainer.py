@@ -74,7 +74,7 @@ def test_off_policy_minibatches_reuse_one_rollout_and_get_clipped(tmp_path, tiny
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     calls = []
     generate = trainer.rollout_backend.generate
-    trainer.rollout_backend.generate = lambda prompts: calls.append(len(prompts)) or generate(prompts)
+    trainer.rollout_backend.generate = lambda prompts, *rest: calls.append(len(prompts)) or generate(prompts, *rest)
     trainer.train()
     assert calls == [16]  # one rollout feeds the four optimizer steps
     logs = train_logs(trainer)
@@ -166,7 +166,7 @@ def test_checkpoint_and_resume(tmp_path, tiny_model_dir):
     resumed = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     rollouts = []
     generate = resumed.rollout_backend.generate
-    resumed.rollout_backend.generate = lambda prompts: rollouts.append(resumed.state.global_step) or generate(prompts)
+    resumed.rollout_backend.generate = lambda prompts, *rest: rollouts.append(resumed.state.global_step) or generate(prompts, *rest)
     resumed.train(resume_from_checkpoint=checkpoint)
     assert resumed.state.global_step == 6
     # The interrupted rollout continues from the checkpoint for steps 3-4 (it is not sampled again), and
