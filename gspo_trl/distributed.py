@@ -121,6 +121,41 @@ def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_z
     )
 
 
+def gather_rollout(batch: dict, accelerator, pad_token_id: int) -> dict:
+    """Every process's rollout rows, in process order, padded as one batch would be.
+
+    `input_ids` / `attention_mask` hold a left-padded prompt followed by a right-padded completion; the
+    two parts are padded across processes separately (prompt on the left, completion on the right), so
+    the result is laid out exactly as if one process had sampled all rows. Completion-aligned tensors
+    (B, C) are padded on the right; per-row tensors (B,) are gathered as they are.
+    """
+    completion_length = batch["completion_ids"].shape[1]
+    prompt_length = batch["input_ids"].shape[1] - completion_length
+
+    def gathered(tensor, pad_index, pad_first):
+        return accelerator.gather(accelerator.pad_across_processes(tensor, dim=1, pad_index=pad_index, pad_first=pad_first))
+
+    prompt_ids = gathered(batch["input_ids"][:, :prompt_length], pad_token_id, True)
+    prompt_mask = gathered(batch["attention_mask"][:, :prompt_length], 0, True)
+    completion_ids = gathered(batch["completion_ids"], pad_token_id, False)
+    completion_attention = gathered(batch["attention_mask"][:, prompt_length:], 0, False)
+    result = {
+        "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+        "attention_mask": torch.cat([prompt_mask, completion_attention], dim=1),
+        "completion_ids": completion_ids,
+    }
+    for key, value in batch.items():
+        if key in result:
+            continue
+        if value is None:
+            result[key] = None
+        elif value.dim() == 2:  # completion-aligned: completion_mask, reference log-probs
+            result[key] = gathered(value, 0, False)
+        else:
+            result[key] = accelerator.gather(value)
+    return result
+
+
 def launched_processes() -> int:
     """Processes started by torchrun / accelerate launch / mpirun (1 when run directly)."""
     for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):

@@ -22,6 +22,7 @@ from .advantages import aggregate_rewards, group_advantages
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
 from .distributed import (
+    gather_rollout,
     prepare_frozen_model,
     set_up_process_group,
     warn_if_fsdp_dropped,
@@ -207,9 +208,7 @@ class GSPOTrainer(Trainer):
             self._rollout_global_step = restored.sampled_at_step
         if use == 0 or self._buffered_inputs is None:
             rollout_batch = self._generate_and_score(generation_batch, mode="train")
-            micro_batches = _split_batch(
-                rollout_batch, args.steps_per_generation, args.num_generations, self._rollout_generator
-            )
+            micro_batches = self._micro_batches(rollout_batch)
             needs_old = micro_batches_needing_old_logprobs(
                 steps_per_generation=args.steps_per_generation,
                 num_iterations=args.num_iterations,
@@ -223,6 +222,24 @@ class GSPOTrainer(Trainer):
             self._buffered_inputs = micro_batches
             self._rollout_global_step = self.state.global_step
         return self._buffered_inputs[use % args.steps_per_generation]
+
+    def _micro_batches(self, rollout_batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """This process's micro-batches: its slice of each global micro-batch.
+
+        The rollout of all processes is cut into micro-batches of whole groups in one shuffled order (the
+        generator is seeded alike everywhere), and each process trains on its share of every one, so an
+        optimizer step sees the same rows whatever the number of processes.
+        """
+        args, processes = self.args, self.accelerator.num_processes
+        if processes == 1:
+            return _split_batch(rollout_batch, args.steps_per_generation, args.num_generations, self._rollout_generator)
+        local_rows = rollout_batch["input_ids"].shape[0] // args.steps_per_generation
+        everything = gather_rollout(rollout_batch, self.accelerator, self.processing_class.pad_token_id)
+        mine = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
+        return [
+            {key: None if value is None else value[mine] for key, value in micro_batch.items()}
+            for micro_batch in _split_batch(everything, args.steps_per_generation, args.num_generations, self._rollout_generator)
+        ]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.state.global_step != self._window_global_step:  # the first micro-step after an optimizer step

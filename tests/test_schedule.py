@@ -184,8 +184,8 @@ def test_shortcut_equals_reference_on_two_processes(tmp_path, tiny_model_dir):
 
     result = tmp_path / "result.json"
     worker = Path(__file__).with_name("schedule_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), tiny_model_dir,
-               str(result)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+               tiny_model_dir, str(result)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     runs = json.loads(result.read_text())
