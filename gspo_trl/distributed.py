@@ -1,12 +1,12 @@
 """Distributed concerns the other modules call instead of branching on the launcher themselves.
 
 Owns finding the Hugging Face model inside whatever wraps it (DDP, a DeepSpeed engine, FSDP,
-`torch.compile`), joining the process group before the model is built, gathering a ZeRO-3-partitioned
-module for a direct call or for a whole rollout's generation, placing evaluation-only models like the
-policy, choosing the process group's
-backend for a multi-process launch on a machine without an accelerator, and saying when a requested
-sharding was not applied. What it does not own: gathering rewards and metrics (the trainer, through
-accelerate) and the sharding itself (accelerate, DeepSpeed, FSDP).
+`torch.compile`), joining the process group before the model is built, telling ZeRO-3-partitioned
+modules apart and gathering the weights for a whole rollout's generation, placing evaluation-only
+models like the policy, gathering a rollout across processes, choosing the process group's backend
+for a multi-process launch on a machine without an accelerator, and saying when a requested sharding
+was not applied. What it does not own: gathering rewards and metrics (the trainer, through accelerate)
+and the sharding itself (accelerate, DeepSpeed, FSDP).
 """
 
 from __future__ import annotations
@@ -57,23 +57,6 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(getattr(p, "ds_status", None) is not None for p in module.parameters(recurse=False))
 
 
-def gathered_if_partitioned(module: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """Gather `module`'s own DeepSpeed ZeRO-3 partitions for a direct call, if they are not gathered.
-
-    ZeRO-3 gathers a module's parameters in its forward hook, but not when a checkpointed region that
-    uses a frozen module (the LM head under LoRA) is recomputed in the backward pass: there the weight
-    would be an empty shard. Elsewhere this is a no-op.
-    """
-    partitioned = [p for p in module.parameters(recurse=False) if getattr(p, "ds_status", None) is not None]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    missing = [p for p in partitioned if p.ds_status != ZeroParamStatus.AVAILABLE]
-    return deepspeed.zero.GatheredParameters(missing) if missing else contextlib.nullcontext()
-
-
 def prepare_frozen_model(model: torch.nn.Module, accelerator) -> torch.nn.Module:
     """Place a model that is only evaluated (the reference, a reward model) like the policy.
 
@@ -106,7 +89,8 @@ def warn_if_fsdp_dropped(args, accelerator) -> None:
         )
 
 
-def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_zero3: bool, checkpointing_kwargs=None):
+def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_zero3: bool,
+                           checkpointing_kwargs=None):
     """The context generation runs in: under DeepSpeed ZeRO-3 with `gather_zero3`, every parameter is
     gathered once for the whole rollout (and ZeRO-3's per-module hooks are lifted meanwhile) instead of
     layer by layer at every decoding step, through TRL's own context, so `ds3_gather_for_generation`

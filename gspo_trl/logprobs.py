@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from .distributed import gathered_if_partitioned, is_partitioned, unwrap_model
+from .distributed import is_partitioned, unwrap_model
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
 
@@ -44,31 +45,27 @@ def _chunk_logps_and_entropy(
 
 
 def _project(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
-    """The LM head projection, through the head module itself so that its hooks run: DeepSpeed ZeRO-3
-    gathers a partitioned weight for the call (and again when a checkpointed chunk is recomputed), and
-    an adapter on the head applies. Under autocast (see `precision`) both operands take autocast's
-    dtype; without it, the hidden states take the head's dtype, as inside the model's own forward.
-    An FSDP2-sharded head (a DTensor weight, with no hook of its own) is gathered differentiably."""
-    weight = head.weight
-    if hasattr(weight, "full_tensor") and not isinstance(head, Float32LMHead):
+    """The LM head projection, through the head module itself so that its hooks run (DeepSpeed ZeRO-3
+    gathers a partitioned weight for the call) and an adapter on the head applies. Under autocast (see
+    `precision`) both operands take autocast's dtype; without it, the hidden states take the head's
+    dtype, as inside the model's own forward. Two heads are projected by hand instead: an FSDP2-sharded
+    one (a DTensor weight with no hook of its own: gathered differentiably; untested, FSDP needs GPUs)
+    and a frozen ZeRO-3 one (LoRA), whose hooks do not gather it again when a checkpointed chunk is
+    recomputed in the backward pass: it is gathered here and copied, since autograd keeps the weight
+    for the backward and ZeRO-3 empties the parameter itself on release."""
+    fp32_head = isinstance(head, Float32LMHead)
+    if not fp32_head and not torch.is_autocast_enabled(hidden.device.type):
+        hidden = hidden.to(head.weight.dtype)
+    if hasattr(head.weight, "full_tensor"):
+        weight = head.weight.full_tensor()
         bias = None if head.bias is None else head.bias.full_tensor()
-        weight = weight.full_tensor()
-        if not torch.is_autocast_enabled(hidden.device.type):
-            hidden = hidden.to(weight.dtype)
-        return F.linear(hidden, weight, bias)
-    if not torch.is_autocast_enabled(hidden.device.type) and not isinstance(head, Float32LMHead):
-        hidden = hidden.to(weight.dtype)
-    if is_partitioned(head) and not head.weight.requires_grad:
-        # A frozen ZeRO-3 head (LoRA): its hooks do not gather it again when a checkpointed chunk is
-        # recomputed in the backward pass. Gather it here and project with a copy, since autograd
-        # keeps the weight for the backward and ZeRO-3 empties the parameter itself on release.
-        with gathered_if_partitioned(head):
+    elif is_partitioned(head) and not head.weight.requires_grad:
+        with maybe_gather_lm_head_ctx(head.weight, head.bias):
             weight = head.weight.detach().clone()
             bias = None if head.bias is None else head.bias.detach().clone()
-        if isinstance(head, Float32LMHead):
-            return project_in_fp32(hidden, weight, bias)
-        return F.linear(hidden, weight, bias)
-    return head(hidden)
+    else:
+        return head(hidden)
+    return project_in_fp32(hidden, weight, bias) if fp32_head else F.linear(hidden, weight, bias)
 
 
 def completion_logprobs(

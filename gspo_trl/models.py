@@ -13,7 +13,6 @@ import copy
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .distributed import unwrap_model

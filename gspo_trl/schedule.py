@@ -30,7 +30,7 @@ def micro_batches_needing_old_logprobs(
     """For each micro-batch i of a rollout, whether any of its uses meets weights moved since sampling.
 
     The rollout is sampled just before use number `first_use` (0, or later for a run resumed mid-
-    rollout, which re-samples and continues), when `window_offset` micro-steps of the current
+    rollout from a checkpoint that holds no saved rollout, which re-samples and continues), when `window_offset` micro-steps of the current
     accumulation window are already done. The next optimizer step then comes after the use number
     `first_use + gradient_accumulation_steps - window_offset - 1`: windows after the current one are
     full, because an epoch ends only where a rollout ends (the last uses of a rollout are in the

@@ -194,8 +194,9 @@ class GSPOTrainer(Trainer):
         args = self.args
         uses_per_rollout = args.steps_per_generation * args.num_iterations
         if self._buffered_inputs is None:
-            # Start or resume: take up the schedule at the dataloader's position. A run resumed
-            # mid-rollout samples a new rollout there and trains on its remaining uses.
+            # Start or resume: take up the schedule at the dataloader's position. A run resumed mid-rollout
+            # continues the rollout saved with its checkpoint (or, from a checkpoint without one, samples a
+            # new rollout there and trains on its remaining uses).
             self._step = micro_steps_into_epoch(
                 self.state.global_step, self._micro_steps_per_epoch, args.gradient_accumulation_steps
             )
@@ -236,10 +237,10 @@ class GSPOTrainer(Trainer):
         local_rows = rollout_batch["input_ids"].shape[0] // args.steps_per_generation
         everything = gather_rollout(rollout_batch, self.accelerator, self.processing_class.pad_token_id)
         mine = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
-        return [
-            {key: None if value is None else value[mine] for key, value in micro_batch.items()}
-            for micro_batch in _split_batch(everything, args.steps_per_generation, args.num_generations, self._rollout_generator)
-        ]
+        global_micro_batches = _split_batch(
+            everything, args.steps_per_generation, args.num_generations, self._rollout_generator
+        )
+        return [{key: None if v is None else v[mine] for key, v in batch.items()} for batch in global_micro_batches]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.state.global_step != self._window_global_step:  # the first micro-step after an optimizer step
