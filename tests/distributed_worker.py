@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
 mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp2`, each optionally with
-`+lora` and/or `+beta`; `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
+`+lora`, `+beta` and/or `+bf16` (CPU bf16 autocast); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
 completions per micro-step over however many processes run. Each rank writes
@@ -78,6 +78,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         learning_rate=5e-3, epsilon=0.2,
         epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
         use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
+        bf16="bf16" in options,
         deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0,
     )

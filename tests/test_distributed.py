@@ -6,6 +6,7 @@ its choice of a gloo group when no GPU is present."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,16 @@ def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir):
     assert_same_run(two[0], two[1], 0)
     assert any(e["ratio/max"] != 1.0 for e in one[0]["logs"])  # an off-policy step was compared too
     assert one[0]["logs"][0]["completions/mean_length"] == two[0]["logs"][0]["completions/mean_length"]
+
+
+@pytest.mark.parametrize("mode", ["ddp+bf16+beta", "zero3+bf16+lora+beta"])
+def test_bf16_recipes_train_on_two_processes(tmp_path, tiny_model_dir, mode):
+    # The GPU recipe (bf16 autocast) on several processes: ranks agree, the KL term and an off-policy step run.
+    ranks = launch(tmp_path, tiny_model_dir, mode)
+    assert_same_run(ranks[0], ranks[1], 0)
+    logs = ranks[0]["logs"]
+    assert all(math.isfinite(e["loss"]) for e in logs)
+    assert any(e["kl"] > 0 for e in logs) and any(e["ratio/max"] != 1.0 for e in logs)
 
 
 def test_unwrap_model_peels_engines_that_forward_attributes(tiny_model):
