@@ -19,11 +19,18 @@ from transformers.utils import logging
 
 from .advantages import SCALE_REWARDS_OPTIONS
 from .distributed import launched_processes, needs_cpu_process_group
-from .loss import IMPORTANCE_SAMPLING_LEVELS
+from .loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, Objective
 
 # Optimizer steps per rollout batch when the user leaves `steps_per_generation` unset (the paper's
 # "each batch of rollouts is split into four minibatches for gradient updates").
 PAPER_MINIBATCHES_PER_ROLLOUT = 4
+# The clipping range the GSPO paper reports, GRPO's customary token-level one (TRL's default), and ScaleRL's
+# recommended cap for CISPO's importance weight.
+PAPER_EPSILON, PAPER_EPSILON_HIGH = 3e-4, 4e-4
+TOKEN_LEVEL_EPSILON = 0.2
+CISPO_EPSILON_MAX = 5.0
+# Loss types that sum per-token losses, so that a sequence-level ratio ends up weighted by the sequence's length.
+TOKEN_SUM_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
 
 logger = logging.get_logger(__name__)
 
@@ -201,25 +208,59 @@ class GSPOConfig(TrainingArguments):
     )
 
     # --- Objective ---------------------------------------------------------------------------
-    importance_sampling_level: str = field(
-        default="sequence",
+    importance_sampling_level: str | None = field(
+        default=None,
         metadata={
             "help": "'sequence' (GSPO, paper Eq. 5–7), 'sequence_token' (GSPO-token, Eq. 13–14, for per-token "
-            "advantages) or 'token' (GRPO's per-token ratio, for comparison runs)."
+            "advantages) or 'token' (GRPO's per-token ratio, for comparison runs). None: 'sequence' for the "
+            "per-sequence objectives (grpo, sapo, luspo), 'token' for the token-summed ones and vespo."
         },
     )
-    epsilon: float = field(
-        default=3e-4,
+    epsilon: float | None = field(
+        default=None,
         metadata={
-            "help": "Lower clipping range, in (0, 1): ratios below 1 − epsilon are clipped. The paper uses 3e-4."
+            "help": "Lower clipping range, in (0, 1): ratios below 1 − epsilon are clipped. None: 3e-4 (the paper's "
+            "GSPO setting) for sequence-level ratios, 0.2 (TRL's and GRPO's) for importance_sampling_level='token'."
         },
     )
     epsilon_high: float | None = field(
-        default=4e-4,
+        default=None,
         metadata={
-            "help": "Upper clipping range: ratios above 1 + epsilon_high are clipped. The paper uses 4e-4. "
-            "None uses epsilon."
+            "help": "Upper clipping range: ratios above 1 + epsilon_high are clipped. With loss_type='cispo' it is "
+            "ε_max, the cap on the importance weight itself. None: 4e-4 (the paper's) with sequence-level ratios and "
+            "epsilon unset, otherwise epsilon (TRL's meaning); 5.0 for 'cispo' (ScaleRL's recommendation)."
         },
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta, which bounds the loss of "
+            "negative-advantage samples whose ratio ran far above 1. Must be > 1; use > 1 + epsilon_high. None: off."
+        },
+    )
+    sapo_temperature_pos: float = field(
+        default=1.0,
+        metadata={"help": "SAPO's gate temperature for positive advantages (loss_type='sapo')."},
+    )
+    sapo_temperature_neg: float = field(
+        default=1.05,
+        metadata={"help": "SAPO's gate temperature for zero or negative advantages (loss_type='sapo')."},
+    )
+    vespo_k_pos: float = field(
+        default=2.0,
+        metadata={"help": "VESPO's power k for advantages >= 0: how fast weights of sequence ratios below 1 fall."},
+    )
+    vespo_lambda_pos: float = field(
+        default=3.0,
+        metadata={"help": "VESPO's decay λ for advantages >= 0: how fast weights of sequence ratios above 1 fall."},
+    )
+    vespo_k_neg: float = field(
+        default=3.0,
+        metadata={"help": "VESPO's power k for negative advantages."},
+    )
+    vespo_lambda_neg: float = field(
+        default=2.0,
+        metadata={"help": "VESPO's decay λ for negative advantages."},
     )
     beta: float = field(
         default=0.0,
@@ -237,8 +278,11 @@ class GSPOConfig(TrainingArguments):
     loss_type: str = field(
         default="grpo",
         metadata={
-            "help": "Loss aggregation. Only 'grpo' (mean over sequences of each sequence's token mean) exists: a "
-            "sequence-level objective has no token-summed variant. Kept for drop-in compatibility with TRL."
+            "help": "The objective and how its per-token losses are averaged (docs/objective.md). 'grpo': GSPO's "
+            "clipped objective, each sequence weighing the same (the paper's). 'sapo': a soft sigmoid gate instead "
+            "of the clip. 'cispo': REINFORCE with a capped, detached importance weight. 'vespo': REINFORCE weighted "
+            "by a gamma kernel of the whole-sequence ratio. 'luspo': GSPO with each sequence weighed by its length. "
+            "'dapo', 'bnpo', 'dr_grpo': the clipped objective summed over tokens (TRL's token-level aggregations)."
         },
     )
     scale_rewards: str = field(
@@ -256,6 +300,55 @@ class GSPOConfig(TrainingArguments):
         default=False,
         metadata={
             "help": "Exclude completions cut off at max_completion_length from the loss (DAPO's overlong filtering)."
+        },
+    )
+
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Off-policy sequence masking (DeepSeek-V3.2, Eq. 9): drop negative-advantage sequences whose mean "
+            "per-token log(π_old / π_θ) exceeds this (e.g. 0.5). None: off."
+        },
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "Keep the policy gradient only on the top quantile of completion tokens by entropy (Beyond the "
+            "80/20 Rule recommends 0.2), over all processes' tokens. In [0, 1]; 1.0 keeps every token."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Entropy bonus: subtract entropy_coef × the mean per-token entropy (of the tokens the policy term "
+            "learns from) from the loss. With use_adaptive_entropy, the starting coefficient. 0.0: off."
+        },
+    )
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "Skywork-OR1's adaptive entropy control: after each optimizer step, raise entropy_coef by "
+            "entropy_coef_delta when the step's mean entropy is at or below entropy_target, lower it otherwise; the "
+            "bonus applies only while the entropy is at or below the target."
+        },
+    )
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Lower bound of the adaptive entropy_coef."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Upper bound of the adaptive entropy_coef."})
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "Change of the adaptive entropy_coef per optimizer step."}
+    )
+    entropy_target: float = field(
+        default=0.2,
+        metadata={
+            "help": "Mean per-token entropy (nats) below which adaptive control applies the bonus. Language models "
+            "start near 1–3 nats on their own samples: set it near the entropy you see early in training."
+        },
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of a Mixture-of-Experts model's load-balancing loss, added to the loss (and logged as "
+            "aux_loss). None: the model config's own coefficient (0 for models without one)."
         },
     )
 
@@ -290,13 +383,27 @@ class GSPOConfig(TrainingArguments):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if isinstance(self.scale_rewards, str):
             self.scale_rewards = {"true": "group", "false": "none"}.get(self.scale_rewards.lower(), self.scale_rewards)
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
+        self._resolve_objective_defaults()
         steps_per_generation_was_set = self.steps_per_generation is not None
         super().__post_init__()
         self._validate_objective()
         self._validate_sampling()
         self._resolve_batch_sizes(steps_per_generation_was_set)
+
+    def _resolve_objective_defaults(self) -> None:
+        if self.importance_sampling_level is None:
+            token_level = self.loss_type in TOKEN_SUM_LOSS_TYPES or self.loss_type == "vespo"
+            self.importance_sampling_level = "token" if token_level else "sequence"
+        epsilon_was_set = self.epsilon is not None
+        if not epsilon_was_set:
+            self.epsilon = TOKEN_LEVEL_EPSILON if self.importance_sampling_level == "token" else PAPER_EPSILON
+        if self.epsilon_high is None:
+            if self.loss_type == "cispo":
+                self.epsilon_high = CISPO_EPSILON_MAX
+            elif not epsilon_was_set and self.importance_sampling_level != "token":
+                self.epsilon_high = PAPER_EPSILON_HIGH
+            else:
+                self.epsilon_high = self.epsilon
 
     def _validate_objective(self) -> None:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -310,11 +417,36 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"epsilon_high must be > 0, got {self.epsilon_high}. The paper uses 4e-4.")
         if not (self.beta >= 0 and math.isfinite(self.beta)):
             raise ValueError(f"beta must be a finite number >= 0, got {self.beta}.")
-        if self.loss_type != "grpo":
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}. 'grpo' is GSPO's.")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
             raise ValueError(
-                f"loss_type={self.loss_type!r} is not supported: GSPO's objective is per sequence, so the only "
-                "aggregation is 'grpo' (mean over sequences). Remove loss_type or set it to 'grpo'."
+                f"loss_type='vespo' builds its own weight from the product of the token ratios, so "
+                f"importance_sampling_level must be 'token' (or unset), got {self.importance_sampling_level!r}."
             )
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            logger.warning("loss_type='luspo' is defined on GSPO's sequence ratio; importance_sampling_level="
+                           f"{self.importance_sampling_level!r} departs from the LUSPO paper.")
+        if self.importance_sampling_level == "sequence" and self.loss_type in TOKEN_SUM_LOSS_TYPES:
+            logger.warning(
+                f"loss_type={self.loss_type!r} sums per-token losses, so each sequence's sequence-level term is "
+                "weighted by its length instead of GSPO's per-sequence objective; loss_type='grpo' is the paper's."
+            )
+        if self.loss_type == "cispo" and self.epsilon_high < 1:
+            logger.warning(f"loss_type='cispo' caps every importance weight at epsilon_high={self.epsilon_high} < 1, "
+                           f"which shrinks every gradient; ScaleRL recommends {CISPO_EPSILON_MAX}.")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
+        if not math.isfinite(self.entropy_coef):
+            raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef}.")
+        if self.use_adaptive_entropy and not (
+            0 <= self.entropy_coef_min <= self.entropy_coef_max and self.entropy_coef_delta >= 0
+        ):
+            raise ValueError(
+                "use_adaptive_entropy needs 0 <= entropy_coef_min <= entropy_coef_max and entropy_coef_delta >= 0, got "
+                f"{self.entropy_coef_min}, {self.entropy_coef_max}, {self.entropy_coef_delta}."
+            )
+        Objective.from_config(self)  # names the field of any other value out of range
         if self.scale_rewards not in SCALE_REWARDS_OPTIONS:
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS_OPTIONS}, got {self.scale_rewards!r}.")
         if self.reward_weights is not None:

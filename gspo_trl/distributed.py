@@ -140,6 +140,16 @@ def gather_rollout(batch: dict, accelerator, pad_token_id: int) -> dict:
     return result
 
 
+def gather_ragged(values: torch.Tensor, accelerator) -> torch.Tensor:
+    """Every process's 1-D `values` concatenated, whatever their lengths (e.g. the valid tokens' entropies)."""
+    if accelerator.num_processes == 1:
+        return values
+    lengths = accelerator.gather(torch.tensor([values.numel()], device=values.device))
+    padded = accelerator.gather(accelerator.pad_across_processes(values, dim=0))
+    longest = int(lengths.max())
+    return torch.cat([padded[rank * longest : rank * longest + int(n)] for rank, n in enumerate(lengths.tolist())])
+
+
 def launched_processes() -> int:
     """Processes started by torchrun / accelerate launch / mpirun (1 when run directly)."""
     for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):

@@ -12,6 +12,8 @@ by `packing` instead of padded rows.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -22,6 +24,12 @@ from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, relative_attent
 from .precision import Float32LMHead, project_in_fp32
 
 
+class CompletionScores(NamedTuple):
+    logps: torch.Tensor  # (B, C) log pi(y_t | x, y_<t), zero where masked
+    entropy: torch.Tensor  # (B, C) entropy of pi(. | x, y_<t), zero where masked
+    router_aux_loss: torch.Tensor | None  # the MoE load-balancing loss, when asked for
+
+
 def _chunk_logps_and_entropy(
     hidden: torch.Tensor,  # (N, H)
     head: torch.nn.Module,  # the LM head, (H) -> (V)
@@ -29,6 +37,7 @@ def _chunk_logps_and_entropy(
     temperature: float,
     scale: float,
     softcap: float | None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = _project(hidden, head).float()  # (N, V), fp32 for a stable log-softmax
     if scale != 1.0:
@@ -38,7 +47,7 @@ def _chunk_logps_and_entropy(
     logits = logits / temperature
     log_normalizer = torch.logsumexp(logits, dim=-1)  # (N,)
     logps = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_normalizer
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         probs = torch.softmax(logits, dim=-1)
         entropy = log_normalizer - (probs * logits).sum(-1)
     return logps, entropy
@@ -79,7 +88,9 @@ def completion_logprobs(
     chunk_size: int = 1024,
     padding_free: bool = False,
     max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    entropy_grad: bool = False,
+    router_aux_loss: bool = False,
+) -> CompletionScores:
     """Log-probabilities and entropies of the completion tokens, each (B, C), zero where masked.
 
     Log-probabilities are of the temperature-scaled distribution the completions were sampled from,
@@ -90,12 +101,15 @@ def completion_logprobs(
     With `padding_free`, the forward runs on the packed layout of `packing.pack_shared_prefix` (each
     prompt once, no padding inside rows): the same values up to float rounding, for less work. The
     caller checks that the model supports it (`packing.padding_free_unsupported_reason`).
+
+    `entropy_grad` keeps the entropies in the graph (for an entropy bonus); `router_aux_loss` asks a
+    Mixture-of-Experts model for its load-balancing loss (padded rows only: the loss reads a 2-D mask).
     """
     valid = completion_mask.bool()
     labels_valid = completion_ids[valid]  # (N,)
     packed = None
     prompt_length = input_ids.shape[1] - completion_ids.shape[1]
-    if padding_free and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask):
+    if padding_free and not router_aux_loss and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask):
         packed = pack_shared_prefix(
             input_ids[:, :prompt_length],
             attention_mask[:, :prompt_length],
@@ -123,6 +137,7 @@ def completion_logprobs(
             output_hidden_states=True,
             logits_to_keep=1,
             use_cache=False,
+            **({"output_router_logits": True} if router_aux_loss else {}),
         )
         # The hidden state at position t predicts token t + 1, so the completion is scored from the
         # C positions that end one before the last.
@@ -130,7 +145,7 @@ def completion_logprobs(
         hidden = outputs.hidden_states[-1][:, -completion_length - 1 : -1]  # (B, C, H)
         hidden_valid = hidden[valid]  # (N, H), padding-free from here on
 
-    logps, entropy = _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size)
+    logps, entropy = _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, entropy_grad)
     per_token_logps = hidden.new_zeros(completion_ids.shape, dtype=torch.float32)
     per_token_entropy = torch.zeros_like(per_token_logps)
     if logps is None:
@@ -139,7 +154,7 @@ def completion_logprobs(
         # masked_scatter keeps the result connected to the graph.
         per_token_logps = per_token_logps.masked_scatter(valid, logps)
         per_token_entropy = per_token_entropy.masked_scatter(valid, entropy)
-    return per_token_logps, per_token_entropy
+    return CompletionScores(per_token_logps, per_token_entropy, outputs.aux_loss if router_aux_loss else None)
 
 
 def output_logit_scale(text_config) -> float:
@@ -163,7 +178,7 @@ def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_
     return is_prefix and not bool((completion_mask.bool() & ~completion_attention.bool()).any())
 
 
-def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size):
+def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, entropy_grad=False):
     """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time."""
     head = unwrap_model(model).get_output_embeddings()
     text_config = unwrap_model(model).config.get_text_config()
@@ -172,7 +187,7 @@ def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_s
     logps_chunks, entropy_chunks = [], []
     for start in range(0, hidden_valid.shape[0], chunk_size):
         args = (hidden_valid[start : start + chunk_size], head, labels_valid[start : start + chunk_size], temperature,
-                scale, softcap)
+                scale, softcap, entropy_grad)
         if use_checkpoint:
             logps, entropy = checkpoint(_chunk_logps_and_entropy, *args, use_reentrant=False)
         else:

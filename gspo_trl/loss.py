@@ -1,25 +1,107 @@
-"""GSPO policy loss (Zheng et al., 2025, arXiv 2507.18071).
+"""The policy loss of one batch: GSPO (Zheng et al., 2025, arXiv 2507.18071) and its family.
 
-This module owns the per-batch loss and nothing else: the importance ratio, the pessimistic clipped
-objective, the optional k3 KL penalty and the clipping statistics. Three importance-sampling levels:
+This module owns the importance ratio, the KL penalty, which tokens count, how per-token losses are
+averaged, and the statistics; the policy terms themselves (clipped GSPO/GRPO, SAPO, CISPO, VESPO)
+are one function each in `objectives`. Three importance-sampling levels:
 
 * ``"sequence"`` (GSPO): s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|)            (Eq. 7), objective Eq. 5.
 * ``"sequence_token"`` (GSPO-token): s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)]  (Eq. 14), objective Eq. 13.
 * ``"token"`` (GRPO): r_i,t = pi(y_i,t) / pi_old(y_i,t), clipped per token        (Eq. 2).
 
-All functions are pure: tensors in, tensors out, no trainer state.
+All functions are pure: tensors in, tensors out, no trainer state. The hyperparameters travel in an
+`Objective`; `policy_loss` also accepts them as keywords.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, fields
+
 import torch
 
+from .loss_masks import off_policy_sequence_mask
+from .objectives import POLICY_TERMS
+
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
+
+# How each loss_type averages its per-token losses l_i,t over a batch of B sequences (TRL's names):
+#   grpo, sapo:         (1/B) sum_i (1/|y_i|) sum_t l_i,t    each sequence weighs the same (GSPO's Eq. 5)
+#   luspo:              (1/B) sum_i sum_t l_i,t              each sequence weighs its length (LUSPO)
+#   bnpo:               sum_i,t l_i,t / sum_i |y_i|          token mean of this micro-batch
+#   dr_grpo:            sum_i,t l_i,t / (B * max_completion_length)
+#   dapo, cispo, vespo: sum_i,t l_i,t / token_normalizer     token mean of the whole optimizer step
+AGGREGATIONS = {
+    "grpo": "sequence_mean",
+    "sapo": "sequence_mean",
+    "luspo": "sequence_sum",
+    "bnpo": "token_mean",
+    "dr_grpo": "constant",
+    "dapo": "global_token_mean",
+    "cispo": "global_token_mean",
+    "vespo": "global_token_mean",
+}
+LOSS_TYPES = tuple(POLICY_TERMS)
 
 # exp(+-20) ~ 4.9e8 / 2.1e-9: far outside any useful clip range (epsilon ~ 1e-4 .. 0.3), yet finite in
 # fp32/bf16 so that the loss and its gradient stay finite for absurd log-ratios (e.g. +-1e4). A log-ratio
 # beyond the bound gets zero gradient, which only affects samples that are numerically meaningless anyway.
 LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The hyperparameters of the loss, with TRL's names and the GSPO paper's defaults."""
+
+    loss_type: str = "grpo"
+    importance_sampling_level: str = "sequence"
+    epsilon: float = 3e-4
+    epsilon_high: float = 4e-4
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True
+    off_policy_mask_threshold: float | None = None
+    max_completion_length: int | None = None  # dr_grpo's constant denominator
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
+            )
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.epsilon >= 1:
+            raise ValueError(f"epsilon must be < 1 (the lower clip bound is 1 - epsilon), got {self.epsilon}")
+        if self.epsilon_high < 0:
+            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
+        if self.delta is not None and not self.delta > 1:
+            raise ValueError(f"delta caps the importance ratio and must be > 1 (e.g. 1 + 2 * epsilon_high), "
+                             f"got {self.delta}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            raise ValueError(f"off_policy_mask_threshold must be >= 0 or None, got {self.off_policy_mask_threshold}")
+        if self.loss_type == "dr_grpo" and not (self.max_completion_length or 0) >= 1:
+            raise ValueError("loss_type='dr_grpo' divides by max_completion_length; pass it (>= 1)")
+
+    @classmethod
+    def from_config(cls, args) -> Objective:
+        """The objective a `GSPOConfig` (or anything with the same field names) describes."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -30,34 +112,50 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return total / count.clamp(min=1.0)
 
 
-def _validate(per_token_logps, old_per_token_logps, advantages, completion_mask, ref_per_token_logps,
-              importance_sampling_level, epsilon, epsilon_high, beta) -> None:
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling_level!r}"
-        )
+def importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log of the importance weight of each token's loss, (B, T): Eq. 7, Eq. 14 or GRPO's per-token ratio."""
+    log_ratio = logps - old_logps  # (B, T), 0 on padding
+    if level == "token":
+        return log_ratio  # GRPO: r_i,t = pi / pi_old
+    # Eq. 7: log s_i = (1/|y_i|) sum_t log(pi / pi_old), the length-normalised sequence log-ratio.
+    sequence_log_ratio = masked_mean(log_ratio, mask, dim=1).unsqueeze(1)  # (B, 1)
+    if level == "sequence":
+        return sequence_log_ratio.expand_as(logps)  # s_i broadcast over the sequence
+    # Eq. 14: s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: value s_i, gradient only through token t.
+    return sequence_log_ratio.detach() + logps - logps.detach()
+
+
+def aggregate(per_token_loss, mask, objective: Objective, token_normalizer=None) -> torch.Tensor:
+    """One number from the (B, T) per-token losses, as `AGGREGATIONS` describes."""
+    total_per_sequence = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss)).sum(-1)  # (B,)
+    rule = AGGREGATIONS[objective.loss_type]
+    if rule == "sequence_mean":
+        return (total_per_sequence / mask.sum(-1).clamp(min=1)).mean()
+    if rule == "sequence_sum":
+        return total_per_sequence.mean()
+    if rule == "constant":
+        return total_per_sequence.sum() / (mask.shape[0] * objective.max_completion_length)
+    if rule == "global_token_mean" and token_normalizer is not None:
+        return total_per_sequence.sum() / torch.as_tensor(token_normalizer).clamp(min=1.0)
+    return total_per_sequence.sum() / mask.sum().clamp(min=1)  # token mean of this batch
+
+
+def _validate_tensors(per_token_logps, advantages, objective: Objective, beta_needs_ref, **tensors) -> None:
     if per_token_logps.dim() != 2:
         raise ValueError(f"per_token_logps must have shape (B, T), got {tuple(per_token_logps.shape)}")
     shape = per_token_logps.shape
-    for name, tensor in (("old_per_token_logps", old_per_token_logps), ("completion_mask", completion_mask),
-                         ("ref_per_token_logps", ref_per_token_logps)):
+    for name, tensor in tensors.items():
         if tensor is not None and tensor.shape != shape:
             raise ValueError(f"{name} must have the shape of per_token_logps {tuple(shape)}, got {tuple(tensor.shape)}")
     if advantages.shape not in (shape[:1], shape):
         raise ValueError(f"advantages must have shape (B,) = {tuple(shape[:1])} or (B, T) = {tuple(shape)}, "
                          f"got {tuple(advantages.shape)}")
-    if importance_sampling_level == "sequence" and advantages.dim() == 2:
+    if advantages.dim() == 2 and objective.importance_sampling_level == "sequence":
         raise ValueError("advantages of shape (B, T) are per-token; importance_sampling_level='sequence' needs (B,) "
                          "advantages. Use importance_sampling_level='sequence_token' (GSPO-token) for per-token ones.")
-    if epsilon < 0:
-        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
-    if epsilon >= 1:
-        raise ValueError(f"epsilon must be < 1 (the lower clip bound is 1 - epsilon), got {epsilon}")
-    if epsilon_high < 0:
-        raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high}")
-    if beta < 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
-    if beta > 0 and ref_per_token_logps is None:
+    if advantages.dim() == 2 and objective.loss_type == "vespo":
+        raise ValueError("loss_type='vespo' weighs whole sequences and needs (B,) advantages, got (B, T)")
+    if beta_needs_ref:
         raise ValueError("ref_per_token_logps is required when beta > 0 (the KL penalty needs the reference policy)")
 
 
@@ -67,14 +165,17 @@ def policy_loss(
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
     *,
-    importance_sampling_level: str = "sequence",
-    epsilon: float = 3e-4,
-    epsilon_high: float = 4e-4,
-    beta: float = 0.0,
     ref_per_token_logps: torch.Tensor | None = None,
-    use_bias_correction_kl: bool = True,
+    sampling_per_token_logps: torch.Tensor | None = None,
+    policy_token_mask: torch.Tensor | None = None,
+    token_normalizer: torch.Tensor | float | None = None,
+    per_token_entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    entropy_normalizer: torch.Tensor | float | None = None,
+    objective: Objective | None = None,
+    **hyperparameters,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped GSPO / GSPO-token / GRPO loss (to minimise) and detached statistics.
+    """The loss to minimise for one batch of sampled completions, and detached statistics.
 
     Args:
         per_token_logps: (B, T) log pi_theta(y_t | x, y_<t); carries the gradient.
@@ -83,24 +184,35 @@ def policy_loss(
         advantages: (B,) per sequence, or (B, T) per token (only with ``"sequence_token"`` or ``"token"``).
         completion_mask: (B, T), nonzero where a token is trained on. Padded positions of every other tensor
             may hold garbage (NaN, -inf); it never reaches the loss or the gradient.
-        importance_sampling_level: ``"sequence"`` (GSPO), ``"sequence_token"`` (GSPO-token) or ``"token"`` (GRPO).
-        epsilon, epsilon_high: the ratio is clipped to [1 - epsilon, 1 + epsilon_high].
-        beta: weight of the k3 KL penalty to ``ref_per_token_logps``; 0 disables it.
-        use_bias_correction_kl: multiply the per-token KL by the (non-detached) importance ratio.
+        ref_per_token_logps: (B, T) reference-policy log-probs; required when beta > 0.
+        sampling_per_token_logps: (B, T) log-probs of the engine that sampled the tokens, for
+            ``off_policy_mask_threshold``; defaults to the old log-probs.
+        policy_token_mask: (B, T) extra 0/1 selection of the tokens the policy term learns from (e.g.
+            `loss_masks.high_entropy_token_mask`); masked tokens still count in the denominators.
+        token_normalizer: the number of completion tokens the ``dapo``/``cispo``/``vespo`` sum is divided by
+            (the optimizer step's tokens per process); defaults to this batch's.
+        per_token_entropy: (B, T) token entropies carrying a gradient, for ``entropy_coef``.
+        entropy_coef: subtract entropy_coef * (mean entropy over the tokens the policy term learns from).
+        entropy_normalizer: the token count that mean divides by (the micro-batch's learned tokens per process,
+            so that averaging over processes gives the mean over all of them); defaults to this batch's.
+        objective: the hyperparameters (an `Objective`); or give them as keywords (``epsilon=...``).
 
     Returns:
-        ``(loss, stats)``. ``loss`` is the mean over the B sequences of each sequence's mean per-token loss
-        over its valid tokens (TRL's ``loss_type="grpo"``); a fully masked row adds 0 but still counts in B.
-        ``stats`` holds detached scalars:
-        ``clip_fraction_low`` / ``clip_fraction_high`` / ``clip_fraction`` (the min picked the clipped term:
-        low = ratio < 1 - epsilon and A < 0, high = ratio > 1 + epsilon_high and A > 0, either),
-        ``ratio_mean`` / ``ratio_min`` / ``ratio_max``, ``log_ratio_abs_mean`` (before the safety clamp), and
-        ``kl_mean`` (mean of the uncorrected k3 over valid tokens; 0 when beta == 0). For ``"sequence"`` the
-        clip and ratio stats are over sequences with >= 1 valid token; for the token-level modes they are over
-        valid tokens. With nothing valid, the fractions are 0 and the ratios 1.
+        ``(loss, stats)``. With the default ``loss_type="grpo"``, ``loss`` is the mean over the B sequences of
+        each sequence's mean per-token loss (a fully masked row adds 0 but still counts in B); other loss types
+        aggregate as `AGGREGATIONS` says. ``stats`` holds detached scalars: ``ratio_mean``/``min``/``max`` and
+        ``log_ratio_abs_mean`` (before the safety clamp) of the importance weight, ``kl_mean`` (uncorrected k3 over
+        valid tokens; 0 when beta == 0), the policy term's own (``clip_fraction_low``/``high``/``clip_fraction``
+        for the clipped ones: the min picked the clipped term), and ``off_policy_masked_fraction`` when off-policy
+        masking is on. For ``"sequence"`` they are over sequences with >= 1 valid token, otherwise over valid
+        tokens; with nothing valid, fractions are 0 and ratios 1.
     """
-    _validate(per_token_logps, old_per_token_logps, advantages, completion_mask, ref_per_token_logps,
-              importance_sampling_level, epsilon, epsilon_high, beta)
+    objective = objective if objective is not None else Objective(**hyperparameters)
+    _validate_tensors(per_token_logps, advantages, objective,
+                      beta_needs_ref=objective.beta > 0 and ref_per_token_logps is None,
+                      old_per_token_logps=old_per_token_logps, completion_mask=completion_mask,
+                      ref_per_token_logps=ref_per_token_logps, sampling_per_token_logps=sampling_per_token_logps,
+                      policy_token_mask=policy_token_mask, per_token_entropy=per_token_entropy)
     mask = completion_mask.bool()  # (B, T)
     zeros = torch.zeros_like(per_token_logps)
 
@@ -110,64 +222,67 @@ def policy_loss(
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logps)  # (B, T), one value per sequence
     advantages = torch.where(mask, advantages.to(logps.dtype), zeros)  # (B, T)
+    valid_sequences = mask.any(dim=1)  # (B,)
+    level = objective.importance_sampling_level
 
-    log_ratio = logps - old_logps  # (B, T), 0 on padding
-    lengths = mask.sum(dim=1)  # (B,)
-    valid_seq = lengths > 0  # (B,)
-
-    if importance_sampling_level == "token":
-        # GRPO: one ratio per token, r_i,t = pi / pi_old.
-        log_is_weight = log_ratio  # (B, T)
-    else:
-        # Eq. 7: log s_i = (1/|y_i|) sum_t log(pi / pi_old), the length-normalised sequence log-ratio.
-        sequence_log_ratio = masked_mean(log_ratio, mask, dim=1)  # (B,)
-        if importance_sampling_level == "sequence":
-            log_is_weight = sequence_log_ratio.unsqueeze(1).expand_as(logps)  # (B, T), broadcast s_i
-        else:
-            # Eq. 14: s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: value s_i, gradient only through token t.
-            log_is_weight = sequence_log_ratio.detach().unsqueeze(1) + logps - logps.detach()  # (B, T)
+    log_is_weight = importance_weights(logps, old_logps, mask, level)  # (B, T)
     ratio = torch.exp(log_is_weight.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T)
-    clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)  # (B, T)
 
-    # Eq. 5 / Eq. 13 / GRPO: pessimistic bound min(w A, clip(w) A); the loss is its negative.
-    per_token_loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)  # (B, T)
+    def reduce(values: torch.Tensor) -> torch.Tensor:  # mean over the level's units: sequences or tokens
+        if level == "sequence":
+            return masked_mean(values[:, 0], valid_sequences)
+        return masked_mean(values, mask)
+
+    policy_term = POLICY_TERMS[objective.loss_type]
+    per_token_loss, term_stats = policy_term(
+        ratio, advantages, logps, **{f.name: getattr(objective, f.name) for f in fields(objective)},
+        token_log_ratio=logps - old_logps, mask=mask, valid_sequences=valid_sequences, reduce=reduce,
+    )  # (B, T)
+
+    stats = {}
+    if objective.off_policy_mask_threshold is not None:
+        sampling = old_logps if sampling_per_token_logps is None else torch.where(mask, sampling_per_token_logps, zeros)
+        keep = off_policy_sequence_mask(advantages, logps, sampling, mask, objective.off_policy_mask_threshold)
+        per_token_loss = per_token_loss * keep
+        stats["off_policy_masked_fraction"] = masked_mean(1.0 - keep[:, 0], valid_sequences)
+    if policy_token_mask is not None:
+        per_token_loss = per_token_loss * policy_token_mask.to(per_token_loss.dtype)
 
     per_token_kl = None
-    if beta > 0:
+    if objective.beta > 0:
         # k3 estimator of KL(pi || pi_ref): exp(d) - d - 1 with d = log pi_ref - log pi, d clamped so exp stays finite.
         ref_logps = torch.where(mask, ref_per_token_logps, zeros)
         d = (ref_logps - logps).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
         per_token_kl = torch.exp(d) - d - 1.0  # (B, T)
         # Samples come from pi_old: weighting by the ratio makes k3 an estimate under pi (TRL 1.16 semantics).
-        kl_term = per_token_kl * ratio if use_bias_correction_kl else per_token_kl
-        per_token_loss = per_token_loss + beta * kl_term
+        kl_term = per_token_kl * ratio if objective.use_bias_correction_kl else per_token_kl
+        per_token_loss = per_token_loss + objective.beta * kl_term
 
-    # Sequence mean over valid tokens, then mean over all B sequences (masked rows add 0).
-    per_token_loss = torch.where(mask, per_token_loss, zeros)
-    loss = masked_mean(per_token_loss, mask, dim=1).mean()
+    loss = aggregate(per_token_loss, mask, objective, token_normalizer)
+
+    if entropy_coef != 0.0:
+        if per_token_entropy is None:
+            raise ValueError("entropy_coef != 0 needs per_token_entropy (with a gradient)")
+        learned = mask if policy_token_mask is None else mask & policy_token_mask.bool()
+        entropy_sum = torch.where(learned, per_token_entropy, torch.zeros_like(per_token_entropy)).sum()
+        count = learned.sum() if entropy_normalizer is None else torch.as_tensor(entropy_normalizer)
+        loss = loss - entropy_coef * entropy_sum / count.clamp(min=1.0)
 
     with torch.no_grad():
-        is_low = (ratio < 1.0 - epsilon) & (advantages < 0)  # (B, T)
-        is_high = (ratio > 1.0 + epsilon_high) & (advantages > 0)  # (B, T)
-        abs_log_ratio = log_is_weight.abs()  # (B, T)
-        if importance_sampling_level == "sequence":
-            # Values are constant along T, so column 0 is the per-sequence value; count valid sequences only.
-            stat_mask = valid_seq  # (B,)
-            is_low, is_high, ratio_s, abs_log_ratio = is_low[:, 0], is_high[:, 0], ratio[:, 0], abs_log_ratio[:, 0]
-        else:
-            stat_mask, ratio_s = mask, ratio
-        # No host sync (no .item(), no boolean indexing): empty selections fall back to ratio 1.
         one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        if level == "sequence":  # values are constant along T: column 0 is the per-sequence value
+            stat_mask, ratio_units = valid_sequences, ratio[:, 0]
+        else:
+            stat_mask, ratio_units = mask, ratio
+        # No host sync (no .item(), no boolean indexing): empty selections fall back to ratio 1.
         any_valid = stat_mask.any()
-        inf = torch.full_like(ratio_s, float("inf"))
-        stats = {
-            "clip_fraction_low": masked_mean(is_low.to(ratio.dtype), stat_mask),
-            "clip_fraction_high": masked_mean(is_high.to(ratio.dtype), stat_mask),
-            "clip_fraction": masked_mean((is_low | is_high).to(ratio.dtype), stat_mask),
-            "ratio_mean": torch.where(any_valid, masked_mean(ratio_s, stat_mask), one),
-            "ratio_min": torch.where(any_valid, torch.where(stat_mask, ratio_s, inf).amin(), one),
-            "ratio_max": torch.where(any_valid, torch.where(stat_mask, ratio_s, -inf).amax(), one),
-            "log_ratio_abs_mean": masked_mean(abs_log_ratio, stat_mask),
+        inf = torch.full_like(ratio_units, float("inf"))
+        stats.update(term_stats)
+        stats.update({
+            "ratio_mean": torch.where(any_valid, masked_mean(ratio_units, stat_mask), one),
+            "ratio_min": torch.where(any_valid, torch.where(stat_mask, ratio_units, inf).amin(), one),
+            "ratio_max": torch.where(any_valid, torch.where(stat_mask, ratio_units, -inf).amax(), one),
+            "log_ratio_abs_mean": reduce(log_is_weight.abs()),
             "kl_mean": masked_mean(per_token_kl, mask) if per_token_kl is not None else torch.zeros_like(one),
-        }
+        })
     return loss, {k: v.detach() for k, v in stats.items()}

@@ -22,6 +22,10 @@ LOSS_STAT_NAMES = {
     "ratio_max": "ratio/max",
     "log_ratio_abs_mean": "ratio/log_abs_mean",
     "kl_mean": "kl",
+    "sapo_gate_weight": "sapo/gate_weight",
+    "cispo_clip_fraction": "cispo_clip_ratio",
+    "vespo_weight_mean": "vespo/phi_seq_mean",
+    "off_policy_masked_fraction": "off_policy/masked_fraction",
 }
 
 
@@ -81,7 +85,10 @@ def loss_metrics(stats: dict, entropy_mean: torch.Tensor, beta: float) -> dict[s
 def reduce_across_processes(metrics: dict, gather) -> dict[str, torch.Tensor]:
     """Combine each process's loss metrics with one collective: min/max for the ratio extremes, mean otherwise."""
     names = list(metrics)
-    values = torch.stack([torch.as_tensor(metrics[name], dtype=torch.float32).reshape(()) for name in names])
+    device = next((v.device for v in metrics.values() if isinstance(v, torch.Tensor)), None)
+    values = torch.stack(
+        [torch.as_tensor(metrics[name], dtype=torch.float32, device=device).reshape(()) for name in names]
+    )
     gathered = gather(values.unsqueeze(0))  # (processes, K)
     reduced = {}
     for index, name in enumerate(names):

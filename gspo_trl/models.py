@@ -71,6 +71,20 @@ def apply_peft(model: PreTrainedModel, peft_config, gradient_checkpointing: bool
     return get_peft_model(model, peft_config)
 
 
+def router_aux_loss_coef(model: PreTrainedModel, coef: float | None) -> float:
+    """The weight of the MoE load-balancing loss: the user's, else the model config's (0 for dense models)."""
+    text_config = unwrap_model(model).config.get_text_config()
+    returns_router_logits = hasattr(text_config, "output_router_logits")
+    if coef and not returns_router_logits:
+        raise ValueError(
+            f"router_aux_loss_coef={coef} is set, but {type(unwrap_model(model)).__name__} is not a Mixture-of-Experts "
+            "model that returns router logits: there is no load-balancing loss to weigh. Leave router_aux_loss_coef=None."
+        )
+    if not returns_router_logits:
+        return 0.0
+    return float(getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
 def is_peft_model(model) -> bool:
     try:
         from peft import PeftModel

@@ -31,6 +31,7 @@ class RolloutState:
     sampled_at_step: int  # optimizer steps done when it was sampled
     shuffle_generator_state: torch.Tensor  # the generator that orders groups into micro-batches
     num_tokens_seen: int
+    entropy_control: dict | None = None  # the adaptive entropy coefficient's state
 
 
 def rollout_file(checkpoint_dir: str, process_index: int) -> str:

@@ -22,14 +22,17 @@ from .advantages import aggregate_rewards, group_advantages
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
 from .distributed import (
+    gather_ragged,
     gather_rollout,
     prepare_frozen_model,
     set_up_process_group,
     warn_if_fsdp_dropped,
     weights_for_generation,
 )
+from .entropy_control import EntropyCoefficient
 from .logprobs import completion_logprobs
-from .loss import policy_loss
+from .loss import Objective, masked_mean, policy_loss
+from .loss_masks import high_entropy_token_mask
 from .metrics import (
     MetricsBuffer,
     completion_length_metrics,
@@ -46,6 +49,7 @@ from .models import (
     load_tokenizer,
     prepare_weights,
     reference_weights,
+    router_aux_loss_coef,
 )
 from .packing import packing_pays_on, padding_free_unsupported_reason
 from .precision import check_precision, precision_context
@@ -102,6 +106,9 @@ class GSPOTrainer(Trainer):
         prepare_weights(model, args)
         model = apply_peft(model, peft_config, args.activation_checkpointing)
         check_precision(model, args)
+        self.objective = Objective.from_config(args)
+        self.entropy_coefficient = EntropyCoefficient.from_config(args)
+        self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
         self.reward_funcs = load_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs)
         self.reward_weights = resolve_reward_weights(args.reward_weights, len(self.reward_funcs))
         self.ref_model = create_reference_model(model, model_source, args) if args.beta > 0 else None
@@ -144,6 +151,7 @@ class GSPOTrainer(Trainer):
         self._restored_rollout = None  # the rollout saved with the checkpoint a run resumes from
         self._num_tokens_seen = 0
         self._rollout_generator = torch.Generator().manual_seed(args.seed)
+        self._entropy_window = None  # (entropy sum, token count) of this optimizer step so far, for adaptive control
 
     # --- precision ----------------------------------------------------------------------------
 
@@ -190,7 +198,9 @@ class GSPOTrainer(Trainer):
 
     def _prepare_inputs(self, generation_batch: list[dict]) -> dict[str, Any]:
         if not self.model.training:
-            return self._generate_and_score(generation_batch, mode="eval")
+            inputs = self._generate_and_score(generation_batch, mode="eval")
+            inputs["num_items_in_batch"] = self._count_completion_tokens(inputs)
+            return inputs
         args = self.args
         uses_per_rollout = args.steps_per_generation * args.num_iterations
         if self._buffered_inputs is None:
@@ -210,6 +220,9 @@ class GSPOTrainer(Trainer):
         if use == 0 or self._buffered_inputs is None:
             rollout_batch = self._generate_and_score(generation_batch, mode="train")
             micro_batches = self._micro_batches(rollout_batch)
+            num_items = self._count_completion_tokens(rollout_batch)
+            for micro_batch in micro_batches:
+                micro_batch["num_items_in_batch"] = num_items
             needs_old = micro_batches_needing_old_logprobs(
                 steps_per_generation=args.steps_per_generation,
                 num_iterations=args.num_iterations,
@@ -223,6 +236,10 @@ class GSPOTrainer(Trainer):
             self._buffered_inputs = micro_batches
             self._rollout_global_step = self.state.global_step
         return self._buffered_inputs[use % args.steps_per_generation]
+
+    def _count_completion_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The completion tokens trained on in a rollout, over every process (the token-mean losses' count)."""
+        return self.accelerator.gather(batch["completion_mask"].sum().reshape(1)).sum()
 
     def _micro_batches(self, rollout_batch: dict[str, Any]) -> list[dict[str, Any]]:
         """This process's micro-batches: its slice of each global micro-batch.
@@ -271,6 +288,8 @@ class GSPOTrainer(Trainer):
             if restored is not None:
                 self._rollout_generator.set_state(restored.shuffle_generator_state)
                 self._num_tokens_seen = restored.num_tokens_seen
+                if restored.entropy_control is not None:
+                    self.entropy_coefficient.load_state_dict(restored.entropy_control)
                 self._restored_rollout = restored
         return super()._inner_training_loop(*args, **kwargs)
 
@@ -347,7 +366,7 @@ class GSPOTrainer(Trainer):
         for start in range(0, inputs["input_ids"].shape[0], micro):
             rows = slice(start, start + micro)
             with precision_context(self.accelerator):
-                logps, _ = completion_logprobs(
+                logps = completion_logprobs(
                     model,
                     inputs["input_ids"][rows],
                     inputs["attention_mask"][rows],
@@ -356,7 +375,7 @@ class GSPOTrainer(Trainer):
                     temperature=self.args.temperature,
                     chunk_size=self.args.logprob_chunk_size,
                     padding_free=self.padding_free,
-                )
+                ).logps
             chunks.append(logps)
         return torch.cat(chunks)
 
@@ -381,34 +400,72 @@ class GSPOTrainer(Trainer):
             raise ValueError("GSPOTrainer.compute_loss does not return model outputs (return_outputs=True).")
         if inputs["old_per_token_logps"] is None and self.model.training:
             self._check_sampling_weights_unchanged()
-        per_token_logps, per_token_entropy = completion_logprobs(
+        mode = "train" if self.model.training else "eval"
+        mask = inputs["completion_mask"]
+        scores = completion_logprobs(
             model,
             inputs["input_ids"],
             inputs["attention_mask"],
             inputs["completion_ids"],
-            inputs["completion_mask"],
+            mask,
             temperature=self.args.temperature,
             chunk_size=self.args.logprob_chunk_size,
             padding_free=self.padding_free,
+            entropy_grad=self.entropy_coefficient.enabled,
+            router_aux_loss=self.router_aux_loss_coef != 0.0,
         )
+        policy_token_mask = None
+        if self.args.top_entropy_quantile < 1.0:
+            entropy = scores.entropy.detach()
+            everyones = gather_ragged(entropy[mask.bool()], self.accelerator)
+            policy_token_mask = high_entropy_token_mask(entropy, mask, self.args.top_entropy_quantile, everyones)
+        entropy_coef = self.entropy_coefficient.to_apply()
+        learned = mask.bool() if policy_token_mask is None else mask.bool() & policy_token_mask.bool()
+        entropy_normalizer = None
+        if self.entropy_coefficient.enabled:  # the mean over every process's tokens, once DDP averages
+            entropy_normalizer = self.accelerator.reduce(learned.sum(), "sum") / self.accelerator.num_processes
         loss, stats = policy_loss(
-            per_token_logps,
+            scores.logps,
             inputs["old_per_token_logps"],
             inputs["advantages"],
-            inputs["completion_mask"],
-            importance_sampling_level=self.args.importance_sampling_level,
-            epsilon=self.args.epsilon,
-            epsilon_high=self.args.epsilon_high,
-            beta=self.args.beta,
+            mask,
+            objective=self.objective,
             ref_per_token_logps=inputs["ref_per_token_logps"],
-            use_bias_correction_kl=self.args.use_bias_correction_kl,
+            policy_token_mask=policy_token_mask,
+            token_normalizer=self._token_normalizer(inputs, mode),
+            per_token_entropy=scores.entropy,
+            entropy_coef=entropy_coef,
+            entropy_normalizer=entropy_normalizer,
         )
-        mask = inputs["completion_mask"]
-        entropy_mean = (per_token_entropy * mask).sum() / mask.sum().clamp(min=1)
-        mode = "train" if self.model.training else "eval"
-        metrics = loss_metrics(stats, entropy_mean.detach(), self.args.beta)
+        metrics = loss_metrics(stats, masked_mean(scores.entropy.detach(), mask), self.args.beta)
+        if scores.router_aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * scores.router_aux_loss
+            metrics["aux_loss"] = scores.router_aux_loss.detach()
+        if self.entropy_coefficient.enabled:
+            metrics["entropy_coef"] = entropy_coef
+            if mode == "train":
+                self._observe_entropy(scores.entropy.detach(), learned)
         self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather))
         return loss
+
+    def _token_normalizer(self, inputs: dict[str, Any], mode: str) -> torch.Tensor | None:
+        """What the token-mean losses (dapo, cispo, vespo) divide a micro-batch's sum by: the completion tokens per
+        process and optimizer step, averaged over the rollout (TRL's definition). Trainer then divides by the
+        accumulation steps, and DDP averages over processes."""
+        tokens = inputs.get("num_items_in_batch")
+        if tokens is None:
+            return None
+        per_process = tokens / self.accelerator.num_processes
+        return per_process / self.args.steps_per_generation if mode == "train" else per_process
+
+    def _observe_entropy(self, entropy: torch.Tensor, learned: torch.Tensor) -> None:
+        """Adaptive entropy control: accumulate this optimizer step's entropy; update the coefficient at its end."""
+        window = torch.stack([entropy[learned].sum(), learned.sum().to(entropy.dtype)])
+        self._entropy_window = window if self._entropy_window is None else self._entropy_window + window
+        if self.accelerator.sync_gradients:
+            total = self.accelerator.reduce(self._entropy_window, reduction="sum")
+            self.entropy_coefficient.end_of_step((total[0] / total[1].clamp(min=1.0)).item())
+            self._entropy_window = None
 
     def _check_sampling_weights_unchanged(self) -> None:
         # Training with old = sg[log π] is only right while the weights are those that sampled the rollout.
@@ -450,6 +507,7 @@ class GSPOTrainer(Trainer):
             sampled_at_step=self._rollout_global_step,
             shuffle_generator_state=self._rollout_generator.get_state(),
             num_tokens_seen=self._num_tokens_seen,
+            entropy_control=self.entropy_coefficient.state_dict(),
         )
         save_rollout_state(checkpoint_dir, self.accelerator.process_index, state)
         self.create_model_card(model_name=Path(self.args.hub_model_id or self.args.output_dir).name)

@@ -3,7 +3,8 @@ mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp
 `+lora`, `+beta` and/or `+bf16` (CPU bf16 autocast); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
-completions per micro-step over however many processes run. Each rank writes
+completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
+the top-half-entropy tokens with an entropy bonus (quantities that span every process). Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
@@ -81,6 +82,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         bf16="bf16" in options,
         deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0,
+        **(dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01) if "family" in options else {}),
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]

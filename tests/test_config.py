@@ -29,8 +29,21 @@ def test_batch_sizes(tmp_path):
     assert make(tmp_path, per_device_train_batch_size=8, steps_per_generation=1, num_iterations=2).is_on_policy is False
 
 
-def test_epsilon_high_none_means_symmetric(tmp_path):
-    assert make(tmp_path, per_device_train_batch_size=8, epsilon_high=None).epsilon_high == 3e-4
+@pytest.mark.parametrize("kwargs, level, epsilon, epsilon_high", [
+    ({}, "sequence", 3e-4, 4e-4),  # the GSPO paper's setting
+    ({"epsilon": 1e-3}, "sequence", 1e-3, 1e-3),  # epsilon set, epsilon_high unset: symmetric (TRL's meaning)
+    ({"epsilon": 1e-3, "epsilon_high": 2e-3}, "sequence", 1e-3, 2e-3),
+    ({"importance_sampling_level": "token"}, "token", 0.2, 0.2),  # GRPO's customary range, TRL's default
+    ({"loss_type": "sapo"}, "sequence", 3e-4, 4e-4),
+    ({"loss_type": "luspo"}, "sequence", 3e-4, 4e-4),
+    ({"loss_type": "cispo"}, "token", 0.2, 5.0),  # epsilon_high is CISPO's eps_max (ScaleRL: 5.0)
+    ({"loss_type": "vespo"}, "token", 0.2, 0.2),
+    ({"loss_type": "dapo"}, "token", 0.2, 0.2),
+    ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, "sequence", 3e-4, 4e-4),
+])
+def test_objective_defaults_follow_the_loss_type(tmp_path, kwargs, level, epsilon, epsilon_high):
+    config = make(tmp_path, per_device_train_batch_size=8, **kwargs)
+    assert (config.importance_sampling_level, config.epsilon, config.epsilon_high) == (level, epsilon, epsilon_high)
 
 
 def test_scale_rewards_booleans(tmp_path):
@@ -47,7 +60,15 @@ def test_scale_rewards_booleans(tmp_path):
         ({"epsilon_high": -1.0}, "epsilon_high"),
         ({"beta": -0.1}, "beta"),
         ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
-        ({"loss_type": "dapo"}, "loss_type"),
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "importance_sampling_level"),
+        ({"delta": 1.0}, "delta"),
+        ({"sapo_temperature_pos": 0.0}, "sapo_temperature_pos"),
+        ({"vespo_lambda_neg": -1.0}, "vespo_lambda_neg"),
+        ({"off_policy_mask_threshold": -1.0}, "off_policy_mask_threshold"),
+        ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
+        ({"entropy_coef": float("nan")}, "entropy_coef"),
+        ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "use_adaptive_entropy"),
         ({"scale_rewards": "median"}, "scale_rewards"),
         ({"temperature": 0.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),

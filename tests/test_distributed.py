@@ -91,11 +91,13 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
     assert time.monotonic() - start < 120
 
 
-def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("options", ["", "+family"])
+def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, options):
     # 8 completions per micro-step: one process of 8, or two of 4, with layout-independent sampling. Both
     # sample the same rollouts and cut them into the same global micro-batches (each process its slice).
-    one = launch(tmp_path, tiny_model_dir, "ddp+seeded", processes=1, name="one")
-    two = launch(tmp_path, tiny_model_dir, "ddp+seeded", processes=2, name="two")
+    # +family: a token-mean loss, an entropy quantile and an entropy bonus, all over both processes' tokens.
+    one = launch(tmp_path, tiny_model_dir, f"ddp+seeded{options}", processes=1, name="one")
+    two = launch(tmp_path, tiny_model_dir, f"ddp+seeded{options}", processes=2, name="two")
     assert_same_run(one[0], two[0], 1e-5)
     assert_same_run(two[0], two[1], 0)
     assert any(e["ratio/max"] != 1.0 for e in one[0]["logs"])  # an off-policy step was compared too

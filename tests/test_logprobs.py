@@ -31,7 +31,7 @@ def test_matches_full_logits_for_every_chunk_size(tiny_model):
     inputs = batch(tiny_model.config.vocab_size)
     expected = reference_logps(tiny_model, *inputs, temperature=0.7)
     for chunk_size in (1, 3, 1024):
-        logps, entropy = completion_logprobs(tiny_model, *inputs, temperature=0.7, chunk_size=chunk_size)
+        logps, entropy, _ = completion_logprobs(tiny_model, *inputs, temperature=0.7, chunk_size=chunk_size)
         torch.testing.assert_close(logps, expected, atol=1e-5, rtol=1e-5)
         assert (entropy[inputs[3] == 0] == 0).all() and (entropy[inputs[3] == 1] > 0).all()
 
@@ -42,7 +42,7 @@ def test_gradient_matches_full_logits(tiny_model):
     (reference_logps(tiny_model, *inputs, temperature=1.0) * weights).sum().backward()
     expected = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
     tiny_model.zero_grad()
-    logps, _ = completion_logprobs(tiny_model, *inputs, chunk_size=2)  # checkpointed chunks
+    logps, _, _ = completion_logprobs(tiny_model, *inputs, chunk_size=2)  # checkpointed chunks
     (logps * weights).sum().backward()
     for name, parameter in tiny_model.named_parameters():
         torch.testing.assert_close(parameter.grad, expected[name], atol=1e-5, rtol=1e-4, msg=name)
@@ -50,15 +50,29 @@ def test_gradient_matches_full_logits(tiny_model):
 
 def test_entropy_is_the_distribution_entropy(tiny_model):
     inputs = batch(tiny_model.config.vocab_size)
-    _, entropy = completion_logprobs(tiny_model, *inputs)
+    _, entropy, _ = completion_logprobs(tiny_model, *inputs)
     logits = tiny_model(input_ids=inputs[0], attention_mask=inputs[1]).logits[:, -7:-1].float()
     expected = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1) * inputs[3]
     torch.testing.assert_close(entropy, expected.detach(), atol=1e-4, rtol=1e-4)
 
 
+def test_entropy_gradient_matches_full_logits_when_asked_for(tiny_model):
+    inputs = batch(tiny_model.config.vocab_size)
+    _, entropy, _ = completion_logprobs(tiny_model, *inputs, chunk_size=2)
+    assert not entropy.requires_grad  # by default entropies are for logging only
+    logits = tiny_model(input_ids=inputs[0], attention_mask=inputs[1]).logits[:, -7:-1].float() / 0.9
+    (-(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1) * inputs[3]).sum().backward()
+    expected = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
+    tiny_model.zero_grad()
+    _, entropy, _ = completion_logprobs(tiny_model, *inputs, temperature=0.9, chunk_size=2, entropy_grad=True)
+    entropy.sum().backward()
+    for name, parameter in tiny_model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_all_masked_batch_is_zero_and_differentiable(tiny_model):
     input_ids, attention_mask, completion_ids, completion_mask = batch(tiny_model.config.vocab_size)
-    logps, _ = completion_logprobs(tiny_model, input_ids, attention_mask, completion_ids, torch.zeros_like(completion_mask))
+    logps, _, _ = completion_logprobs(tiny_model, input_ids, attention_mask, completion_ids, torch.zeros_like(completion_mask))
     assert (logps == 0).all()
     logps.sum().backward()  # no error: still connected to the graph
 
@@ -70,7 +84,7 @@ def test_an_adapter_on_the_lm_head_is_applied(tiny_model):
     model = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["lm_head", "q_proj"], init_lora_weights=False))
     inputs = batch(tiny_model.config.vocab_size)
     expected = reference_logps(model, *inputs, temperature=1.0)
-    logps, _ = completion_logprobs(model, *inputs)
+    logps, _, _ = completion_logprobs(model, *inputs)
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=1e-5)
     with model.disable_adapter():
         assert not torch.allclose(reference_logps(model, *inputs, temperature=1.0), expected, atol=1e-3)
@@ -90,5 +104,5 @@ def test_architectures_that_scale_their_logits(tiny_tokenizer, model_type, scali
     model = AutoModelForCausalLM.from_config(config).eval()
     inputs = batch(config.vocab_size)
     expected = reference_logps(model, *inputs, temperature=0.7)
-    logps, _ = completion_logprobs(model, *inputs, temperature=0.7, chunk_size=4)
+    logps, _, _ = completion_logprobs(model, *inputs, temperature=0.7, chunk_size=4)
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=1e-5)

@@ -119,7 +119,7 @@ def group_batch(vocab_size, groups=3, group_size=4, completion_length=9, seed=0)
 def logps_and_grads(model, inputs, **kwargs):
     model.zero_grad()
     weights = torch.linspace(-1, 1, inputs[2].numel()).reshape(inputs[2].shape)
-    logps, entropy = completion_logprobs(model, *inputs, temperature=0.8, **kwargs)
+    logps, entropy, _ = completion_logprobs(model, *inputs, temperature=0.8, **kwargs)
     (logps * weights).sum().backward()
     return logps.detach(), entropy, {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -147,8 +147,8 @@ def test_attention_holes_in_completions_fall_back_to_padded_rows(tiny_model):
     input_ids, attention_mask, completion_ids, completion_mask = group_batch(tiny_model.config.vocab_size)
     attention_mask[0, -completion_ids.shape[1]] = 0  # a completion token hidden from attention
     inputs = (input_ids, attention_mask, completion_ids, completion_mask)
-    padded, _ = completion_logprobs(tiny_model, *inputs)
-    packed, _ = completion_logprobs(tiny_model, *inputs, padding_free=True)
+    padded, _, _ = completion_logprobs(tiny_model, *inputs)
+    packed, _, _ = completion_logprobs(tiny_model, *inputs, padding_free=True)
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
 
 

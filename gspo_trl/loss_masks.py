@@ -1,0 +1,50 @@
+"""Which completion tokens the policy term learns from, beyond the completion mask.
+
+Two selections that TRL offers and practitioners combine with any objective:
+
+* Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, Eq. 9): a sequence with a negative
+  advantage whose mean per-token KL(pi_sampler || pi_theta), estimated as
+  mean_t (log pi_sampler - log pi_theta), exceeds delta is dropped: pushing down a sample the policy
+  has already moved away from teaches little and destabilises training.
+* High-entropy tokens (Beyond the 80/20 Rule, arXiv 2506.01939): only the top-rho quantile of tokens
+  by entropy keep their policy gradient; the quantile is taken over every valid token of the
+  micro-batch on every process (the caller gathers them).
+
+Both are pure: tensors in, a (B, 1) or (B, T) 0/1 mask out. Masked tokens still count in the
+aggregation's denominators, as in TRL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,  # (B, T) or (B, 1)
+    per_token_logps: torch.Tensor,  # (B, T) current policy
+    sampling_per_token_logps: torch.Tensor,  # (B, T) the policy that sampled the tokens
+    mask: torch.Tensor,  # (B, T)
+    threshold: float,
+) -> torch.Tensor:
+    """1 where a sequence is kept: A >= 0, or its mean log(pi_sampler / pi_theta) is <= threshold."""
+    with torch.no_grad():
+        # A token the sampler could not score (NaN) is no evidence of drift.
+        drift = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
+        mean_drift = (drift * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
+        return ((advantages >= 0) | (mean_drift <= threshold)).to(per_token_logps.dtype)
+
+
+def high_entropy_token_mask(
+    per_token_entropy: torch.Tensor,  # (B, T)
+    mask: torch.Tensor,  # (B, T)
+    top_quantile: float,
+    all_valid_entropies: torch.Tensor | None = None,  # (N,) the valid entropies of every process
+) -> torch.Tensor:
+    """1 on valid tokens whose entropy is at or above the (1 - top_quantile) quantile of all valid tokens."""
+    with torch.no_grad():
+        valid = mask.bool()
+        pool = per_token_entropy[valid] if all_valid_entropies is None else all_valid_entropies
+        if pool.numel() == 0:
+            return torch.zeros_like(per_token_entropy)
+        threshold = torch.quantile(pool.float(), 1.0 - top_quantile)
+        return ((per_token_entropy >= threshold) & valid).to(per_token_entropy.dtype)

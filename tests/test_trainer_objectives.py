@@ -1,0 +1,147 @@
+"""The GSPO family inside GSPOTrainer: every loss type trains from a TRL-style config, token-mean losses
+are normalised over the whole optimizer step, and the token selections, entropy control and MoE
+auxiliary loss reach the loss. The formulas themselves are tested in test_objectives.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from gspo_trl import GSPOTrainer
+from gspo_trl.loss import policy_loss
+from helpers import count_digits, small_config, text_dataset
+
+# TRL-style option sets: each must build a TRL GRPOConfig and a GSPOConfig alike, then train.
+TRL_OPTIONS = {
+    "sapo": dict(loss_type="sapo"),
+    "sapo token": dict(loss_type="sapo", importance_sampling_level="token", sapo_temperature_neg=1.2),
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
+    "vespo": dict(loss_type="vespo", importance_sampling_level="token"),
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "dapo": dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28),
+    "bnpo": dict(loss_type="bnpo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "delta": dict(importance_sampling_level="token", epsilon=0.2, delta=1.5),
+    "off-policy mask": dict(importance_sampling_level="sequence", off_policy_mask_threshold=0.0),
+    "top entropy + bonus": dict(top_entropy_quantile=0.2, entropy_coef=0.01),
+    "adaptive entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=100.0),
+}
+OBJECTIVE_METRIC = {"sapo": "sapo/gate_weight", "sapo token": "sapo/gate_weight", "cispo": "cispo_clip_ratio",
+                    "vespo": "vespo/phi_seq_mean", "dapo": "clip_ratio/region", "off-policy mask":
+                    "off_policy/masked_fraction", "top entropy + bonus": "entropy_coef",
+                    "adaptive entropy": "entropy_coef"}
+
+
+def train_logs(trainer):
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("name", list(TRL_OPTIONS))
+def test_trl_options_build_a_trl_config_and_train_here(tmp_path, tiny_model_dir, name):
+    from trl import GRPOConfig
+
+    options = TRL_OPTIONS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", num_generations=4,
+                   per_device_train_batch_size=4, **options)  # the same options are valid TRL
+    config = small_config(tmp_path / "out", max_steps=4, learning_rate=5e-3, **options)  # 4 steps off one rollout
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    logs = train_logs(trainer)
+    assert len(logs) == 4 and all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs)
+    if name in OBJECTIVE_METRIC:
+        assert all(OBJECTIVE_METRIC[name] in entry for entry in logs), logs[0].keys()
+
+
+def test_token_mean_losses_average_over_the_whole_optimizer_step(tmp_path, tiny_model_dir):
+    # Two micro-batches make one optimizer step. DAPO's step loss, as Trainer accumulates it (each micro-batch's
+    # loss / 2), must be the token mean over both micro-batches together, not the mean of two token means.
+    config = small_config(tmp_path, loss_type="dapo", gradient_accumulation_steps=2, steps_per_generation=2,
+                          per_device_train_batch_size=4, max_completion_length=16)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.model.train()
+    batch = [{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)]
+    torch.manual_seed(3)
+    first = trainer._prepare_inputs(batch)
+    trainer._step += 1
+    second = trainer._prepare_inputs(batch)
+    assert first["completion_mask"].sum() != second["completion_mask"].sum()  # unequal token counts matter
+    accumulated = sum(trainer.compute_loss(trainer.model, mb).detach() / 2 for mb in (first, second))
+    both = {key: torch.cat([first[key], second[key]]) for key in ("input_ids", "attention_mask", "completion_ids",
+                                                                    "completion_mask", "advantages")}
+    logps = trainer._score_without_grad(trainer.model, both)
+    token_mean, _ = policy_loss(logps, None, both["advantages"], both["completion_mask"], loss_type="bnpo",
+                                importance_sampling_level="token")
+    torch.testing.assert_close(accumulated, token_mean, atol=1e-6, rtol=1e-5)
+
+
+def test_adaptive_entropy_coefficient_moves_each_step_and_survives_resume(tmp_path, tiny_model_dir):
+    options = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.02, entropy_target=100.0,
+                   save_strategy="steps", save_steps=2)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
+                          args=small_config(tmp_path / "out", max_steps=2, **options))
+    trainer.train()
+    coefficients = [entry["entropy_coef"] for entry in train_logs(trainer)]
+    # Step 1 applies nothing (no entropy measured yet); entropy (a few nats) < target: +0.02 per step after it.
+    assert coefficients[0] == 0.0
+    assert trainer.entropy_coefficient.coefficient == pytest.approx(0.01 + 2 * 0.02)
+    resumed = GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
+                          args=small_config(tmp_path / "out", max_steps=3, **options))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.entropy_coefficient.coefficient == pytest.approx(0.01 + 3 * 0.02)
+    assert train_logs(resumed)[-1]["entropy_coef"] == pytest.approx(0.01 + 2 * 0.02)
+
+
+def test_entropy_bonus_changes_the_gradient(tmp_path, tiny_model_dir):
+    grads = []
+    for coef in (0.0, 1.0):
+        trainer = GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
+                              args=small_config(tmp_path / str(coef), entropy_coef=coef, steps_per_generation=1))
+        trainer.model.train()
+        torch.manual_seed(0)
+        inputs = trainer._prepare_inputs([{"prompt": f"What is {i} + 1?"} for i in range(1) for _ in range(4)])
+        trainer.model.zero_grad()
+        trainer.compute_loss(trainer.model, inputs).backward()
+        grads.append(trainer.model.model.layers[0].mlp.up_proj.weight.grad.clone())
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def tiny_moe(tokenizer):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  num_experts_per_tok=2, vocab_size=len(tokenizer), router_aux_loss_coef=0.02,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tiny_tokenizer):
+    losses, aux = {}, {}
+    for coef in (None, 0.0):
+        trainer = GSPOTrainer(tiny_moe(tiny_tokenizer), count_digits, processing_class=tiny_tokenizer,
+                              train_dataset=text_dataset(),
+                              args=small_config(tmp_path / str(coef), router_aux_loss_coef=coef, steps_per_generation=1))
+        assert trainer.router_aux_loss_coef == (0.02 if coef is None else 0.0)  # None: the model config's
+        trainer.model.train()
+        torch.manual_seed(0)
+        inputs = trainer._prepare_inputs([{"prompt": f"What is {i} + 1?"} for i in range(1) for _ in range(4)])
+        losses[coef] = trainer.compute_loss(trainer.model, inputs).item()
+        aux[coef] = trainer._metrics.pop_averages("train").get("aux_loss")
+    assert aux[0.0] is None  # a zero weight: the router logits are not even requested
+    # Mixtral's load-balancing loss is about num_experts_per_tok (= 2) for a balanced router, and >= 1.
+    assert aux[None] > 1.0
+    assert losses[None] - losses[0.0] == pytest.approx(0.02 * aux[None], rel=1e-4)
+
+
+def test_router_aux_loss_coef_on_a_dense_model_is_refused(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
+                    args=small_config(tmp_path, router_aux_loss_coef=0.01))
