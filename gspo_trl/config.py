@@ -504,6 +504,15 @@ class GSPOConfig(TrainingArguments):
             if self.steps_per_generation < 1:
                 raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation}.")
             self.generation_batch_size = global_batch * self.steps_per_generation
+        step_batch = global_batch * self.gradient_accumulation_steps
+        if step_batch % self.num_generations != 0:
+            raise ValueError(
+                f"An optimizer step trains on per_device_train_batch_size × num_processes × gradient_accumulation_steps "
+                f"= {self.per_device_train_batch_size} × {self.world_size} × {self.gradient_accumulation_steps} = "
+                f"{step_batch} completions, not a multiple of num_generations ({self.num_generations}): a prompt's "
+                "group would be split across optimizer steps. Adjust per_device_train_batch_size or "
+                "gradient_accumulation_steps (with more processes, the product changes too)."
+            )
         if self.generation_batch_size % self.num_generations != 0:
             raise ValueError(
                 f"generation_batch_size ({self.generation_batch_size} = per_device_train_batch_size × num_processes "

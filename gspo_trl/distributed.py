@@ -52,6 +52,31 @@ def set_up_process_group(args) -> None:
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
 
+def check_deepspeed_batch_fields(args, num_processes: int) -> None:
+    """Fail at construction when a DeepSpeed config's batch fields contradict the GSPOConfig's.
+
+    DeepSpeed's micro-batch is GSPO's `per_device_train_batch_size` (completions per process and micro-step);
+    its `train_batch_size` is the completions of one optimizer step over every process.
+    """
+    if not args.deepspeed:
+        return
+    config = args.deepspeed if isinstance(args.deepspeed, dict) else args.hf_deepspeed_config.config
+    expected = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes,
+    }
+    wrong = [f"{name}={config[name]} (GSPOConfig implies {value})" for name, value in expected.items()
+             if isinstance(config.get(name), int) and config[name] != value]
+    if wrong:
+        raise ValueError(
+            f"The DeepSpeed config contradicts GSPOConfig on {num_processes} process(es): {', '.join(wrong)}. "
+            "per_device_train_batch_size counts completions per process and micro-step, and train_batch_size = "
+            "per_device_train_batch_size × gradient_accumulation_steps × num_processes. Set these DeepSpeed "
+            "fields to \"auto\" (or to the values above)."
+        )
+
+
 def is_partitioned(module: torch.nn.Module) -> bool:
     """Whether DeepSpeed ZeRO-3 manages `module`'s own parameters."""
     return any(getattr(p, "ds_status", None) is not None for p in module.parameters(recurse=False))

@@ -16,6 +16,7 @@ GSPO_CITATION = """@article{zheng2025gspo,
 
 # Settings that define a GSPO run, in the order a reader looks for them.
 KEY_SETTINGS = (
+    "loss_type",
     "importance_sampling_level",
     "epsilon",
     "epsilon_high",

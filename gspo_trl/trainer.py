@@ -22,6 +22,7 @@ from .advantages import aggregate_rewards, group_advantages
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
 from .distributed import (
+    check_deepspeed_batch_fields,
     gather_ragged,
     gather_rollout,
     prepare_frozen_model,
@@ -98,6 +99,7 @@ class GSPOTrainer(Trainer):
         _check_enough_prompts(train_dataset, args)
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
+        check_deepspeed_batch_fields(args, args.world_size)
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
         set_seed(args.seed)
         model_source = model

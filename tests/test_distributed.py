@@ -161,6 +161,23 @@ def test_fsdp_that_accelerate_leaves_out_is_reported(caplog):
     assert caplog.text.count("did not enable FSDP") == 1
 
 
+@pytest.mark.parametrize("field, value", [("train_micro_batch_size_per_gpu", 2), ("gradient_accumulation_steps", 3),
+                                          ("train_batch_size", 8)])
+def test_deepspeed_batch_fields_that_contradict_the_config_fail_at_construction(field, value):
+    from types import SimpleNamespace
+
+    from gspo_trl.distributed import check_deepspeed_batch_fields
+
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                           deepspeed={"zero_optimization": {"stage": 2}, field: value})
+    with pytest.raises(ValueError, match=f"on 2 process.*{field}={value}"):
+        check_deepspeed_batch_fields(args, num_processes=2)
+    args.deepspeed[field] = "auto"
+    check_deepspeed_batch_fields(args, num_processes=2)
+    args.deepspeed["train_batch_size"] = 16  # 4 × 2 × 2: consistent
+    check_deepspeed_batch_fields(args, num_processes=2)
+
+
 def test_example_accelerate_configs_load():
     from accelerate.commands.config.config_args import load_config_from_file
 
