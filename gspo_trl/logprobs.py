@@ -95,8 +95,9 @@ def completion_logprobs(
 
     Log-probabilities are of the temperature-scaled distribution the completions were sampled from,
     so that π_θ and π_θ_old in the importance ratio describe the same sampling policy. The model is
-    called through its own `forward` (so DDP, DeepSpeed and PEFT wrappers see the call), asking for
-    hidden states and the logits of a single position only.
+    called through its own `forward` when gradients are on (so DDP, DeepSpeed and PEFT wrappers see the
+    call), asking for hidden states and the logits of a single position only; without gradients, through
+    its decoder, which returns the last layer's hidden states alone.
 
     With `padding_free`, the forward runs on the packed layout of `packing.pack_shared_prefix` (each
     prompt once, no padding inside rows): the same values up to float rounding, for less work. The
@@ -107,7 +108,7 @@ def completion_logprobs(
     """
     valid = completion_mask.bool()
     labels_valid = completion_ids[valid]  # (N,)
-    packed = None
+    packed, aux_loss = None, None
     prompt_length = input_ids.shape[1] - completion_ids.shape[1]
     if padding_free and not router_aux_loss and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask):
         packed = pack_shared_prefix(
@@ -120,29 +121,19 @@ def completion_logprobs(
         )
     if packed is not None:
         dtype = unwrap_model(model).get_input_embeddings().weight.dtype
-        outputs = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
+        hidden, _ = _final_hidden_states(
+            model, input_ids=packed.input_ids, position_ids=packed.position_ids,
             attention_mask=packed.float_attention_mask(dtype),
-            output_hidden_states=True,
-            logits_to_keep=1,
-            use_cache=False,
-        )
-        hidden = outputs.hidden_states[-1]  # (R, L, H)
+        )  # (R, L, H)
         hidden_valid = hidden.flatten(0, 1)[packed.score_index]  # (N, H)
     else:
-        outputs = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            output_hidden_states=True,
-            logits_to_keep=1,
-            use_cache=False,
-            **({"output_router_logits": True} if router_aux_loss else {}),
+        hidden, aux_loss = _final_hidden_states(
+            model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss
         )
         # The hidden state at position t predicts token t + 1, so the completion is scored from the
         # C positions that end one before the last.
         completion_length = completion_ids.shape[1]
-        hidden = outputs.hidden_states[-1][:, -completion_length - 1 : -1]  # (B, C, H)
+        hidden = hidden[:, -completion_length - 1 : -1]  # (B, C, H)
         hidden_valid = hidden[valid]  # (N, H), padding-free from here on
 
     logps, entropy = _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, entropy_grad)
@@ -154,7 +145,20 @@ def completion_logprobs(
         # masked_scatter keeps the result connected to the graph.
         per_token_logps = per_token_logps.masked_scatter(valid, logps)
         per_token_entropy = per_token_entropy.masked_scatter(valid, entropy)
-    return CompletionScores(per_token_logps, per_token_entropy, outputs.aux_loss if router_aux_loss else None)
+    return CompletionScores(per_token_logps, per_token_entropy, aux_loss)
+
+
+def _final_hidden_states(model, router_aux_loss: bool = False, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the last layer's hidden states, the MoE aux loss if asked for). With gradients, through the
+    model's own forward, so that DDP's and DeepSpeed's wrappers see the call (every layer's output is
+    kept for the backward pass anyway). Without, through the decoder alone: the forward would hold
+    every layer's hidden states (`output_hidden_states`) until it returns."""
+    if torch.is_grad_enabled() or router_aux_loss:
+        extra = {"output_router_logits": True} if router_aux_loss else {}
+        outputs = model(**inputs, output_hidden_states=True, logits_to_keep=1, use_cache=False, **extra)
+        return outputs.hidden_states[-1], outputs.aux_loss if router_aux_loss else None
+    decoder = unwrap_model(model).get_decoder()
+    return decoder(**inputs, use_cache=False).last_hidden_state, None
 
 
 def output_logit_scale(text_config) -> float:

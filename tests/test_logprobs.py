@@ -70,6 +70,20 @@ def test_entropy_gradient_matches_full_logits_when_asked_for(tiny_model):
         torch.testing.assert_close(parameter.grad, expected[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_no_grad_pass_runs_the_decoder_alone_with_the_same_values(tiny_model, padding_free):
+    inputs = batch(tiny_model.config.vocab_size)
+    with_grad, _, _ = completion_logprobs(tiny_model, *inputs, padding_free=padding_free)
+    forward = tiny_model.forward
+    tiny_model.forward = lambda *args, **kwargs: pytest.fail("the no-grad pass asked for every layer's hidden states")
+    try:
+        with torch.no_grad():
+            without, _, _ = completion_logprobs(tiny_model, *inputs, padding_free=padding_free)
+    finally:
+        tiny_model.forward = forward
+    torch.testing.assert_close(without, with_grad.detach(), atol=1e-6, rtol=1e-6)
+
+
 def test_all_masked_batch_is_zero_and_differentiable(tiny_model):
     input_ids, attention_mask, completion_ids, completion_mask = batch(tiny_model.config.vocab_size)
     logps, _, _ = completion_logprobs(tiny_model, input_ids, attention_mask, completion_ids, torch.zeros_like(completion_mask))
