@@ -416,16 +416,8 @@ class GSPOTrainer(Trainer):
             entropy_grad=self.entropy_coefficient.enabled,
             router_aux_loss=self.router_aux_loss_coef != 0.0,
         )
-        policy_token_mask = None
-        if self.args.top_entropy_quantile < 1.0:
-            entropy = scores.entropy.detach()
-            everyones = gather_ragged(entropy[mask.bool()], self.accelerator)
-            policy_token_mask = high_entropy_token_mask(entropy, mask, self.args.top_entropy_quantile, everyones)
+        policy_token_mask, learned, entropy_normalizer = self._selected_tokens(scores.entropy.detach(), mask)
         entropy_coef = self.entropy_coefficient.to_apply()
-        learned = mask.bool() if policy_token_mask is None else mask.bool() & policy_token_mask.bool()
-        entropy_normalizer = None
-        if self.entropy_coefficient.enabled:  # the mean over every process's tokens, once DDP averages
-            entropy_normalizer = self.accelerator.reduce(learned.sum(), "sum") / self.accelerator.num_processes
         loss, stats = policy_loss(
             scores.logps,
             inputs["old_per_token_logps"],
@@ -449,6 +441,19 @@ class GSPOTrainer(Trainer):
                 self._observe_entropy(scores.entropy.detach(), learned)
         self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather))
         return loss
+
+    def _selected_tokens(self, entropy: torch.Tensor, mask: torch.Tensor):
+        """(the top-entropy token mask or None, the tokens the policy term learns from, their count per process
+        over every process for the entropy bonus's mean or None): quantile and count span all processes."""
+        policy_token_mask = None
+        if self.args.top_entropy_quantile < 1.0:
+            everyones = gather_ragged(entropy[mask.bool()], self.accelerator)
+            policy_token_mask = high_entropy_token_mask(entropy, mask, self.args.top_entropy_quantile, everyones)
+        learned = mask.bool() if policy_token_mask is None else mask.bool() & policy_token_mask.bool()
+        entropy_normalizer = None
+        if self.entropy_coefficient.enabled:
+            entropy_normalizer = self.accelerator.reduce(learned.sum(), "sum") / self.accelerator.num_processes
+        return policy_token_mask, learned, entropy_normalizer
 
     def _token_normalizer(self, inputs: dict[str, Any], mode: str) -> torch.Tensor | None:
         """What the token-mean losses (dapo, cispo, vespo) divide a micro-batch's sum by: the completion tokens per
