@@ -188,3 +188,13 @@ def test_benchmark_tables_match_the_result_files():
     text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
     assert report.render(text) == text, "run: python benchmarks/report.py"
     assert "| 0." in text  # the tables are filled in, not empty markers
+
+
+def test_objective_comparison_table_matches_the_result_files():
+    """docs/objective.md shows what benchmarks/results/objectives/*.json hold (benchmarks/objectives.py prints it)."""
+    spec = importlib.util.spec_from_file_location("objectives_benchmark", ROOT / "benchmarks" / "objectives.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.load_results()
+    assert set(results) == set(bench.OBJECTIVES), "run: python benchmarks/objectives.py"
+    assert bench.render_table(results) in (DOCS / "objective.md").read_text(encoding="utf-8")
