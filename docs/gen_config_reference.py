@@ -52,7 +52,10 @@ trainer then takes several micro-steps on it.
   micro-steps, or `steps_per_generation × num_iterations / GA` optimizer steps.
 
 Advantages are computed on the whole rollout (all processes) before it is shuffled and cut into micro-batches,
-so `per_device_train_batch_size` need not be a multiple of `num_generations`.
+so `per_device_train_batch_size` need not be a multiple of `num_generations`. An optimizer step must hold whole
+groups, though: `per_device_train_batch_size × num_processes × gradient_accumulation_steps` must be a multiple
+of `num_generations` (a `ValueError` that names the process count says so), so each step trains on every
+completion of the prompts it sees.
 
 Training is **on-policy** exactly when `steps_per_generation == gradient_accumulation_steps` and
 `num_iterations == 1` (`GSPOConfig.is_on_policy`): each rollout feeds one optimizer step with the weights that

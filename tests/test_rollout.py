@@ -88,7 +88,7 @@ def test_prefill_is_skipped_when_no_prompt_repeats(tiny_model, tiny_tokenizer):
 def test_keyed_streams_sample_the_same_completion_in_any_batch(tmp_path, tiny_model, tiny_tokenizer):
     from gspo_trl.rollout import stream_keys
 
-    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8, use_cpu=True,
+    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8, use_cpu=True,
                       temperature=0.9, top_p=0.95)
     backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
     keys = stream_keys(0, 7, 0, torch.arange(4))

@@ -120,7 +120,7 @@ SCHEDULES = [  # (gradient_accumulation_steps, steps_per_generation, num_iterati
     (1, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2), (2, 2, 1, 2, 2), (2, 4, 1, 2, 2), (2, 3, 1, 2, 2),
     (3, 2, 1, 2, 2), (2, 1, 2, 2, 2), (2, 2, 2, 2, 2), (2, 3, 2, 2, 2), (3, 4, 1, 2, 2), (4, 2, 2, 2, 2),
     # other batch geometries: two groups per micro-batch; a group split over two micro-batches
-    (2, 3, 1, 4, 2), (3, 2, 2, 4, 2), (2, 2, 1, 2, 4), (3, 4, 1, 2, 4),
+    (2, 3, 1, 4, 2), (3, 2, 2, 4, 2), (2, 2, 1, 2, 4), (2, 4, 1, 2, 4),
 ]
 
 
