@@ -95,9 +95,8 @@ def completion_logprobs(
 
     Log-probabilities are of the temperature-scaled distribution the completions were sampled from,
     so that π_θ and π_θ_old in the importance ratio describe the same sampling policy. The model is
-    called through its own `forward` when gradients are on (so DDP, DeepSpeed and PEFT wrappers see the
-    call), asking for hidden states and the logits of a single position only; without gradients, through
-    its decoder, which returns the last layer's hidden states alone.
+    called through its own `forward` (so DDP, DeepSpeed and PEFT wrappers see the call), asking for the
+    logits of a single position only; the last layer's hidden states are read from the decoder's output.
 
     With `padding_free`, the forward runs on the packed layout of `packing.pack_shared_prefix` (each
     prompt once, no padding inside rows): the same values up to float rounding, for less work. The
@@ -149,17 +148,28 @@ def completion_logprobs(
 
 
 def _final_hidden_states(model, router_aux_loss: bool = False, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the last layer's hidden states, the MoE aux loss if asked for). With gradients, through the
-    model's own forward, so that DDP's and DeepSpeed's wrappers see the call (every layer's output is
-    kept for the backward pass anyway). Without, through the decoder alone: the forward would hold
-    every layer's hidden states (`output_hidden_states`) until it returns."""
-    if torch.is_grad_enabled() or router_aux_loss:
-        extra = {"output_router_logits": True} if router_aux_loss else {}
+    """(the last layer's hidden states, the MoE aux loss if asked for), through the model's own forward
+    (so DDP, DeepSpeed and PEFT wrappers see the call) with the logits of one position only. The hidden
+    states are read from the decoder's output by a forward hook: `output_hidden_states` would also keep
+    every layer's output until the forward returns. A model without a separate decoder module falls
+    back to `output_hidden_states`."""
+    inner = unwrap_model(model)
+    decoder = inner.get_decoder()
+    extra = {"output_router_logits": True} if router_aux_loss else {}
+    if decoder is inner:
         outputs = model(**inputs, output_hidden_states=True, logits_to_keep=1, use_cache=False, **extra)
         return outputs.hidden_states[-1], outputs.aux_loss if router_aux_loss else None
-    decoder = unwrap_model(model).get_decoder()
-    return decoder(**inputs, use_cache=False).last_hidden_state, None
+    captured = {}
 
+    def keep_last_hidden_state(module, args, output):
+        captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    handle = decoder.register_forward_hook(keep_last_hidden_state)
+    try:
+        outputs = model(**inputs, logits_to_keep=1, use_cache=False, **extra)
+    finally:
+        handle.remove()
+    return captured["hidden"], outputs.aux_loss if router_aux_loss else None
 
 def output_logit_scale(text_config) -> float:
     """The factor some architectures apply to the LM head's output inside their forward, which the

@@ -71,16 +71,20 @@ def test_entropy_gradient_matches_full_logits_when_asked_for(tiny_model):
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
-def test_no_grad_pass_runs_the_decoder_alone_with_the_same_values(tiny_model, padding_free):
+def test_only_the_last_hidden_state_is_requested_with_or_without_grad(tiny_model, padding_free):
     inputs = batch(tiny_model.config.vocab_size)
-    with_grad, _, _ = completion_logprobs(tiny_model, *inputs, padding_free=padding_free)
-    forward = tiny_model.forward
-    tiny_model.forward = lambda *args, **kwargs: pytest.fail("the no-grad pass asked for every layer's hidden states")
+    expected = reference_logps(tiny_model, *inputs, temperature=1.0).detach()
+    forward, calls = tiny_model.forward, []
+    tiny_model.forward = lambda *args, **kwargs: calls.append(kwargs) or forward(*args, **kwargs)
     try:
+        with_grad, _, _ = completion_logprobs(tiny_model, *inputs, padding_free=padding_free)
         with torch.no_grad():
             without, _, _ = completion_logprobs(tiny_model, *inputs, padding_free=padding_free)
     finally:
         tiny_model.forward = forward
+    assert len(calls) == 2 and not any(call.get("output_hidden_states") for call in calls)
+    assert all(call["logits_to_keep"] == 1 for call in calls)
+    torch.testing.assert_close(with_grad.detach(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(without, with_grad.detach(), atol=1e-6, rtol=1e-6)
 
 
