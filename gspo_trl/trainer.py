@@ -437,7 +437,7 @@ class GSPOTrainer(Trainer):
             metrics["aux_loss"] = scores.router_aux_loss.detach()
         if self.entropy_coefficient.enabled:
             metrics["entropy_coef"] = entropy_coef
-            if mode == "train":
+            if mode == "train" and self.entropy_coefficient.adaptive:
                 self._observe_entropy(scores.entropy.detach(), learned)
         self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather))
         return loss
