@@ -145,3 +145,24 @@ def test_router_aux_loss_coef_on_a_dense_model_is_refused(tmp_path, tiny_model_d
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
         GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
                     args=small_config(tmp_path, router_aux_loss_coef=0.01))
+
+
+@pytest.mark.parametrize("options, use_lora", [
+    (dict(loss_type="sapo", beta=0.04), False),
+    (dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, beta=0.04), True),
+    (dict(loss_type="vespo", off_policy_mask_threshold=0.1, use_adaptive_entropy=True), True),
+])
+def test_family_trains_with_the_gpu_recipe_bf16_lora_and_kl(tmp_path, tiny_model_dir, options, use_lora):
+    # bf16 autocast on CPU, as users run on GPUs, with a KL term and (where set) a LoRA adapter.
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM") if use_lora else None
+    config = small_config(tmp_path / "out", max_steps=4, learning_rate=5e-3, bf16=True, **options)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(),
+                          peft_config=peft_config)
+    trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert any(not torch.equal(trainable[n], p) for n, p in trainer.model.named_parameters() if n in trainable)
+    logs = train_logs(trainer)
+    assert all(torch.isfinite(torch.tensor([entry["loss"], entry.get("kl", 0.0)])).all() for entry in logs)
+    assert any(entry["ratio/max"] != 1.0 for entry in logs)  # the off-policy steps ran
