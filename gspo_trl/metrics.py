@@ -82,16 +82,48 @@ def loss_metrics(stats: dict, entropy_mean: torch.Tensor, beta: float) -> dict[s
     return metrics
 
 
-def reduce_across_processes(metrics: dict, gather) -> dict[str, torch.Tensor]:
-    """Combine each process's loss metrics with one collective: min/max for the ratio extremes, mean otherwise."""
+# What each loss metric is a mean over, so that the mean over processes weights each process by its count and
+# equals the one-process number. "units": sequences at the sequence level, tokens otherwise (the loss's own unit).
+METRIC_UNITS = {
+    "clip_ratio/low": "units", "clip_ratio/high": "units", "clip_ratio/region": "units",
+    "ratio/mean": "units", "ratio/log_abs_mean": "units", "sapo/gate_weight": "units", "cispo_clip_ratio": "units",
+    "kl": "tokens", "entropy": "tokens",
+    "vespo/phi_seq_mean": "sequences", "off_policy/masked_fraction": "sequences",
+}
+
+
+def metric_counts(completion_mask: torch.Tensor, importance_sampling_level: str) -> dict[str, torch.Tensor]:
+    """The counts this process's loss metrics average over: valid tokens, valid sequences, and the level's unit."""
+    mask = completion_mask.bool()  # (B, T)
+    tokens, sequences = mask.sum(), mask.any(dim=1).sum()
+    return {"tokens": tokens, "sequences": sequences,
+            "units": sequences if importance_sampling_level == "sequence" else tokens}
+
+
+def reduce_across_processes(metrics: dict, gather, counts: dict | None = None) -> dict[str, torch.Tensor]:
+    """Combine each process's loss metrics with one collective: min/max for the ratio extremes, otherwise the mean
+    weighted by each process's count (`metric_counts`, as `METRIC_UNITS` assigns them): the number one process
+    would log for the whole micro-batch. Metrics without a unit (and all of them without counts) take the plain
+    mean; so does a metric whose count is zero on every process."""
     names = list(metrics)
     device = next((v.device for v in metrics.values() if isinstance(v, torch.Tensor)), None)
-    values = torch.stack(
-        [torch.as_tensor(metrics[name], dtype=torch.float32, device=device).reshape(()) for name in names]
-    )
-    gathered = gather(values.unsqueeze(0))  # (processes, K)
+
+    def as_row(values):
+        return torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(()) for v in values])
+
+    unit_counts = [counts[METRIC_UNITS[name]] if counts and name in METRIC_UNITS else 1.0 for name in names]
+    local = torch.cat([as_row(metrics[name] for name in names), as_row(unit_counts)])  # (2K,)
+    gathered = gather(local.unsqueeze(0))  # (processes, 2K)
+    values, weights = gathered[:, : len(names)], gathered[:, len(names):]
     reduced = {}
     for index, name in enumerate(names):
-        column = gathered[:, index]
-        reduced[name] = column.min() if name == "ratio/min" else column.max() if name == "ratio/max" else column.mean()
+        column, weight = values[:, index], weights[:, index]
+        if name == "ratio/min":
+            reduced[name] = column.min()
+        elif name == "ratio/max":
+            reduced[name] = column.max()
+        else:
+            total = weight.sum()
+            weighted = (column * weight).sum() / total.clamp(min=1e-12)
+            reduced[name] = torch.where(total > 0, weighted, column.mean())
     return reduced

@@ -38,6 +38,7 @@ from .metrics import (
     MetricsBuffer,
     completion_length_metrics,
     loss_metrics,
+    metric_counts,
     reduce_across_processes,
     reward_function_metrics,
 )
@@ -439,7 +440,8 @@ class GSPOTrainer(Trainer):
             metrics["entropy_coef"] = entropy_coef
             if mode == "train" and self.entropy_coefficient.adaptive:
                 self._observe_entropy(scores.entropy.detach(), learned)
-        self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather))
+        counts = metric_counts(mask, self.objective.importance_sampling_level)
+        self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather, counts))
         return loss
 
     def _selected_tokens(self, entropy: torch.Tensor, mask: torch.Tensor):
