@@ -97,7 +97,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
 
     trainer.rollout_backend.generate = spy
     trainer.train(resume_from_checkpoint=True if "resume" in options else None)
-    logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl", "completions/mean_length") if k in e}
+    logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl", "entropy", "completions/mean_length") if k in e}
             for e in trainer.state.log_history if "loss" in e]
     model = trainer.accelerator.unwrap_model(trainer.model)
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]

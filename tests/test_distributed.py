@@ -68,12 +68,14 @@ def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny
         assert checksum == pytest.approx(zero3[0]["checksum"], rel=1e-9)
 
 
-def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_path, tiny_model_dir):
-    whole = launch(tmp_path, tiny_model_dir, "ddp+checkpoints", name="whole")
-    killed = launch(tmp_path, tiny_model_dir, "ddp+kill", name="cut", must_succeed=False)
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_path, tiny_model_dir, mode):
+    whole = launch(tmp_path, tiny_model_dir, f"{mode}+checkpoints", name="whole")
+    killed = launch(tmp_path, tiny_model_dir, f"{mode}+kill", name="cut", must_succeed=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
     # Rank 1 died inside optimizer step 3; checkpoint-2 (inside a 3-step rollout) is the last complete one.
-    resumed = launch(tmp_path, tiny_model_dir, "ddp+resume", name="cut")
+    # Under ZeRO-3 it holds each rank's partition of the weights and optimizer (DeepSpeed's own checkpoint).
+    resumed = launch(tmp_path, tiny_model_dir, f"{mode}+resume", name="cut")
     assert_same_run(whole[0], resumed[0], 1e-6, steps=4)
     assert_same_run(resumed[0], resumed[1], 0, steps=4)
     assert any(e["ratio/max"] != 1.0 for e in resumed[0]["logs"] if e["step"] == 3)  # continued rollout, off-policy
@@ -91,17 +93,20 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
     assert time.monotonic() - start < 120
 
 
-@pytest.mark.parametrize("options", ["", "+family"])
-def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, options):
+@pytest.mark.parametrize("mode", ["ddp+seeded", "ddp+seeded+family", "ddp+seeded+lora+beta", "zero3+seeded"])
+def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode):
     # 8 completions per micro-step: one process of 8, or two of 4, with layout-independent sampling. Both
     # sample the same rollouts and cut them into the same global micro-batches (each process its slice).
     # +family: a token-mean loss, an entropy quantile and an entropy bonus, all over both processes' tokens.
-    one = launch(tmp_path, tiny_model_dir, f"ddp+seeded{options}", processes=1, name="one")
-    two = launch(tmp_path, tiny_model_dir, f"ddp+seeded{options}", processes=2, name="two")
+    # +lora+beta: the adapter and the KL to the disabled-adapter reference; zero3: partitioned on 2 processes.
+    one = launch(tmp_path, tiny_model_dir, mode, processes=1, name="one")
+    two = launch(tmp_path, tiny_model_dir, mode, processes=2, name="two")
     assert_same_run(one[0], two[0], 1e-5)
     assert_same_run(two[0], two[1], 0)
     assert any(e["ratio/max"] != 1.0 for e in one[0]["logs"])  # an off-policy step was compared too
     assert one[0]["logs"][0]["completions/mean_length"] == two[0]["logs"][0]["completions/mean_length"]
+    if "beta" in mode:  # the token-weighted KL mean over processes is one process's number
+        assert any(e["kl"] > 0 for e in one[0]["logs"])
 
 
 @pytest.mark.parametrize("mode", ["ddp+bf16+beta", "zero3+bf16+lora+beta"])
