@@ -1,5 +1,5 @@
-"""The GPU benchmark's CPU smoke mode: both libraries' workers run through the whole suite and the
-summary table is written (figures meaningless; the GPU figures live in docs/benchmarks.md)."""
+"""Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
+the GPU suite's CPU mode, with both libraries' workers, and one ZeRO-3 cell of the distributed benchmark."""
 
 from __future__ import annotations
 
@@ -23,3 +23,17 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
         assert figures["round_s"] > figures["generate_s"] > 0 and figures["train_s"] > 0
         assert figures["completion_tokens"] == 64 * 8  # random weights: every completion runs to the cap
     assert "| tiny, 8 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_distributed_benchmark_smoke_runs_one_zero3_cell(tmp_path, tiny_model_dir):
+    out = tmp_path / "distributed.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "distributed.py"), "--modes", "zero3", "--processes", "2",
+               "--rollouts", "1", "--max_completion_length", "4", "--model", tiny_model_dir, "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["processes"], r["rank"]) for r in rows] == [("zero3", 2, 0), ("zero3", 2, 1)], rows
+    for row in rows:
+        assert row["parameter_share"] < 0.6 and row["tensor_mib"] > 0 and row["step_s"] > 0
+        assert row["peak_rss_mib"] > row["tensor_mib"]
+    assert rows[0]["reward"] == rows[1]["reward"]  # metrics reduced over ranks

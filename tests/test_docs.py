@@ -198,3 +198,14 @@ def test_objective_comparison_table_matches_the_result_files():
     results = bench.load_results()
     assert set(results) == set(bench.OBJECTIVES), "run: python benchmarks/objectives.py"
     assert bench.render_table(results) in (DOCS / "objective.md").read_text(encoding="utf-8")
+
+
+def test_distributed_memory_table_matches_the_result_file():
+    """docs/distributed.md shows what benchmarks/results/distributed.json holds (benchmarks/distributed.py prints it)."""
+    spec = importlib.util.spec_from_file_location("distributed_benchmark", ROOT / "benchmarks" / "distributed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.load_rows()
+    assert {(r["mode"], r["processes"]) for r in rows} == {(m, p) for m in ("ddp", "zero2", "zero3") for p in (1, 2)}
+    assert not any("error" in r for r in rows)
+    assert bench.table(rows) in (DOCS / "distributed.md").read_text(encoding="utf-8")

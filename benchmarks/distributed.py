@@ -1,0 +1,226 @@
+#!/usr/bin/env python
+"""Per-rank memory and step time of 1 vs 2 processes (DDP, DeepSpeed ZeRO-2, ZeRO-3) on SmolLM2-135M, CPU.
+
+Driver mode (the default) launches one `torchrun --standalone` run per (mode, processes) pair, one after the
+other, and writes every rank's figures to `--out` with a table on stdout:
+
+    python benchmarks/distributed.py                                   # ddp/zero2/zero3 × 1 and 2 processes
+    python benchmarks/distributed.py --modes zero3 --processes 2       # one cell
+
+Worker mode (`--worker MODE`, started by the driver under torchrun) trains the same GSPO run in every cell:
+the same global batch (16 completions per optimizer step, groups of 8, 2 optimizer steps per rollout, 32 new
+tokens, layout-independent sampling, so 1 and 2 processes sample and train the same completions), full
+fine-tuning in fp32 with AdamW, `--rollouts` rollouts after one untimed warm-up rollout. Each rank reports:
+
+- `peak_rss_mib`: the process's peak resident memory (`ru_maxrss`): the libraries, the Python heap, the
+  model states and the activations of its share of the batch.
+- `tensor_mib`: after training, the bytes of every live tensor storage in the process (parameters, gradients,
+  optimizer states, DeepSpeed's flat buffers; each storage counted once): the model states this rank holds.
+- `parameter_share`: the fraction of the model's parameter elements this rank holds (1 unless ZeRO-3).
+- `step_s`: the median wall time of the timed optimizer steps, a rollout's generation included in the first
+  step that uses it (the mean over a rollout's steps is `round_s / steps`).
+
+Run with nothing else on the machine: the processes share its cores (`OMP_NUM_THREADS` = cores / processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# "auto" everywhere transformers fills a value (its recommended way): batch fields from GSPOConfig, bucket sizes
+# from the hidden size (hidden² elements); DeepSpeed's own bucket default (5e8 elements) allocates 1.9 GiB per
+# bucket on CPU, which `--deepspeed_defaults` measures instead.
+AUTO_BATCH = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto"}
+AUTO_BUCKETS = {
+    "zero2": {"reduce_bucket_size": "auto"},
+    "zero3": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+              "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True},
+}
+
+
+def deepspeed_config(mode: str, buckets: bool = True) -> dict | None:
+    if mode == "ddp":
+        return None
+    zero = {"stage": int(mode[-1]), **(AUTO_BUCKETS[mode] if buckets else {})}
+    return {"zero_optimization": zero, **AUTO_BATCH}
+
+
+GLOBAL_BATCH, NUM_GENERATIONS, STEPS_PER_ROLLOUT = 16, 8, 2
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default="ddp,zero2,zero3")
+    parser.add_argument("--processes", default="1,2", help="comma-separated process counts")
+    parser.add_argument("--rollouts", type=int, default=2, help="timed rollouts after one warm-up rollout")
+    parser.add_argument("--max_completion_length", type=int, default=32)
+    parser.add_argument("--deepspeed_defaults", action="store_true",
+                        help="leave DeepSpeed's bucket sizes at its own defaults instead of transformers' 'auto'")
+    parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
+    parser.add_argument("--out", default=str(HERE / "results" / "distributed.json"))
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+
+def live_tensor_storages() -> dict[int, int]:
+    """Bytes of every live tensor storage in this process by address, each counted once (views share one)."""
+    import torch
+
+    seen = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        except Exception:  # objects that look like tensors but cannot give a storage (meta, sparse, ...)
+            continue
+    return seen
+
+
+def worker(args) -> None:
+    import torch
+    from transformers import TrainerCallback
+
+    from gspo_trl import GSPOConfig, GSPOTrainer
+    from gspo_trl.default_model import default_model_path
+    from gspo_trl.tasks import default_task_dataset, default_task_reward
+
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    mode = args.worker
+    step_ends = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *unused, **kwargs):
+            step_ends.append(time.perf_counter())
+
+    total_steps = (args.rollouts + 1) * STEPS_PER_ROLLOUT
+    config = GSPOConfig(
+        output_dir=f"{args.worker_out}.output", per_device_train_batch_size=GLOBAL_BATCH // processes,
+        gradient_accumulation_steps=1, steps_per_generation=STEPS_PER_ROLLOUT, num_generations=NUM_GENERATIONS,
+        max_completion_length=args.max_completion_length, max_steps=total_steps, learning_rate=1e-6,
+        layout_independent_sampling=True, use_cpu=True, bf16=False, deepspeed=deepspeed_config(mode, not args.deepspeed_defaults),
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+    )
+    model = args.model or default_model_path()
+    trainer = GSPOTrainer(model, default_task_reward(), args=config, train_dataset=default_task_dataset(64),
+                          callbacks=[StepClock()])
+    start = time.perf_counter()
+    trainer.train()
+    ends = [start] + step_ends
+    step_times = [b - a for a, b in zip(ends, ends[1:])][STEPS_PER_ROLLOUT:]  # the warm-up rollout is untimed
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    held = sum(getattr(p, "ds_tensor", p).numel() for p in unwrapped.parameters())
+    full = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters())
+    gc.collect()
+    storages = live_tensor_storages()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    result = {
+        "mode": mode, "processes": processes, "rank": rank,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "tensor_mib": sum(storages.values()) / 2**20,
+        "largest_storages_mib": sorted((round(b / 2**20, 1) for b in storages.values()), reverse=True)[:12], "parameter_share": held / full,
+        "step_s": statistics.median(step_times), "round_s": sum(step_times) / args.rollouts,
+        "threads": torch.get_num_threads(),
+        "reward": [e["reward"] for e in trainer.state.log_history if "reward" in e],
+    }
+    with open(f"{args.worker_out}.rank{rank}.json", "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+
+
+# ----------------------------------------------------------------------------------------------- driver side
+
+def launch(args, mode: str, processes: int, folder: Path) -> list[dict]:
+    out = folder / f"{mode}_{processes}"
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               str(Path(__file__).resolve()), "--worker", mode, "--worker_out", str(out),
+               "--rollouts", str(args.rollouts), "--max_completion_length", str(args.max_completion_length)]
+    if args.model:
+        command += ["--model", args.model]
+    if args.deepspeed_defaults:
+        command += ["--deepspeed_defaults"]
+    print("[distributed] " + " ".join(command), flush=True)
+    completed = subprocess.run(command, capture_output=True, text=True, env=env)
+    if completed.returncode != 0:
+        return [{"mode": mode, "processes": processes, "error": completed.stderr[-3000:]}]
+    return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_rows(path: str | Path = HERE / "results" / "distributed.json") -> list[dict]:
+    return json.loads(Path(path).read_text())["rows"]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| mode | processes | rank | peak RSS (MiB) | live tensors (MiB) | parameter share | step (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | {r['processes']} | — | failed | | | |")
+            continue
+        lines.append(f"| {r['mode']} | {r['processes']} | {r['rank']} | {r['peak_rss_mib']:.0f} | "
+                     f"{r['tensor_mib']:.0f} | {r['parameter_share']:.2f} | {r['step_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    import tempfile
+
+    from gspo_trl.default_model import default_model_path
+
+    args.model = args.model or default_model_path()  # build the cached checkpoint once, before any launch
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for mode in args.modes.split(","):
+            for processes in (int(p) for p in args.processes.split(",")):
+                rows += launch(args, mode, processes, Path(folder))
+    import torch
+
+    record = {
+        "date": _dt.date.today().isoformat(), "machine": cpu_model(),
+        "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+        "work": {"model": args.model, "global_batch": GLOBAL_BATCH, "num_generations": NUM_GENERATIONS,
+                 "steps_per_rollout": STEPS_PER_ROLLOUT, "max_completion_length": args.max_completion_length,
+                 "timed_rollouts": args.rollouts},
+        "deepspeed": {mode: deepspeed_config(mode, not args.deepspeed_defaults) for mode in ("zero2", "zero3")},
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    print(table(rows))
+    print(f"[distributed] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
