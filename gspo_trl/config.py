@@ -21,6 +21,9 @@ from .advantages import SCALE_REWARDS_OPTIONS
 from .distributed import launched_processes, needs_cpu_process_group
 from .loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, Objective
 
+# How completions are sampled (see `decode_loop`).
+DECODE_LOOPS = ("gspo", "generate")
+
 # Optimizer steps per rollout batch when the user leaves `steps_per_generation` unset (the paper's
 # "each batch of rollouts is split into four minibatches for gradient updates").
 PAPER_MINIBATCHES_PER_ROLLOUT = 4
@@ -161,9 +164,18 @@ class GSPOConfig(TrainingArguments):
         metadata={
             "help": "Give every completion its own random stream, a function of (seed, optimizer step, its index in "
             "the global generation batch): the same completions whatever the number of processes or the batch they "
-            "are generated in (exact Gumbel-max sampling of the same distribution). Costs a hash of every "
-            "(row, vocabulary) pair per decoding step: measured 0.12 s per step for 64 rows × 49,152 tokens on 2 CPU "
-            "cores, so leave it off for speed."
+            "are generated in (exact sampling of the same distribution). With decode_loop='gspo' it costs one hash "
+            "per row and step; with 'generate' a hash of every (row, vocabulary) pair per step (Gumbel-max: 0.12 s per "
+            "step for 64 rows × 49,152 tokens on 2 CPU cores)."
+        },
+    )
+    decode_loop: str = field(
+        default="gspo",
+        metadata={
+            "help": "How completions are sampled from the training model: 'gspo', gspo-trl's loop (a completion leaves "
+            "the batch at its EOS, inverse-CDF sampling from the same distribution as generate); 'generate', "
+            "transformers' `generate`. generation_kwargs the loop does not implement (beams, n-gram bans, bad words, "
+            "...) or a cache_implementation make it use generate."
         },
     )
     cache_implementation: str | None = field(
@@ -470,6 +482,8 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
+        if self.decode_loop not in DECODE_LOOPS:
+            raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {self.decode_loop!r}.")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}.")
         if not self.repetition_penalty > 0:

@@ -1,7 +1,8 @@
 """Rollout backends: prompts in, sampled completion ids and masks out.
 
 Owns prompt rendering (chat template for conversational prompts), tokenization with left padding,
-sampling (each distinct prompt prefilled once), and the EOS/truncation bookkeeping of the result.
+the choice of decoding loop (`decoding.sample`, or transformers' `generate`), prefix sharing (each distinct
+prompt prefilled once), per-row random streams, and the EOS/truncation bookkeeping of the result.
 The trainer only sees the `Rollout` record, so another backend (a vLLM server, vLLM colocated)
 plugs in by implementing `RolloutBackend.generate`. What it does not own: rewards, advantages and
 log-probabilities.
@@ -22,6 +23,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 from trl.data_utils import is_conversational, maybe_apply_chat_template
+
+from . import decoding
 
 
 @dataclass
@@ -100,6 +103,9 @@ class HFGenerateBackend(RolloutBackend):
         sampling.update(args.generation_kwargs or {})
         self.generation_config = GenerationConfig(**sampling)
         self.eos_token_ids = eos_token_ids_of(self.generation_config, tokenizer)
+        # gspo-trl's loop unless the user asked for generate or for something only generate implements.
+        self.use_decode_loop = args.decode_loop == "gspo" and decoding.supports(self.generation_config)
+        self.processors = decoding.logits_processors(self.generation_config)
 
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
@@ -118,8 +124,40 @@ class HFGenerateBackend(RolloutBackend):
     def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
         model = self.model_getter()
         prompt_ids, prompt_mask = self.tokenize_prompts(prompts)
+        prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
+        keys = None if stream_keys is None else stream_keys.to(model.device)
+        was_training = model.training
+        # Eval mode: with gradient checkpointing in training mode, transformers turns the KV cache off
+        # (about 7x slower sampling).
+        model.eval()
+        try:
+            if self.use_decode_loop:
+                completion_ids = self._sample_with_loop(model, prompt_ids, prompt_mask, keys)
+            else:
+                completion_ids = self._sample_with_generate(model, prompt_ids, prompt_mask, keys)
+        finally:
+            model.train(was_training)
+        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
+        # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
+
+    def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys) -> torch.Tensor:
+        uniforms = decoding.random_uniforms
+        if keys is not None:  # one uniform per row and position, from the row's own stream
+            def uniforms(rows, position):
+                return keyed_uniform(keys[rows], position, 1).squeeze(1)
+
+        return decoding.sample(
+            model, prompt_ids, prompt_mask,
+            max_new_tokens=self.generation_config.max_new_tokens, eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id, processors=self.processors, uniforms=uniforms,
+            cache=prefill_shared_prompts(model, prompt_ids, prompt_mask),
+        )
+
+    def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys) -> torch.Tensor:
         generation_config, processors = self.generation_config, None
-        if stream_keys is not None:
+        if keys is not None:
             # Greedy over Gumbel-perturbed, warped scores: an exact sample, drawn from the row's own stream.
             sampling = self.generation_config
             generation_config = GenerationConfig(
@@ -127,32 +165,20 @@ class HFGenerateBackend(RolloutBackend):
                    "min_p": None}
             )
             processors = LogitsProcessorList([
-                KeyedGumbelSampler(stream_keys.to(model.device), prompt_ids.shape[1], sampling.temperature,
+                KeyedGumbelSampler(keys, prompt_ids.shape[1], sampling.temperature,
                                    sampling.top_k, sampling.top_p, sampling.min_p)
             ])
-        prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
-        was_training = model.training
-        # Eval mode: with gradient checkpointing in training mode, transformers turns the KV cache off
-        # (about 7x slower sampling).
-        model.eval()
-        try:
-            cache = None
-            if self.generation_config.cache_implementation is None:
-                cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)
-            sequences = model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                past_key_values=cache,
-                generation_config=generation_config,
-                logits_processor=processors,
-            )
-        finally:
-            model.train(was_training)
-        completion_ids = sequences[:, prompt_ids.shape[1] :]
-        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
-        # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
+        cache = None
+        if self.generation_config.cache_implementation is None:
+            cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)
+        sequences = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            past_key_values=cache,
+            generation_config=generation_config,
+            logits_processor=processors,
+        )
+        return sequences[:, prompt_ids.shape[1] :]
 
 
 def prefill_shared_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> DynamicCache | None:

@@ -232,25 +232,36 @@ def test_report_to_backends_write_the_gspo_metrics_offline(tmp_path, tiny_model_
     assert b"clip_ratio/region" in written and b"reward" in written, sorted(map(str, files))
 
 
-def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp_path, tiny_model_dir):
+def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp_path, tiny_model_dir, monkeypatch):
     from peft import LoraConfig
+
+    import gspo_trl.decoding as decoding
 
     config = make_config(tmp_path, activation_checkpointing=True, steps_per_generation=1)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config)
-    cache_flags = []
     model = trainer.accelerator.unwrap_model(trainer.model)
-    original_generate = model.generate
+    embed = model.get_base_model().model.embed_tokens
+    rollouts, original_sample = [], decoding.sample
 
-    def spy(*args, **kwargs):
-        # generation runs in eval mode, where transformers keeps the KV cache despite checkpointing
-        cache_flags.append((kwargs["generation_config"].use_cache, model.training))
-        return original_generate(*args, **kwargs)
+    def spy(sampled_model, *args, **kwargs):
+        # generation runs in eval mode, where transformers keeps the KV cache despite checkpointing: after the
+        # first step every forward takes one new token per row
+        lengths = []
+        hook = embed.register_forward_pre_hook(lambda module, inputs: lengths.append(inputs[0].shape[1]))
+        try:
+            out = original_sample(sampled_model, *args, **kwargs)
+        finally:
+            hook.remove()
+        rollouts.append((sampled_model.training, lengths))
+        return out
 
-    model.generate = spy
+    monkeypatch.setattr(decoding, "sample", spy)
     before = snapshot(trainer.model)
     trainer.train()
-    assert cache_flags == [(True, False), (True, False)]
+    assert len(rollouts) == 2
+    for training, lengths in rollouts:
+        assert not training and len(lengths) > 2 and set(lengths[1:]) == {1}
     assert model.get_base_model().is_activation_checkpointing
     assert any("lora_" in name for name in changed(before, trainer.model))
 

@@ -66,10 +66,14 @@ def test_token_mean_losses_average_over_the_whole_optimizer_step(tmp_path, tiny_
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.model.train()
     batch = [{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)]
-    torch.manual_seed(3)
-    first = trainer._prepare_inputs(batch)
-    trainer._step += 1
-    second = trainer._prepare_inputs(batch)
+    for seed in range(20):  # two rollouts whose token counts differ (the random tiny model rarely ends early)
+        torch.manual_seed(seed)
+        first = trainer._prepare_inputs(batch)
+        trainer._step += 1
+        second = trainer._prepare_inputs(batch)
+        trainer._step += 1
+        if first["completion_mask"].sum() != second["completion_mask"].sum():
+            break
     assert first["completion_mask"].sum() != second["completion_mask"].sum()  # unequal token counts matter
     accumulated = sum(trainer.compute_loss(trainer.model, mb).detach() / 2 for mb in (first, second))
     both = {key: torch.cat([first[key], second[key]]) for key in ("input_ids", "attention_mask", "completion_ids",

@@ -1,0 +1,201 @@
+"""The decoding loop built for RL rollouts: sample a batch of completions, finished rows leaving the batch.
+
+Owns what happens at each decoding step: one forward of the newest token over the KV cache, the logits
+processors `generate` would apply for the same sampling settings (HF's own classes, in HF's order), exact
+sampling by inverse CDF (one uniform per row instead of `torch.multinomial` over the whole vocabulary),
+and dropping the rows that have emitted EOS from the batch and the cache, so the remaining steps cost what
+the unfinished rows need. What it does not own: prompt rendering, prefix sharing and the EOS/truncation
+masks of the result (`rollout.py`).
+
+The uniforms come from the caller: `torch.rand` for ordinary sampling, or a pure function of each row's key
+and position (`rollout.keyed_uniform`) for sampling that does not depend on the batch layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+# GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram
+# bans, bad words, a minimum length, ...) is `generate`'s job: `supports` says so and the backend falls back.
+HANDLED_FIELDS = frozenset({
+    "do_sample", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+    "pad_token_id", "bos_token_id", "eos_token_id", "use_cache", "cache_implementation",
+})
+
+
+def supports(generation_config: GenerationConfig) -> bool:
+    """True when every setting of `generation_config` that changes sampling is one this loop implements."""
+    if not generation_config.do_sample or generation_config.cache_implementation is not None:
+        return False
+    changed = set(generation_config.to_diff_dict()) - {"transformers_version", "_from_model_config"}
+    return changed <= HANDLED_FIELDS
+
+
+def logits_processors(generation_config: GenerationConfig) -> LogitsProcessorList:
+    """The processors `generate` builds for these sampling settings, in its order: the repetition penalty,
+    then the warpers temperature, top-k, top-p, min-p."""
+    g = generation_config
+    if hasattr(g, "_get_default_generation_params"):  # unset (None) fields take generate's global defaults
+        g = GenerationConfig(**g.to_dict())
+        g.update(**g._get_default_generation_params(), defaults_only=True)
+    processors = LogitsProcessorList()
+    if g.repetition_penalty is not None and g.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(penalty=g.repetition_penalty))
+    if g.temperature is not None and g.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(g.temperature))
+    if g.top_k is not None and g.top_k != 0:
+        processors.append(TopKLogitsWarper(top_k=g.top_k))
+    if g.top_p is not None and g.top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=g.top_p))
+    if g.min_p is not None:
+        processors.append(MinPLogitsWarper(min_p=g.min_p))
+    return processors
+
+
+SAMPLING_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+
+
+def inverse_cdf_sample(scores: torch.Tensor, uniforms: torch.Tensor, block: int = SAMPLING_BLOCK) -> torch.Tensor:
+    """(N,) token ids drawn from softmax(scores) (N, V), one uniform in [0, 1) per row.
+
+    Inverse CDF in two levels, so that no float64 pass over the whole vocabulary is needed: the weights
+    w = exp(scores - max) (float32, what softmax computes before it divides) are summed per block of `block`
+    tokens in float64; u × total picks a block by its cumulative mass, then a token inside it by the block's own
+    cumulative weights. Token v in block b is drawn with probability (m_b / total) × (w_v / m_b) = w_v / total,
+    up to float rounding; a token of weight 0 (score -inf) never is.
+    """
+    n, vocab = scores.shape
+    weights = torch.exp(scores.float() - scores.float().amax(dim=-1, keepdim=True))  # (N, V), -inf -> 0
+    padding = -vocab % block
+    if padding:
+        weights = torch.nn.functional.pad(weights, (0, padding))
+    blocks = weights.view(n, -1, block)  # (N, B, block)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # (N, B)
+    target = uniforms.to(torch.float64).unsqueeze(1) * block_cdf[:, -1:]  # (N, 1), in [0, total)
+    chosen = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks.shape[1] - 1)  # (N, 1)
+    below = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, chosen.unsqueeze(-1).expand(n, 1, block)).squeeze(1)  # (N, block)
+    offset = torch.searchsorted(inner.to(torch.float64).cumsum(dim=-1), target - below, right=True)  # (N, 1)
+    # Rounding can push the target past the block's last positive weight: take that token then.
+    last_positive = torch.where(inner > 0, torch.arange(block, device=inner.device), -1).amax(dim=-1, keepdim=True)
+    offset = torch.minimum(offset, last_positive)
+    return (chosen * block + offset).squeeze(1)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A dynamic KV-cache layer whose keys and values live in buffers sized for the whole rollout: each step
+    writes its token in place instead of concatenating (copying) the whole cache, as `DynamicLayer` does.
+    `keys`/`values` are views of the filled part, so attention sees exactly what a `DynamicLayer` holds."""
+
+    @classmethod
+    def from_layer(cls, layer: DynamicLayer, capacity: int) -> PreallocatedLayer:
+        new = cls()
+        new.dtype, new.device, new.is_initialized = layer.dtype, layer.device, True
+        n, heads, length, dim = layer.keys.shape
+        new.key_buffer = layer.keys.new_empty((n, heads, max(capacity, length), dim))
+        new.value_buffer = layer.values.new_empty((n, heads, max(capacity, length), layer.values.shape[-1]))
+        new.key_buffer[:, :, :length] = layer.keys
+        new.value_buffer[:, :, :length] = layer.values
+        new._expose(length)
+        return new
+
+    def _expose(self, length: int) -> None:
+        self.length = length
+        self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:  # more than planned: grow like DynamicLayer would
+            self.key_buffer = torch.cat([self.key_buffer[:, :, : self.length], key_states], dim=-2)
+            self.value_buffer = torch.cat([self.value_buffer[:, :, : self.length], value_states], dim=-2)
+        else:
+            self.key_buffer[:, :, self.length:end] = key_states
+            self.value_buffer[:, :, self.length:end] = value_states
+        self._expose(end)
+        return self.keys, self.values
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.key_buffer = self.key_buffer.index_select(0, beam_idx.to(self.key_buffer.device))
+        self.value_buffer = self.value_buffer.index_select(0, beam_idx.to(self.value_buffer.device))
+        self._expose(self.length)
+
+
+def preallocate(cache: DynamicCache, capacity: int) -> None:
+    """Swap every plain `DynamicLayer` of `cache` (filled) for a `PreallocatedLayer` of `capacity` positions.
+    Other layer types (sliding windows, linear attention, ...) keep their own update."""
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
+            cache.layers[index] = PreallocatedLayer.from_layer(layer, capacity)
+
+
+UniformSource = Callable[[torch.Tensor, int], torch.Tensor]  # (rows (n,) original indices, position) -> (n,)
+
+
+def random_uniforms(rows: torch.Tensor, position: int) -> torch.Tensor:
+    return torch.rand(rows.shape[0], dtype=torch.float64, device=rows.device)
+
+
+@torch.no_grad()
+def sample(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    processors: LogitsProcessorList,
+    uniforms: UniformSource = random_uniforms,
+    cache: DynamicCache | None = None,
+) -> torch.Tensor:
+    """Sample up to `max_new_tokens` tokens after each left-padded prompt row; returns (N, C) completion ids,
+    `pad_token_id` after a row's first EOS, C the longest completion.
+
+    `cache`, when given, holds every prompt token but the last (`rollout.prefill_shared_prompts`); otherwise
+    the first step prefills the prompts. Each step runs the model on the unfinished rows only: a row that
+    samples an EOS leaves the batch, its KV cache rows with it.
+    """
+    n, prompt_length = prompt_ids.shape
+    device = prompt_ids.device
+    completions = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    eos = torch.tensor(eos_token_ids, device=device)
+    rows = torch.arange(n, device=device)  # the original row of each live batch row
+    sequences, attention = prompt_ids, prompt_mask  # (n, P + t): what processors and attention see
+    positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)  # as generate derives them
+    if cache is None:
+        cache, step_ids, step_positions = DynamicCache(config=model.config), prompt_ids, positions
+    else:
+        step_ids, step_positions = prompt_ids[:, -1:], positions[:, -1:]
+    length = 0
+    for t in range(max_new_tokens):
+        logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (n, V)
+        if t == 0:  # the cache now holds every prompt token: give it room for the completions
+            preallocate(cache, prompt_length + max_new_tokens)
+        scores = processors(sequences, logits.float())
+        tokens = inverse_cdf_sample(scores, uniforms(rows, t))  # (n,)
+        completions[rows, t] = tokens
+        length = t + 1
+        sequences = torch.cat([sequences, tokens.unsqueeze(1)], dim=1)
+        attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
+        step_ids, step_positions = tokens.unsqueeze(1), step_positions[:, -1:] + 1
+        finished = torch.isin(tokens, eos)  # (n,)
+        if bool(finished.any()):
+            if bool(finished.all()):
+                break
+            keep = (~finished).nonzero().squeeze(1)
+            cache.reorder_cache(keep)
+            rows, sequences, attention = rows[keep], sequences[keep], attention[keep]
+            step_ids, step_positions = step_ids[keep], step_positions[keep]
+    return completions[:, :length]

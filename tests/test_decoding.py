@@ -1,0 +1,149 @@
+"""gspo_trl.decoding: the sampler, the logits processors against `generate`'s, and the loop against a
+one-row, no-cache reference decoder (finished rows leave the batch; nothing else changes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from gspo_trl import GSPOConfig
+from gspo_trl.decoding import inverse_cdf_sample, logits_processors, sample, supports
+from gspo_trl.rollout import HFGenerateBackend, keyed_uniform, prefill_shared_prompts, stream_keys
+
+SETTINGS = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize("block", [256, 3, 2])  # one block; blocks with padding; a block of zero mass
+def test_inverse_cdf_sample_by_hand(block):
+    probs = torch.tensor([[0.0, 0.5, 0.25, 0.25]]).expand(5, 4)
+    scores = probs.log()  # -inf for the impossible token 0
+    uniforms = torch.tensor([0.0, 0.4999, 0.5001, 0.7499, 0.9999999])
+    # token 0 is never drawn, even at u = 0
+    assert inverse_cdf_sample(scores, uniforms, block=block).tolist() == [1, 1, 2, 2, 3]
+    zero_block = torch.tensor([[0.0, 0.0, 0.5, 0.5]]).log().expand(2, 4)
+    assert inverse_cdf_sample(zero_block, torch.tensor([0.0, 0.9999]), block=2).tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("block", [256, 2])
+def test_inverse_cdf_sample_frequencies_match_the_probabilities(block):
+    torch.manual_seed(0)
+    rows = 200_000
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, float("-inf")])
+    tokens = inverse_cdf_sample(logits.expand(rows, 5), torch.rand(rows, dtype=torch.float64), block=block)
+    frequencies = torch.bincount(tokens, minlength=5).double() / rows
+    expected = torch.softmax(logits.double(), 0)
+    # about 4.5 standard errors of a frequency at p = 0.5 (sd = sqrt(p (1-p) / rows) = 0.0011)
+    torch.testing.assert_close(frequencies, expected, atol=0.005, rtol=0)
+    assert frequencies[4] == 0
+
+
+def test_supports_only_what_the_loop_implements():
+    base = dict(do_sample=True, max_new_tokens=8, **SETTINGS)
+    assert supports(GenerationConfig(**base, eos_token_id=2, pad_token_id=3))
+    assert not supports(GenerationConfig(**{**base, "do_sample": False}))
+    assert not supports(GenerationConfig(**base, no_repeat_ngram_size=2))
+    assert not supports(GenerationConfig(**base, suppress_tokens=[5]))
+    assert not supports(GenerationConfig(**base, cache_implementation="static"))
+
+
+@pytest.mark.parametrize("settings", [{}, SETTINGS], ids=["plain", "all_warpers"])
+def test_processed_scores_equal_generates(tiny_model, tiny_tokenizer, settings):
+    # generate's own processed scores (output_scores) for two steps; ours applied to the same ids and logits.
+    config = GenerationConfig(do_sample=True, max_new_tokens=2, eos_token_id=tiny_tokenizer.eos_token_id,
+                              pad_token_id=tiny_tokenizer.pad_token_id,
+                              **settings)
+    prompt = tiny_tokenizer(["What is 2 + 3? What is"], return_tensors="pt")
+    torch.manual_seed(0)
+    out = tiny_model.generate(**prompt, generation_config=config, output_scores=True, return_dict_in_generate=True)
+    processors = logits_processors(config)
+    for step, expected in enumerate(out.scores):
+        ids = out.sequences[:, : prompt.input_ids.shape[1] + step]
+        logits = tiny_model(input_ids=ids).logits[:, -1, :]
+        torch.testing.assert_close(processors(ids, logits.float()), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_first_token_frequencies_match_generate(tmp_path, tiny_model, tiny_tokenizer):
+    # One prompt, many rows: the first token's distribution is fixed. Both samplers' frequencies must match the
+    # probabilities generate samples from (softmax of its processed scores).
+    rows = 6000
+    args = GSPOConfig(output_dir=str(tmp_path), max_completion_length=1, use_cpu=True, **SETTINGS)
+    backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
+    assert backend.use_decode_loop
+    prompt = tiny_tokenizer(["What is 2 + 3? What is"], return_tensors="pt")
+    torch.manual_seed(0)
+    scored = tiny_model.generate(**prompt, generation_config=backend.generation_config, output_scores=True,
+                                 return_dict_in_generate=True)
+    probs = torch.softmax(scored.scores[0][0].double(), 0)  # (V,)
+    assert (probs > 0).sum() > 3  # the warpers leave several tokens
+
+    def frequencies(completion_ids):
+        return torch.bincount(completion_ids[:, 0], minlength=probs.numel()).double() / rows
+
+    torch.manual_seed(1)
+    ours = frequencies(backend.generate(["What is 2 + 3? What is"] * rows).completion_ids)
+    backend.use_decode_loop = False
+    torch.manual_seed(2)
+    theirs = frequencies(backend.generate(["What is 2 + 3? What is"] * rows).completion_ids)
+    tolerance = 4.5 * (probs * (1 - probs) / rows).sqrt() + 1e-12  # per token, ~4.5 standard errors
+    assert ((ours - probs).abs() <= tolerance).all() and ((theirs - probs).abs() <= tolerance).all()
+    assert ours[probs == 0].sum() == 0
+
+
+class FavourEos(LogitsProcessor):
+    """Raises the EOS logit so that rows finish at different steps (a random tiny model rarely ends)."""
+
+    def __init__(self, eos):
+        self.eos = eos
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, self.eos] += 2.5
+        return scores
+
+
+def reference_decode(model, prompt_ids, processors, key, max_new_tokens, eos):
+    """One row, no KV cache, no padding: the whole sequence re-run at every step."""
+    ids = prompt_ids.unsqueeze(0)
+    out = []
+    for t in range(max_new_tokens):
+        logits = model(input_ids=ids).logits[:, -1, :]
+        token = inverse_cdf_sample(processors(ids, logits.float()), keyed_uniform(key.view(1), t, 1).squeeze(1))
+        out.append(int(token))
+        ids = torch.cat([ids, token.view(1, 1)], dim=1)
+        if int(token) == eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("shared_prefill", [True, False])
+def test_loop_samples_what_a_one_row_reference_samples(tiny_model, tiny_tokenizer, shared_prefill):
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    prompts = ["What is 2 + 3?"] * 4 + ["Hi there"] * 4 + ["Solve: 7 - 4"] * 4
+    encoded = tiny_tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    keys = stream_keys(3, torch.arange(len(prompts)))
+    processors = LogitsProcessorList([FavourEos(eos), *logits_processors(GenerationConfig(do_sample=True, **SETTINGS))])
+
+    batch_sizes = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_sizes.append(o.shape[0]))
+    cache = prefill_shared_prompts(tiny_model, encoded.input_ids, encoded.attention_mask) if shared_prefill else None
+    try:
+        completions = sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=10,
+                             eos_token_ids=[eos], pad_token_id=pad, processors=processors,
+                             uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1), cache=cache)
+    finally:
+        hook.remove()
+    lengths = []
+    for row, prompt in enumerate(prompts):
+        expected = reference_decode(tiny_model, torch.tensor(tiny_tokenizer(prompt).input_ids), processors, keys[row],
+                                    10, eos)
+        got = completions[row].tolist()
+        assert got[: len(expected)] == expected, row
+        assert all(token == pad for token in got[len(expected):])
+        lengths.append(len(expected))
+    assert completions.shape[1] == max(lengths)
+    assert len(set(lengths)) > 2  # rows finished at different steps ...
+    decode_steps = batch_sizes[1:] if shared_prefill else batch_sizes
+    assert decode_steps[0] == len(prompts)
+    # ... and each decoding step ran only the rows still unfinished.
+    assert decode_steps == [sum(length > t for length in lengths) for t in range(max(lengths))]
