@@ -1,5 +1,6 @@
 """Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
-the GPU suite's CPU mode, with both libraries' workers, and one ZeRO-3 cell of the distributed benchmark."""
+the GPU suite's CPU mode, with both libraries' workers, one ZeRO-3 cell of the distributed benchmark, and the
+decoding benchmark."""
 
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ def test_distributed_benchmark_smoke_runs_one_zero3_cell(tmp_path, tiny_model_di
         assert row["parameter_share"] < 0.6 and row["tensor_mib"] > 0 and row["step_s"] > 0
         assert row["peak_rss_mib"] > row["tensor_mib"]
     assert rows[0]["reward"] == rows[1]["reward"]  # metrics reduced over ranks
+
+
+def test_decoding_benchmark_smoke_runs_both_loops(tmp_path, tiny_model_dir):
+    out = tmp_path / "decoding.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "decoding.py"), "--repeats", "1", "--prompts", "2",
+               "--max_completion_length", "4", "--model", tiny_model_dir, "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["gspo"]["median_s"] > 0 and summary["generate"]["median_s"] > 0
+    assert 0 < summary["gspo"]["mean_length"] <= 4

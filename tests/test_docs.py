@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import re
 import warnings
 from pathlib import Path
@@ -209,3 +210,14 @@ def test_distributed_memory_table_matches_the_result_file():
     assert {(r["mode"], r["processes"]) for r in rows} == {(m, p) for m in ("ddp", "zero2", "zero3") for p in (1, 2)}
     assert not any("error" in r for r in rows)
     assert bench.table(rows) in (DOCS / "distributed.md").read_text(encoding="utf-8")
+
+
+def test_decoding_tables_match_the_result_files():
+    """docs/benchmarks.md shows what benchmarks/results/decoding*.json hold (benchmarks/decoding.py prints them)."""
+    spec = importlib.util.spec_from_file_location("decoding_benchmark", ROOT / "benchmarks" / "decoding.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    for name in ("decoding.json", "decoding_256.json"):
+        record = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+        assert bench.render_table(record) in text, name

@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Generation time of one rollout: gspo-trl's decoding loop against transformers' `generate`, same work.
+
+Times `HFGenerateBackend.generate` (tokenisation, shared-prompt prefill, sampling) on the step-time
+benchmark's rollout: SmolLM2-135M-Instruct, 8 prompts of the demo task × 8 completions = 64 rows, up to
+`--max_completion_length` new tokens at temperature 1.0, fp32 on CPU (or bf16 on `--device cuda`). The two
+loops alternate, `--repeats` times each after one untimed warm-up each, in one process:
+
+    python benchmarks/decoding.py                          # 64 new tokens, 3 repeats
+    python benchmarks/decoding.py --max_completion_length 256 --layout_independent_sampling
+
+`generate` here already shares each prompt's prefill (gspo-trl's backend); TRL's `generate` path does not.
+Each row of the output gives seconds per rollout (min / median), the mean completion length and the number
+of decoding steps the longest completion needed. Results go to `--out` (JSON) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+LOOPS = ("gspo", "generate")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max_completion_length", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--layout_independent_sampling", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(HERE / "results" / "decoding.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo_trl import GSPOConfig
+    from gspo_trl.default_model import default_model_path
+    from gspo_trl.rollout import HFGenerateBackend, stream_keys
+    from gspo_trl.tasks import default_task_dataset
+
+    model_path = args.model or default_model_path()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(args.device)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rows = args.prompts * args.num_generations
+    prompts = [row["prompt"] for row in default_task_dataset(args.prompts, seed=args.seed)]
+    prompts = [p for p in prompts for _ in range(args.num_generations)]
+    backends = {}
+    for loop in LOOPS:
+        config = GSPOConfig(output_dir="/tmp/gspo-decoding-bench", per_device_train_batch_size=rows,
+                            num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+                            temperature=args.temperature, decode_loop=loop, use_cpu=args.device == "cpu",
+                            bf16=args.device == "cuda", report_to="none")
+        backends[loop] = HFGenerateBackend(lambda: model, tokenizer, config)
+    assert backends["gspo"].use_decode_loop and not backends["generate"].use_decode_loop
+
+    def once(loop: str, repeat: int) -> dict:
+        torch.manual_seed(args.seed + repeat)
+        keys = stream_keys(args.seed, repeat, torch.arange(rows)) if args.layout_independent_sampling else None
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        rollout = backends[loop].generate(prompts, keys)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        lengths = rollout.completion_mask.sum(1).float()
+        return {"seconds": seconds, "mean_length": lengths.mean().item(), "steps": rollout.completion_ids.shape[1]}
+
+    runs = {loop: [] for loop in LOOPS}
+    for loop in LOOPS:
+        once(loop, -1)  # warm-up
+    for repeat in range(args.repeats):
+        for loop in LOOPS:
+            runs[loop].append(once(loop, repeat))
+            print(f"[decoding] {loop:8s} repeat {repeat}: {runs[loop][-1]}", flush=True)
+
+    summary = {}
+    for loop, results in runs.items():
+        seconds = [r["seconds"] for r in results]
+        summary[loop] = {"min_s": min(seconds), "median_s": statistics.median(seconds),
+                         "mean_length": statistics.mean(r["mean_length"] for r in results),
+                         "steps": statistics.mean(r["steps"] for r in results)}
+    summary["speedup_median"] = summary["generate"]["median_s"] / summary["gspo"]["median_s"]
+    record = {"date": _dt.date.today().isoformat(), "device": args.device, "cpus": os.cpu_count(),
+              "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
+              "runs": runs, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    print(render_table(record))
+    print(f"[decoding] wrote {args.out}")
+
+
+def render_table(record: dict) -> str:
+    s = record["summary"]
+    lines = ["| loop | rollout (s), min | median | mean completion (tokens) | decoding steps |", "|---|---|---|---|---|"]
+    for loop in LOOPS:
+        lines.append(f"| {loop} | {s[loop]['min_s']:.2f} | {s[loop]['median_s']:.2f} | {s[loop]['mean_length']:.1f} | "
+                     f"{s[loop]['steps']:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
