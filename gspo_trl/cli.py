@@ -29,7 +29,7 @@ DEMO_DEFAULTS = {
     "max_steps": 40,
     "per_device_train_batch_size": 16,
     "gradient_accumulation_steps": 1,
-    "steps_per_generation": 1,
+    "steps_per_generation": 4,
     "num_generations": 8,
     "max_completion_length": 48,
     "temperature": 1.0,
@@ -153,6 +153,7 @@ def _load_local_dataset(path: str):
 
 
 def train(argv: list[str]) -> dict:
+    from .metrics import format_health, training_health
     from .plotting import plot_reward_curve
     from .trainer import GSPOTrainer
 
@@ -175,25 +176,31 @@ def train(argv: list[str]) -> dict:
     metrics_path = run_args.metrics_file or os.path.join(config.output_dir, "metrics.json")
     plot_path = run_args.plot_file or os.path.join(config.output_dir, "reward_curve.png")
     history = [entry for entry in trainer.state.log_history if "reward" in entry]
-    summary = summarize(history)
+    steps_per_rollout = max(1, config.steps_per_generation // config.gradient_accumulation_steps)
+    summary = summarize(history, steps_per_rollout=steps_per_rollout)
+    summary["steps"] = trainer.state.global_step
     summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime")
+    summary["health"] = training_health(trainer.state.log_history)
     with open(metrics_path, "w", encoding="utf-8") as handle:
         json.dump({"summary": summary, "log_history": trainer.state.log_history}, handle, indent=2)
     plot_reward_curve(history, plot_path)
-    print(json.dumps(summary, indent=2))
+    print(format_health(summary["health"]))
+    print(json.dumps({k: v for k, v in summary.items() if k != "health"}, indent=2))
     print(f"metrics: {os.path.abspath(metrics_path)}")
     print(f"reward curve: {os.path.abspath(plot_path)}")
     return summary
 
 
-def summarize(history: list[dict], window: int = 10) -> dict:
+def summarize(history: list[dict], window_steps: int = 10, steps_per_rollout: int = 1) -> dict:
+    """Mean reward of the first and last rollouts covering `window_steps` optimizer steps (`history` holds one
+    entry per rollout, the step that generated it), capped at half of the rollouts."""
     rewards = [entry["reward"] for entry in history]
     if not rewards:
-        return {"steps": 0}
-    window = min(window, max(1, len(rewards) // 2))
+        return {"rollouts": 0}
+    window = min(-(-window_steps // steps_per_rollout), max(1, len(rewards) // 2))
     first, last = rewards[:window], rewards[-window:]
     return {
-        "steps": len(rewards),
+        "rollouts": len(rewards),
         "window": window,
         "reward_first_window": sum(first) / len(first),
         "reward_last_window": sum(last) / len(last),

@@ -127,3 +127,66 @@ def reduce_across_processes(metrics: dict, gather, counts: dict | None = None) -
             weighted = (column * weight).sum() / total.clamp(min=1e-12)
             reduced[name] = torch.where(total > 0, weighted, column.mean())
     return reduced
+
+
+# Thresholds of the health summary's hints. GSPO clips whole sequences: the paper reports about 15% of them
+# clipped with its schedule, so only far larger fractions are flagged.
+HEALTH_ZERO_STD_SHARE, HEALTH_CLIP_FRACTION, HEALTH_LENGTH_RATIO = 0.5, 0.4, 0.5
+
+
+def training_health(log_history: list[dict], window: int = 3) -> dict:
+    """A finished run's health from its logged metrics: the share of groups with no reward spread, the clip
+    fraction on off-policy steps (those whose ratios are not all 1), the ratio's extremes, the completion-length
+    trend over the first and last `window` rollouts, and a one-line hint for each figure that looks off."""
+    rollouts = [e for e in log_history if "reward" in e]
+    steps = [e for e in log_history if "clip_ratio/region" in e]
+    off_policy = [e for e in steps if e.get("ratio/min", 1.0) != 1.0 or e.get("ratio/max", 1.0) != 1.0]
+
+    def mean(values):
+        values = [v for v in values if v is not None and not math.isnan(v)]
+        return sum(values) / len(values) if values else None
+
+    window = max(1, min(window, len(rollouts) // 2))
+    health = {
+        "zero_std_group_share": mean([e.get("frac_reward_zero_std") for e in rollouts]),
+        "off_policy_steps": len(off_policy),
+        "clip_ratio_off_policy": mean([e["clip_ratio/region"] for e in off_policy]),
+        "ratio_min": min((e["ratio/min"] for e in steps if "ratio/min" in e), default=None),
+        "ratio_max": max((e["ratio/max"] for e in steps if "ratio/max" in e), default=None),
+        "length_first": mean([e.get("completions/mean_length") for e in rollouts[:window]]),
+        "length_last": mean([e.get("completions/mean_length") for e in rollouts[-window:]]),
+    }
+    hints = []
+    if health["zero_std_group_share"] is not None and health["zero_std_group_share"] > HEALTH_ZERO_STD_SHARE:
+        hints.append(f"{health['zero_std_group_share']:.0%} of the groups got equal rewards (no learning signal): the "
+                     "task is too easy or too hard for the model; change its difficulty or num_generations.")
+    if not off_policy and steps:
+        hints.append("Every step was on-policy (ratio 1): clipping never acted. steps_per_generation > "
+                     "gradient_accumulation_steps trains several optimizer steps per rollout, as the paper does.")
+    elif health["clip_ratio_off_policy"] is not None and health["clip_ratio_off_policy"] > HEALTH_CLIP_FRACTION:
+        hints.append(f"{health['clip_ratio_off_policy']:.0%} of the sequences were clipped on off-policy steps: the "
+                     "policy moves far within a rollout; lower learning_rate or steps_per_generation.")
+    if health["length_first"] and health["length_last"] is not None and (
+            health["length_last"] < HEALTH_LENGTH_RATIO * health["length_first"]):
+        hints.append(f"Completions shrank from {health['length_first']:.1f} to {health['length_last']:.1f} tokens: "
+                     "check that the reward does not simply favour short answers.")
+    health["hints"] = hints
+    return health
+
+
+def format_health(health: dict) -> str:
+    """The health summary as the few lines the final report starts with."""
+    def number(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [
+        "Training health:",
+        f"  groups with equal rewards: {number(health['zero_std_group_share'], '.0%')}",
+        f"  sequences clipped on off-policy steps: {number(health['clip_ratio_off_policy'], '.1%')} "
+        f"({health['off_policy_steps']} off-policy steps)",
+        f"  importance ratio range: {number(health['ratio_min'], '.4f')} to {number(health['ratio_max'], '.4f')}",
+        f"  mean completion length: {number(health['length_first'], '.1f')} -> {number(health['length_last'], '.1f')} "
+        "tokens (first -> last rollouts)",
+    ]
+    lines += [f"  hint: {hint}" for hint in health["hints"]]
+    return "\n".join(lines)

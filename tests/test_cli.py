@@ -44,6 +44,33 @@ def test_summarize_compares_first_and_last_window():
     summary = summarize(history)
     assert summary["reward_first_window"] == pytest.approx(0.1)
     assert summary["reward_gain"] == pytest.approx(0.4)
+    # one entry per rollout of 4 optimizer steps: 10 steps are the first and last 3 rollouts
+    rollouts = [{"step": 4 * i + 1, "reward": r} for i, r in enumerate([0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9])]
+    summary = summarize(rollouts, steps_per_rollout=4)
+    assert summary["window"] == 3 and summary["rollouts"] == 8
+    assert summary["reward_first_window"] == pytest.approx(0.2) and summary["reward_last_window"] == pytest.approx(0.8)
+
+
+def test_training_health_summary_and_hints():
+    from gspo_trl.metrics import format_health, training_health
+
+    def step(n, lo, hi, clip, **rollout):
+        return {"step": n, "loss": 0.0, "ratio/min": lo, "ratio/max": hi, "clip_ratio/region": clip, **rollout}
+
+    history = [step(1, 1.0, 1.0, 0.0, reward=0.2, frac_reward_zero_std=0.75, **{"completions/mean_length": 30.0}),
+               step(2, 0.99, 1.02, 0.5), step(3, 0.98, 1.03, 0.7),
+               step(4, 1.0, 1.0, 0.0, reward=0.4, frac_reward_zero_std=0.25, **{"completions/mean_length": 10.0}),
+               step(5, 0.97, 1.01, 0.6), {"train_runtime": 1.0}]
+    health = training_health(history, window=1)
+    assert health["zero_std_group_share"] == pytest.approx(0.5) and health["off_policy_steps"] == 3
+    assert health["clip_ratio_off_policy"] == pytest.approx(0.6)  # the on-policy steps' zeros are not averaged in
+    assert (health["ratio_min"], health["ratio_max"]) == (0.97, 1.03)
+    assert (health["length_first"], health["length_last"]) == (30.0, 10.0)
+    assert len(health["hints"]) == 2  # clipping and shrinking lengths; 50% equal-reward groups is not over the line
+    assert "lower learning_rate" in health["hints"][0] and "shrank" in health["hints"][1]
+    on_policy = training_health([step(1, 1.0, 1.0, 0.0, reward=0.1, frac_reward_zero_std=0.9)])
+    assert any("equal rewards" in h for h in on_policy["hints"]) and any("on-policy" in h for h in on_policy["hints"])
+    assert format_health(health).startswith("Training health:")
 
 
 def test_train_command_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
