@@ -176,8 +176,7 @@ def train(argv: list[str]) -> dict:
     metrics_path = run_args.metrics_file or os.path.join(config.output_dir, "metrics.json")
     plot_path = run_args.plot_file or os.path.join(config.output_dir, "reward_curve.png")
     history = [entry for entry in trainer.state.log_history if "reward" in entry]
-    steps_per_rollout = max(1, config.steps_per_generation // config.gradient_accumulation_steps)
-    summary = summarize(history, steps_per_rollout=steps_per_rollout)
+    summary = summarize(history, steps_per_rollout=config.optimizer_steps_per_rollout)
     summary["steps"] = trainer.state.global_step
     summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime")
     summary["health"] = training_health(trainer.state.log_history)

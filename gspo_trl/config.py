@@ -535,6 +535,11 @@ class GSPOConfig(TrainingArguments):
             )
 
     @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """How many optimizer steps train on each rollout (over all its iterations)."""
+        return self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
+
+    @property
     def is_on_policy(self) -> bool:
         """True when every rollout is trained on by exactly one optimizer step with the weights that sampled it."""
         return self.steps_per_generation == self.gradient_accumulation_steps and self.num_iterations == 1

@@ -34,12 +34,20 @@ HANDLED_FIELDS = frozenset({
 })
 
 
+def unsupported_settings(generation_config: GenerationConfig) -> list[str]:
+    """The settings of `generation_config` that change sampling and that this loop does not implement (empty
+    when it implements them all): greedy decoding, a `cache_implementation`, or any field outside
+    `HANDLED_FIELDS` set to a non-default value."""
+    unsupported = [] if generation_config.do_sample else ["do_sample=False"]
+    if generation_config.cache_implementation is not None:
+        unsupported.append(f"cache_implementation={generation_config.cache_implementation!r}")
+    changed = set(generation_config.to_diff_dict()) - {"transformers_version", "_from_model_config"}
+    return unsupported + sorted(changed - HANDLED_FIELDS)
+
+
 def supports(generation_config: GenerationConfig) -> bool:
     """True when every setting of `generation_config` that changes sampling is one this loop implements."""
-    if not generation_config.do_sample or generation_config.cache_implementation is not None:
-        return False
-    changed = set(generation_config.to_diff_dict()) - {"transformers_version", "_from_model_config"}
-    return changed <= HANDLED_FIELDS
+    return not unsupported_settings(generation_config)
 
 
 def logits_processors(generation_config: GenerationConfig) -> LogitsProcessorList:

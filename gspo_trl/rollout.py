@@ -22,9 +22,12 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.utils import logging
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
 from . import decoding
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -76,7 +79,8 @@ def eos_token_ids_of(generation_config: GenerationConfig, tokenizer: PreTrainedT
 
 
 class HFGenerateBackend(RolloutBackend):
-    """Sampling with `model.generate` on the training model itself (KV cache on, eval mode)."""
+    """Sampling on the training model itself (KV cache on, eval mode), with gspo-trl's decoding loop
+    (`decoding.sample`) or, for `decode_loop="generate"` and settings the loop does not implement, `model.generate`."""
 
     def __init__(self, model_getter, tokenizer: PreTrainedTokenizerBase, args):
         # `model_getter` returns the current, unwrapped policy: weights change between rollouts and
@@ -104,7 +108,12 @@ class HFGenerateBackend(RolloutBackend):
         self.generation_config = GenerationConfig(**sampling)
         self.eos_token_ids = eos_token_ids_of(self.generation_config, tokenizer)
         # gspo-trl's loop unless the user asked for generate or for something only generate implements.
-        self.use_decode_loop = args.decode_loop == "gspo" and decoding.supports(self.generation_config)
+        unsupported = decoding.unsupported_settings(self.generation_config)
+        self.use_decode_loop = args.decode_loop == "gspo" and not unsupported
+        if args.decode_loop == "gspo" and unsupported:
+            logger.warning(f"decode_loop='gspo' does not implement {', '.join(unsupported)} (from generation_kwargs "
+                           "or cache_implementation): sampling uses transformers' generate instead, which decodes "
+                           "finished completions to the longest one's length.")
         self.processors = decoding.logits_processors(self.generation_config)
 
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ def test_no_arguments_gives_the_demo_settings():
     assert config.max_steps == DEMO_DEFAULTS["max_steps"]
     assert config.learning_rate == DEMO_DEFAULTS["learning_rate"]
     assert config.importance_sampling_level == "sequence"
+    assert config.optimizer_steps_per_rollout == 4 and not config.is_on_policy  # the paper's schedule
 
 
 def test_every_config_field_is_a_flag_and_flags_override_yaml(tmp_path):

@@ -23,10 +23,11 @@ def test_paper_defaults(tmp_path):
 
 def test_batch_sizes(tmp_path):
     config = make(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=2)
-    assert config.generation_batch_size == 16 and config.is_on_policy
+    assert config.generation_batch_size == 16 and config.is_on_policy and config.optimizer_steps_per_rollout == 1
     config = make(tmp_path, per_device_train_batch_size=8, generation_batch_size=64)
-    assert config.steps_per_generation == 8
-    assert make(tmp_path, per_device_train_batch_size=8, steps_per_generation=1, num_iterations=2).is_on_policy is False
+    assert config.steps_per_generation == 8 and config.optimizer_steps_per_rollout == 8
+    twice = make(tmp_path, per_device_train_batch_size=8, steps_per_generation=1, num_iterations=2)
+    assert twice.is_on_policy is False and twice.optimizer_steps_per_rollout == 2
 
 
 @pytest.mark.parametrize("kwargs, level, epsilon, epsilon_high", [

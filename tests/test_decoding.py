@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from gspo_trl import GSPOConfig
-from gspo_trl.decoding import inverse_cdf_sample, logits_processors, sample, supports
+from gspo_trl.decoding import inverse_cdf_sample, logits_processors, sample, supports, unsupported_settings
 from gspo_trl.rollout import HFGenerateBackend, keyed_uniform, prefill_shared_prompts, stream_keys
 
 SETTINGS = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
@@ -45,6 +45,23 @@ def test_supports_only_what_the_loop_implements():
     assert not supports(GenerationConfig(**base, no_repeat_ngram_size=2))
     assert not supports(GenerationConfig(**base, suppress_tokens=[5]))
     assert not supports(GenerationConfig(**base, cache_implementation="static"))
+    assert unsupported_settings(GenerationConfig(**base, no_repeat_ngram_size=2, suppress_tokens=[5])) == [
+        "no_repeat_ngram_size", "suppress_tokens"]
+
+
+def test_settings_the_loop_lacks_fall_back_to_generate_with_a_warning(tmp_path, tiny_model, tiny_tokenizer, caplog):
+    with caplog.at_level("WARNING"):
+        backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, GSPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"no_repeat_ngram_size": 2}))
+    assert not backend.use_decode_loop
+    assert "does not implement no_repeat_ngram_size" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # asking for generate is not worth a warning
+        backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, GSPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, decode_loop="generate"))
+    assert not backend.use_decode_loop and "does not implement" not in caplog.text
+    with pytest.raises(ValueError, match="decode_loop must be one of"):
+        GSPOConfig(output_dir=str(tmp_path), use_cpu=True, decode_loop="vllm")
 
 
 @pytest.mark.parametrize("settings", [{}, SETTINGS], ids=["plain", "all_warpers"])
