@@ -60,6 +60,11 @@ def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny
     if "beta" in options:
         assert any(e["kl"] > 0 for e in zero3[0]["logs"])  # the reference model, loaded partitioned, was used
     else:
+        # ds3_gather_for_generation=False: the decoding loop runs on partitioned weights (gathered layer by layer
+        # by ZeRO-3's hooks at every step) and samples and trains exactly the same run.
+        partitioned = launch(tmp_path, tiny_model_dir, "zero3+nogather")
+        assert partitioned[0]["whole_at_generation"] == [False, False]
+        assert_same_run(zero3[0], partitioned[0], 0)
         # save_model() under ZeRO-3 gathers a full checkpoint that from_pretrained loads.
         from transformers import AutoModelForCausalLM
 
