@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .loss_masks import off_policy_sequence_mask
-from .objectives import POLICY_TERMS
+from .objectives import CORRECTION_IN_RATIO, POLICY_TERMS, VESPO_LOG_WEIGHT_MIN
 
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
 
@@ -167,6 +167,7 @@ def policy_loss(
     *,
     ref_per_token_logps: torch.Tensor | None = None,
     sampling_per_token_logps: torch.Tensor | None = None,
+    sampling_weights: torch.Tensor | None = None,
     policy_token_mask: torch.Tensor | None = None,
     token_normalizer: torch.Tensor | float | None = None,
     per_token_entropy: torch.Tensor | None = None,
@@ -187,6 +188,9 @@ def policy_loss(
         ref_per_token_logps: (B, T) reference-policy log-probs; required when beta > 0.
         sampling_per_token_logps: (B, T) log-probs of the engine that sampled the tokens, for
             ``off_policy_mask_threshold``; defaults to the old log-probs.
+        sampling_weights: (B, T) detached correction weights pi_old / pi_sampler for a rollout sampled by another
+            engine (`sampling_correction.sampling_correction`): they multiply each token's policy loss (before the
+            KL term, as in TRL), or, for ``vespo``, enter its sequence ratio.
         policy_token_mask: (B, T) extra 0/1 selection of the tokens the policy term learns from (e.g.
             `loss_masks.high_entropy_token_mask`); masked tokens still count in the denominators.
         token_normalizer: the number of completion tokens the ``dapo``/``cispo``/``vespo`` sum is divided by
@@ -212,6 +216,7 @@ def policy_loss(
                       beta_needs_ref=objective.beta > 0 and ref_per_token_logps is None,
                       old_per_token_logps=old_per_token_logps, completion_mask=completion_mask,
                       ref_per_token_logps=ref_per_token_logps, sampling_per_token_logps=sampling_per_token_logps,
+                      sampling_weights=sampling_weights,
                       policy_token_mask=policy_token_mask, per_token_entropy=per_token_entropy)
     mask = completion_mask.bool()  # (B, T)
     zeros = torch.zeros_like(per_token_logps)
@@ -233,10 +238,15 @@ def policy_loss(
             return masked_mean(values[:, 0], valid_sequences)
         return masked_mean(values, mask)
 
+    token_log_ratio = logps - old_logps  # (B, T)
+    correction_in_ratio = sampling_weights is not None and objective.loss_type in CORRECTION_IN_RATIO
+    if correction_in_ratio:  # log w_t joins the log-ratio (a masked-out w_t = 0 becomes log 1e-8, as in TRL)
+        log_weights = torch.log(sampling_weights.detach()).clamp(VESPO_LOG_WEIGHT_MIN, LOG_RATIO_CLAMP)
+        token_log_ratio = token_log_ratio + torch.where(mask, log_weights, zeros)
     policy_term = POLICY_TERMS[objective.loss_type]
     per_token_loss, term_stats = policy_term(
         ratio, advantages, logps, **{f.name: getattr(objective, f.name) for f in fields(objective)},
-        token_log_ratio=logps - old_logps, mask=mask, valid_sequences=valid_sequences, reduce=reduce,
+        token_log_ratio=token_log_ratio, mask=mask, valid_sequences=valid_sequences, reduce=reduce,
     )  # (B, T)
 
     stats = {}
@@ -247,6 +257,8 @@ def policy_loss(
         stats["off_policy_masked_fraction"] = masked_mean(1.0 - keep[:, 0], valid_sequences)
     if policy_token_mask is not None:
         per_token_loss = per_token_loss * policy_token_mask.to(per_token_loss.dtype)
+    if sampling_weights is not None and not correction_in_ratio:
+        per_token_loss = per_token_loss * torch.where(mask, sampling_weights.detach(), zeros)
 
     per_token_kl = None
     if objective.beta > 0:

@@ -93,6 +93,10 @@ def vespo(ratio, advantages, logps, *, token_log_ratio, mask, valid_sequences, v
     return per_token_loss, stats
 
 
+# Objectives whose own weight takes the sampling-engine correction (`sampling_correction`) into its ratio, as TRL
+# does for VESPO: W becomes prod_t pi/pi_old * w_t. Every other objective multiplies its per-token loss by w_t.
+CORRECTION_IN_RATIO = ("vespo",)
+
 # loss_type -> the policy term it uses. The aggregation of the per-token losses is `loss.AGGREGATIONS`.
 POLICY_TERMS = {
     "grpo": clipped,

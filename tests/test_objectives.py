@@ -273,3 +273,47 @@ def test_loss_and_gradient_match_trl(tmp_path, tiny_model_dir, case):
         if theirs[2] is not None:
             torch.testing.assert_close(ours[2] * mask, theirs[2] * mask, atol=1e-6, rtol=1e-6,
                                        msg=f"{case} d/d entropy, seed {seed}")
+
+
+CORRECTED_CASES = ("gspo sequence", "grpo token", "gspo + KL", "dapo", "sapo token", "cispo token", "vespo",
+                   "gspo + off-policy mask")
+
+
+@pytest.mark.parametrize("case", CORRECTED_CASES)
+def test_sampling_correction_weights_match_trl(tmp_path, tiny_model_dir, case):
+    # The same (B, T) token-level correction weights handed to TRL's vLLM path and to ours.
+    options = TRL_CASES[case]
+    trainer = trl_trainer(tmp_path, tiny_model_dir, options)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    logps, old, ref, advantages, mask, entropy = parity_batch(3, off_policy=True)
+    g = torch.Generator().manual_seed(4)
+    weights = (torch.rand(mask.shape, generator=g) * 2.5).masked_fill(torch.rand(mask.shape, generator=g) < 0.2, 0.0)
+    weights = torch.where(mask.bool(), weights, 1.0)  # TRL's weights are exp(0) on padding
+
+    def trl_call():
+        logps_leaf = logps.clone().requires_grad_(True)
+        trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps_leaf, entropy, None)
+        B, T = logps.shape
+        inputs = {
+            "prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+            "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+            "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+            "num_items_in_batch": mask.sum(), "importance_sampling_ratio": weights,
+            "sampling_per_token_logps": old,
+        }
+        loss = trainer._compute_loss(trainer.model, inputs)
+        return loss.detach(), torch.autograd.grad(loss, logps_leaf)[0]
+
+    def our_call():
+        logps_leaf = logps.clone().requires_grad_(True)
+        objective = Objective(max_completion_length=MAX_COMPLETION_LENGTH, **options)
+        loss, _ = policy_loss(logps_leaf, old, advantages, mask, objective=objective, ref_per_token_logps=ref,
+                              token_normalizer=mask.sum(), sampling_weights=weights)
+        return loss.detach(), torch.autograd.grad(loss, logps_leaf)[0]
+
+    theirs, ours = trl_call(), our_call()
+    uncorrected, _ = policy_loss(logps, old, advantages, mask, objective=Objective(
+        max_completion_length=MAX_COMPLETION_LENGTH, **options), ref_per_token_logps=ref, token_normalizer=mask.sum())
+    assert not torch.allclose(ours[0], uncorrected)  # the weights do change the loss
+    torch.testing.assert_close(ours[0], theirs[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours[1] * mask, theirs[1] * mask, atol=1e-6, rtol=1e-6)
