@@ -210,13 +210,19 @@ def summarize(history: list[dict], window_steps: int = 10, steps_per_rollout: in
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: gspo-trl train [--config run.yaml] [--FIELD VALUE ...]\n\n"
-              "  train   run GSPO (no arguments: the embedded SmolLM2 + reasoning-gym demo on CPU)\n\n"
+        print("usage: gspo-trl train [--config run.yaml] [--FIELD VALUE ...]\n"
+              "       gspo-trl vllm-serve MODEL [--host H] [--port P] [vLLM arguments ...]\n\n"
+              "  train       run GSPO (no arguments: the embedded SmolLM2 + reasoning-gym demo on CPU)\n"
+              "  vllm-serve  start a vLLM server for use_vllm=True (docs/vllm.md)\n\n"
               "`gspo-trl train --help` lists every flag.")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "vllm-serve":
+        from .vllm.serve import main as serve
+
+        return serve(rest)
     if command != "train":
-        print(f"gspo-trl: unknown command {command!r}; the command is `train`.", file=sys.stderr)
+        print(f"gspo-trl: unknown command {command!r}; the commands are `train` and `vllm-serve`.", file=sys.stderr)
         return 2
     train(rest)
     return 0

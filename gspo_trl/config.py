@@ -20,6 +20,7 @@ from transformers.utils import logging
 from .advantages import SCALE_REWARDS_OPTIONS
 from .distributed import launched_processes, needs_cpu_process_group
 from .loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, Objective
+from .sampling_correction import CORRECTION_MODES
 
 # How completions are sampled (see `decode_loop`).
 DECODE_LOOPS = ("gspo", "generate")
@@ -190,6 +191,86 @@ class GSPOConfig(TrainingArguments):
             "process while it runs. False for models that do not fit one device whole. As in TRL."
         },
     )
+    # --- Generation with vLLM (TRL's names) --------------------------------------------------
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample completions on a vLLM server instead of the trained model (docs/vllm.md). The server gets "
+            "the trained weights before every rollout whose weights changed."
+        },
+    )
+    vllm_mode: str = field(
+        default="server",
+        metadata={
+            "help": "'server': a vLLM server started with `gspo-trl vllm-serve MODEL`. 'colocate' (vLLM inside the "
+            "training process, TRL's default) is not available yet. gspo-trl's default is 'server'."
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Base URL of the vLLM server (e.g. 'http://127.0.0.1:8000'); overrides host and port."},
+    )
+    vllm_server_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Host of the vLLM server when vllm_server_base_url is unset (TRL's default is 0.0.0.0)."},
+    )
+    vllm_server_port: int = field(default=8000, metadata={"help": "Port of the vLLM server."})
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Seconds to wait for the vLLM server to answer /health at start before failing."},
+    )
+    vllm_weight_sync_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory the trainer writes weight snapshots into and the server reloads them from. None: a "
+            "temporary directory in /dev/shm (the server must run on this machine). For a server on another "
+            "machine, a shared filesystem path both can read."
+        },
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={"help": "TRL's NCCL weight-sync port. Accepted for compatibility; gspo-trl syncs through files."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Colocate mode only (not available yet); set it on the server instead."}
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Colocate mode only (not available yet); set it on the server instead."}
+    )
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Colocate mode only (not available yet)."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "Colocate mode only (not available yet)."})
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "Colocate mode only (not available yet); set --max-model-len on the server."}
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "Constrain the server's completions to this regular expression."}
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Reweight the loss by π_old / π_vllm, the trainer's over the server's probability of each "
+            "sampled token, to correct for the numerical gap between the two engines (docs/vllm.md)."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask' (TRL's names). Sequence "
+            "modes use the length-normalised ratio (geometric mean of the token ratios, as GSPO's own), where TRL "
+            "multiplies the token ratios; *_truncate clips the weight to [clip_min, clip_max], *_mask drops the "
+            "token or sequence outside it."
+        },
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "C_min of the correction weight; None: no lower bound."}
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "C_max of the correction weight; None: no upper bound."}
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None, metadata={"help": "Deprecated in TRL: the same as vllm_importance_sampling_clip_max."}
+    )
+
     logprob_chunk_size: int = field(
         default=1024,
         metadata={
@@ -400,6 +481,7 @@ class GSPOConfig(TrainingArguments):
         super().__post_init__()
         self._validate_objective()
         self._validate_sampling()
+        self._validate_vllm()
         self._resolve_batch_sizes(steps_per_generation_was_set)
 
     def _resolve_objective_defaults(self) -> None:
@@ -500,6 +582,34 @@ class GSPOConfig(TrainingArguments):
                 "auto_find_batch_size is not supported: shrinking the batch would split a prompt's group of "
                 "num_generations completions. Lower per_device_train_batch_size instead."
             )
+
+    def _validate_vllm(self) -> None:
+        if self.vllm_importance_sampling_cap is not None:
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        if self.vllm_importance_sampling_mode not in CORRECTION_MODES:
+            raise ValueError(f"vllm_importance_sampling_mode must be one of {CORRECTION_MODES}, got "
+                             f"{self.vllm_importance_sampling_mode!r}.")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if (low is not None and low < 0) or (high is not None and high <= 0) or (
+                low is not None and high is not None and low > high):
+            raise ValueError(f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max and max > 0, got "
+                             f"{low} and {high}.")
+        if not self.use_vllm:
+            return
+        if self.vllm_mode == "colocate":
+            raise ValueError(
+                "vllm_mode='colocate' is not available in gspo-trl yet. Start a server with `gspo-trl vllm-serve "
+                "MODEL` and set vllm_mode='server' (docs/vllm.md); use_vllm=False samples on the trained model."
+            )
+        if self.vllm_mode != "server":
+            raise ValueError(f"vllm_mode must be 'server' (or 'colocate', not available yet), got {self.vllm_mode!r}.")
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
+                self.vllm_importance_sampling_mode.startswith("sequence"):
+            raise ValueError("loss_type='vespo' takes the sampling correction into its own sequence weight, token by "
+                             "token: set vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (as TRL).")
+        if self.decode_loop != "gspo" or self.cache_implementation is not None:
+            logger.warning("decode_loop and cache_implementation apply to sampling on the trained model; with "
+                           "use_vllm=True the vLLM server samples.")
 
     def _resolve_batch_sizes(self, steps_per_generation_was_set: bool) -> None:
         global_batch = self.per_device_train_batch_size * self.world_size

@@ -28,6 +28,17 @@ LOSS_STAT_NAMES = {
     "off_policy_masked_fraction": "off_policy/masked_fraction",
 }
 
+# Names of `sampling_correction` stats as logged (TRL's names, plus the mismatch KL and the corrected share).
+SAMPLING_STAT_NAMES = {
+    "sampling_logp_difference_mean": "sampling/sampling_logp_difference/mean",
+    "sampling_logp_difference_max": "sampling/sampling_logp_difference/max",
+    "mismatch_kl": "sampling/mismatch_kl",
+    "ratio_min": "sampling/importance_sampling_ratio/min",
+    "ratio_mean": "sampling/importance_sampling_ratio/mean",
+    "ratio_max": "sampling/importance_sampling_ratio/max",
+    "corrected_fraction": "sampling/corrected_fraction",
+}
+
 
 class MetricsBuffer:
     """Per-mode lists of values, averaged (ignoring NaN) and cleared at each log."""
@@ -89,19 +100,29 @@ METRIC_UNITS = {
     "ratio/mean": "units", "ratio/log_abs_mean": "units", "sapo/gate_weight": "units", "cispo_clip_ratio": "units",
     "kl": "tokens", "entropy": "tokens",
     "vespo/phi_seq_mean": "sequences", "off_policy/masked_fraction": "sequences",
+    "sampling/sampling_logp_difference/mean": "tokens", "sampling/mismatch_kl": "tokens",
+    "sampling/importance_sampling_ratio/mean": "correction_units", "sampling/corrected_fraction": "correction_units",
 }
 
 
-def metric_counts(completion_mask: torch.Tensor, importance_sampling_level: str) -> dict[str, torch.Tensor]:
-    """The counts this process's loss metrics average over: valid tokens, valid sequences, and the level's unit."""
+def sampling_metrics(stats: dict) -> dict:
+    return {SAMPLING_STAT_NAMES[name]: value for name, value in stats.items() if name in SAMPLING_STAT_NAMES}
+
+
+def metric_counts(
+    completion_mask: torch.Tensor, importance_sampling_level: str, correction_mode: str | None = None
+) -> dict[str, torch.Tensor]:
+    """The counts this process's loss metrics average over: valid tokens, valid sequences, the level's unit, and
+    the sampling correction's unit (sequences for its sequence modes)."""
     mask = completion_mask.bool()  # (B, T)
     tokens, sequences = mask.sum(), mask.any(dim=1).sum()
     return {"tokens": tokens, "sequences": sequences,
-            "units": sequences if importance_sampling_level == "sequence" else tokens}
+            "units": sequences if importance_sampling_level == "sequence" else tokens,
+            "correction_units": sequences if (correction_mode or "").startswith("sequence") else tokens}
 
 
 def reduce_across_processes(metrics: dict, gather, counts: dict | None = None) -> dict[str, torch.Tensor]:
-    """Combine each process's loss metrics with one collective: min/max for the ratio extremes, otherwise the mean
+    """Combine each process's loss metrics with one collective: min/max for extremes (names ending in /min, /max), otherwise the mean
     weighted by each process's count (`metric_counts`, as `METRIC_UNITS` assigns them): the number one process
     would log for the whole micro-batch. Metrics without a unit (and all of them without counts) take the plain
     mean; so does a metric whose count is zero on every process."""
@@ -118,9 +139,9 @@ def reduce_across_processes(metrics: dict, gather, counts: dict | None = None) -
     reduced = {}
     for index, name in enumerate(names):
         column, weight = values[:, index], weights[:, index]
-        if name == "ratio/min":
+        if name.endswith("/min"):
             reduced[name] = column.min()
-        elif name == "ratio/max":
+        elif name.endswith("/max"):
             reduced[name] = column.max()
         else:
             total = weight.sum()

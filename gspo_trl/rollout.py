@@ -39,10 +39,22 @@ class Rollout:
     completion_ids: torch.Tensor  # (N, C) right-padded
     completion_mask: torch.Tensor  # (N, C) 1 up to and including the first EOS
     is_truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
+    # (N, C) log-probs of the sampled tokens under the engine that sampled them, when that engine is not the
+    # trained model itself (a vLLM server); 0 on padding, NaN where the engine gave none. None otherwise.
+    sampling_logps: torch.Tensor | None = None
 
 
 class RolloutBackend(ABC):
     """What the trainer needs from a generator."""
+
+    # True when completions are sampled by the trained model in this process: the trainer then runs generation
+    # under its precision context and, under ZeRO-3, with gathered weights.
+    samples_with_training_model = True
+
+    def update_weights(self, model, global_step: int) -> None:
+        """Called before every rollout with the (wrapped) policy: an engine with its own copy of the weights
+        refreshes it when they changed since it last did (`global_step` counts optimizer steps). Every process
+        calls it."""
 
     @abstractmethod
     def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
@@ -53,12 +65,35 @@ class RolloutBackend(ABC):
         """
 
 
+def create_rollout_backend(args, tokenizer: PreTrainedTokenizerBase, accelerator, model_getter) -> RolloutBackend:
+    """The backend `args` asks for: a vLLM server (`use_vllm`), or the trained model itself."""
+    if args.use_vllm:
+        from .vllm.backend import VLLMServerBackend
+
+        return VLLMServerBackend(tokenizer, args, accelerator, model_getter())
+    return HFGenerateBackend(model_getter, tokenizer, args)
+
+
 def render_prompts(prompts: list[Any], tokenizer: PreTrainedTokenizerBase, chat_template_kwargs=None) -> list[str]:
     """Prompt texts: conversational prompts go through the chat template with a generation prompt."""
     return [
         maybe_apply_chat_template({"prompt": prompt}, tokenizer, **(chat_template_kwargs or {}))["prompt"]
         for prompt in prompts
     ]
+
+
+def tokenize_prompts(
+    prompts: list[Any], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int | None, chat_template_kwargs=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt_ids, prompt_mask), (N, P) left-padded, truncated from the left to `max_prompt_length`."""
+    texts = render_prompts(prompts, tokenizer, chat_template_kwargs)
+    # Chat templates already carry the special tokens; plain text prompts get none added either, matching TRL.
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
+    if max_prompt_length is not None and prompt_ids.shape[1] > max_prompt_length:
+        prompt_ids = prompt_ids[:, -max_prompt_length:]
+        prompt_mask = prompt_mask[:, -max_prompt_length:]
+    return prompt_ids, prompt_mask
 
 
 def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,17 +152,7 @@ class HFGenerateBackend(RolloutBackend):
         self.processors = decoding.logits_processors(self.generation_config)
 
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        texts = render_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
-        # Chat templates already carry the special tokens; plain text prompts get none added either,
-        # matching TRL.
-        encoded = self.tokenizer(
-            texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
-        )
-        prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
-        if self.max_prompt_length is not None and prompt_ids.shape[1] > self.max_prompt_length:
-            prompt_ids = prompt_ids[:, -self.max_prompt_length :]
-            prompt_mask = prompt_mask[:, -self.max_prompt_length :]
-        return prompt_ids, prompt_mask
+        return tokenize_prompts(prompts, self.tokenizer, self.max_prompt_length, self.chat_template_kwargs)
 
     @torch.no_grad()
     def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:

@@ -8,6 +8,7 @@ micro-steps, as in TRL), moving data between those modules, and logging.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from .metrics import (
     metric_counts,
     reduce_across_processes,
     reward_function_metrics,
+    sampling_metrics,
 )
 from .model_card import render_model_card
 from .models import (
@@ -56,8 +58,9 @@ from .models import (
 from .packing import packing_pays_on, padding_free_unsupported_reason
 from .precision import check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
-from .rollout import HFGenerateBackend, is_conversational_prompt, stream_keys
+from .rollout import create_rollout_backend, is_conversational_prompt, stream_keys
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
+from .sampling_correction import sampling_correction
 from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
 
 
@@ -141,8 +144,8 @@ class GSPOTrainer(Trainer):
         if padding_free is None:
             padding_free = packing_pays_on(self.accelerator.device.type)
         self.padding_free = padding_free and _padding_free_supported(self.accelerator.unwrap_model(self.model))
-        self.rollout_backend = HFGenerateBackend(
-            lambda: self.accelerator.unwrap_model(self.model), tokenizer, args
+        self.rollout_backend = create_rollout_backend(
+            args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model)
         )
         self._metrics = MetricsBuffer()
         self._completion_samples: list[dict] = []
@@ -301,12 +304,8 @@ class GSPOTrainer(Trainer):
     def _generate_and_score(self, batch: list[dict], mode: str) -> dict[str, Any]:
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in batch]
-        with (
-            precision_context(self.accelerator),
-            weights_for_generation(
-                self.model_wrapped, self.accelerator, args.ds3_gather_for_generation, args.gradient_checkpointing_kwargs
-            ),
-        ):
+        self.rollout_backend.update_weights(self.model_wrapped, self.state.global_step)
+        with self._generation_context():
             rollout = self.rollout_backend.generate(prompts, self._stream_keys(len(prompts), mode))
         completion_mask = rollout.completion_mask
         completion_texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -338,6 +337,7 @@ class GSPOTrainer(Trainer):
             "completion_ids": rollout.completion_ids,
             "completion_mask": completion_mask,
             "advantages": advantages,
+            "sampling_per_token_logps": rollout.sampling_logps,  # the vLLM server's, None when the model sampled
         }
         inputs["old_per_token_logps"] = None  # filled per micro-batch by _prepare_inputs where needed
         inputs["ref_per_token_logps"] = None
@@ -352,6 +352,18 @@ class GSPOTrainer(Trainer):
                 for i, (p, c, r, a) in enumerate(zip(prompts, completion_texts, rewards[local].tolist(), advantages.tolist()))
             ]
         return inputs
+
+    def _generation_context(self) -> contextlib.AbstractContextManager:
+        """Sampling on the trained model runs under the training precision and, under ZeRO-3, gathered weights."""
+        if not self.rollout_backend.samples_with_training_model:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(precision_context(self.accelerator))
+        stack.enter_context(weights_for_generation(
+            self.model_wrapped, self.accelerator, self.args.ds3_gather_for_generation,
+            self.args.gradient_checkpointing_kwargs,
+        ))
+        return stack
 
     def _stream_keys(self, num_rows: int, mode: str) -> torch.Tensor | None:
         """Per-completion sampling keys that do not depend on the process layout (None: global RNG)."""
@@ -419,6 +431,7 @@ class GSPOTrainer(Trainer):
         )
         policy_token_mask, learned, entropy_normalizer = self._selected_tokens(scores.entropy.detach(), mask)
         entropy_coef = self.entropy_coefficient.to_apply()
+        sampling_weights, sampling_stats = self._sampling_correction(inputs, scores.logps.detach())
         loss, stats = policy_loss(
             scores.logps,
             inputs["old_per_token_logps"],
@@ -426,6 +439,8 @@ class GSPOTrainer(Trainer):
             mask,
             objective=self.objective,
             ref_per_token_logps=inputs["ref_per_token_logps"],
+            sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
+            sampling_weights=sampling_weights,
             policy_token_mask=policy_token_mask,
             token_normalizer=self._token_normalizer(inputs, mode),
             per_token_entropy=scores.entropy,
@@ -433,6 +448,7 @@ class GSPOTrainer(Trainer):
             entropy_normalizer=entropy_normalizer,
         )
         metrics = loss_metrics(stats, masked_mean(scores.entropy.detach(), mask), self.args.beta)
+        metrics.update(sampling_metrics(sampling_stats))
         if scores.router_aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * scores.router_aux_loss
             metrics["aux_loss"] = scores.router_aux_loss.detach()
@@ -440,9 +456,23 @@ class GSPOTrainer(Trainer):
             metrics["entropy_coef"] = entropy_coef
             if mode == "train" and self.entropy_coefficient.adaptive:
                 self._observe_entropy(scores.entropy.detach(), learned)
-        counts = metric_counts(mask, self.objective.importance_sampling_level)
+        counts = metric_counts(mask, self.objective.importance_sampling_level, self.args.vllm_importance_sampling_mode)
         self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather, counts))
         return loss
+
+    def _sampling_correction(self, inputs: dict[str, Any], logps: torch.Tensor):
+        """(weights or None, stats) correcting a rollout sampled by another engine towards π_old: the old log-probs, or,
+        where none were computed (the weights are still the sampling ones), the current ones."""
+        sampling_logps = inputs.get("sampling_per_token_logps")
+        if sampling_logps is None:
+            return None, {}
+        old = inputs["old_per_token_logps"] if inputs["old_per_token_logps"] is not None else logps
+        args = self.args
+        weights, stats = sampling_correction(
+            old, sampling_logps, inputs["completion_mask"], args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+        )
+        return (weights if args.vllm_importance_sampling_correction else None), stats
 
     def _selected_tokens(self, entropy: torch.Tensor, mask: torch.Tensor):
         """(the top-entropy token mask or None, the tokens the policy term learns from, their count per process

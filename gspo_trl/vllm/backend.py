@@ -1,0 +1,212 @@
+"""`VLLMServerBackend`: rollouts sampled by a vLLM server, which gets the trained weights before each rollout.
+
+Owns what a rollout needs from the server: prompts tokenized here and sent as token ids (no re-tokenization),
+de-duplicated (`n` samples per distinct prompt), the sampled token ids and their log-probs returned as a
+`Rollout`, and the weight sync (pause, snapshot, reload, prefix-cache reset, resume) whenever the weights
+changed since the last one. Every process sends its own prompts; process 0 alone writes and announces the
+weights, the others wait at a barrier. What it does not own: HTTP details (`client`), turning the model into
+named tensors (`weight_sync`), and the correction for the server/trainer mismatch (`sampling_correction`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from ..distributed import unwrap_model
+from ..rollout import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, tokenize_prompts
+from .client import VLLMServerClient, VLLMServerError
+from .weight_sync import remove_snapshot, write_snapshot
+
+logger = logging.get_logger(__name__)
+
+# Config fields of the trained model that must match the served one.
+MATCHING_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def server_base_url(args) -> str:
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url
+    return f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+
+
+def sampling_params(args, eos_token_ids: list[int]) -> dict[str, Any]:
+    """The request fields that make the server sample as the trainer's own loop would."""
+    params = {
+        "max_tokens": args.max_completion_length,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k if args.top_k else -1,
+        "min_p": args.min_p or 0.0,
+        "repetition_penalty": args.repetition_penalty,
+        "stop_token_ids": eos_token_ids,  # the stop token is returned with its log-prob
+        "skip_special_tokens": False,
+    }
+    if args.vllm_structured_outputs_regex:
+        params["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
+    params.update(args.generation_kwargs or {})
+    return params
+
+
+def prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[list[int], int]]:
+    """(token ids without padding, how many consecutive rows repeat it): prompts arrive repeated per group."""
+    runs: list[tuple[list[int], int]] = []
+    for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+        tokens = [token for token, keep in zip(ids, mask) if keep]
+        if runs and runs[-1][0] == tokens:
+            runs[-1] = (tokens, runs[-1][1] + 1)
+        else:
+            runs.append((tokens, 1))
+    return runs
+
+
+def pad_samples(samples: list[dict], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion_ids, sampling_logps) right-padded to the longest sample: pad id and log-prob 0 after the end."""
+    length = max(1, max(len(sample["token_ids"]) for sample in samples))
+    ids = torch.full((len(samples), length), pad_token_id, dtype=torch.long)
+    logps = torch.zeros((len(samples), length), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        count = len(sample["token_ids"])
+        ids[row, :count] = torch.tensor(sample["token_ids"], dtype=torch.long)
+        logps[row, :count] = torch.tensor(sample["logprobs"], dtype=torch.float32)
+    return ids, logps
+
+
+class VLLMServerBackend(RolloutBackend):
+    """Sampling on a vLLM server started with `gspo-trl vllm-serve`."""
+
+    samples_with_training_model = False
+
+    def __init__(self, tokenizer, args, accelerator, model):
+        self.tokenizer = tokenizer
+        self.args = args
+        self.accelerator = accelerator
+        self.eos_token_ids = eos_token_ids_of(unwrap_model(model).generation_config, tokenizer)
+        self.sampling = sampling_params(args, self.eos_token_ids)
+        self.client = VLLMServerClient(server_base_url(args), timeout=args.vllm_server_timeout)
+        self.synced_step: int | None = None  # optimizer steps done when the server last got the weights
+        self.sync_seconds: list[float] = []
+        self.snapshot_dir = None
+        self.client.wait_until_ready()
+        self.client.served_model()
+        if accelerator.is_main_process:
+            self.server_info = self.client.model_info()
+            self._check_same_model(unwrap_model(model))
+            self.snapshot_dir = self._make_snapshot_dir()
+            weakref.finalize(self, remove_snapshot, self.snapshot_dir)  # the snapshot goes with the backend
+            self._check_server_reads(self.snapshot_dir)
+
+    # --- construction checks -------------------------------------------------------------------
+
+    def _check_same_model(self, model) -> None:
+        base = model.get_base_model() if hasattr(model, "peft_config") else model
+        config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+        ours = {name: getattr(config, name, None) for name in MATCHING_FIELDS}
+        theirs = {name: self.server_info.get(name) for name in MATCHING_FIELDS}
+        mismatched = [f"{name}: trainer {ours[name]}, server {theirs[name]}" for name in MATCHING_FIELDS
+                      if ours[name] is not None and theirs[name] and ours[name] != theirs[name]]
+        architectures = set(getattr(config, "architectures", None) or getattr(base.config, "architectures", None) or [])
+        served = set(self.server_info.get("architectures") or [])
+        if architectures and served and not architectures & served:
+            mismatched.append(f"architectures: trainer {sorted(architectures)}, server {sorted(served)}")
+        if mismatched:
+            raise ValueError(
+                f"The vLLM server at {self.client.base_url} serves a different model than the one being trained "
+                f"({'; '.join(mismatched)}). Start the server with the trained model's checkpoint."
+            )
+
+    def _make_snapshot_dir(self) -> str:
+        if self.args.vllm_weight_sync_dir:
+            path = os.path.join(self.args.vllm_weight_sync_dir, f"gspo-trl-weights-{uuid.uuid4().hex[:8]}")
+            os.makedirs(path)
+            return path
+        shared_memory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        return tempfile.mkdtemp(prefix="gspo-trl-weights-", dir=shared_memory)
+
+    def _check_server_reads(self, directory: str) -> None:
+        marker = f"marker-{uuid.uuid4().hex}"
+        with open(os.path.join(directory, marker), "w") as handle:
+            handle.write("gspo-trl")
+        try:
+            answers = self.client.can_read(os.path.join(directory, marker))
+        finally:
+            os.remove(os.path.join(directory, marker))
+        if not all(answers):
+            raise ValueError(
+                f"The vLLM server at {self.client.base_url} cannot read the weight-sync directory {directory}: it "
+                "runs on another machine or in another filesystem namespace. Set vllm_weight_sync_dir to a "
+                "directory both the trainer and the server can reach (a shared filesystem)."
+            )
+
+    # --- RolloutBackend ------------------------------------------------------------------------
+
+    def update_weights(self, model, global_step: int) -> None:
+        if self.synced_step == global_step:
+            return
+        started = time.perf_counter()
+        is_main = self.accelerator.is_main_process
+        dtype = _torch_dtype(self.server_info.get("dtype")) if is_main else None
+        if is_main:
+            self.client.pause()
+        try:
+            write_snapshot(model, self.snapshot_dir or "", is_writer=is_main, dtype=dtype)
+            if is_main:
+                self.client.reload_weights(self.snapshot_dir)
+                self.client.reset_prefix_cache()
+        finally:
+            if is_main:
+                self.client.resume()
+        self.accelerator.wait_for_everyone()  # nobody samples before the server has the new weights
+        self.synced_step = global_step
+        self.sync_seconds.append(time.perf_counter() - started)
+
+    def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
+        prompt_ids, prompt_mask = tokenize_prompts(
+            prompts, self.tokenizer, self.args.max_prompt_length, self.args.chat_template_kwargs
+        )
+        runs = prompt_runs(prompt_ids, prompt_mask)
+        starts = torch.tensor([0] + [n for _, n in runs]).cumsum(0)[:-1].tolist()
+        requests = []  # (prompt token lists, n, extra fields) per request
+        if stream_keys is not None:
+            # One request per distinct prompt, seeded from its first row's key: the samples do not depend on
+            # which other prompts share the batch or the process (up to the server's batched arithmetic).
+            for (tokens, n), start in zip(runs, starts):
+                requests.append(([tokens], n, {"seed": int(stream_keys[start].item()) & 0x7FFFFFFF}))
+        else:
+            for n in sorted({n for _, n in runs}):
+                group = [tokens for tokens, count in runs if count == n]
+                requests.append((group, n, {"seed": int(torch.randint(0, 2**31 - 1, (1,)).item())}))
+        with ThreadPoolExecutor(max_workers=min(8, len(requests))) as pool:
+            answers = list(pool.map(lambda r: self.client.complete(r[0], r[1], {**self.sampling, **r[2]}), requests))
+        samples_by_prompt: dict[int, list[dict]] = {}
+        if stream_keys is not None:
+            for index, answer in enumerate(answers):
+                samples_by_prompt[index] = answer[0]
+        else:
+            pending = {n: iter(answer) for (_, n, _), answer in zip(requests, answers)}
+            for index, (_, n) in enumerate(runs):
+                samples_by_prompt[index] = next(pending[n])
+        samples = [sample for index in range(len(runs)) for sample in samples_by_prompt[index]]
+        completion_ids, sampling_logps = pad_samples(samples, self.tokenizer.pad_token_id)
+        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
+        sampling_logps = sampling_logps.masked_fill(completion_mask == 0, 0.0)
+        device = self.accelerator.device
+        return Rollout(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                       completion_mask.to(device), is_truncated.to(device), sampling_logps.to(device))
+
+
+def _torch_dtype(name: str | None) -> torch.dtype | None:
+    value = getattr(torch, name, None) if name else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+__all__ = ["VLLMServerBackend", "VLLMServerError", "server_base_url", "sampling_params"]

@@ -1,0 +1,180 @@
+"""HTTP client for a vLLM server started by `gspo-trl vllm-serve` (vLLM's own OpenAI server plus our worker extension).
+
+Owns the wire format: which endpoint does what, bounded retries, and errors that name the URL and what to check.
+It knows nothing of the trainer, tensors or weights beyond a directory path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import requests
+
+SERVE_HINT = "Start it with `gspo-trl vllm-serve MODEL` (docs/vllm.md)."
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not be reached, refused a request, or answered something unusable."""
+
+
+class VLLMServerClient:
+    """Talks to one vLLM server at `base_url`; every call is retried `retries` times on connection errors."""
+
+    def __init__(self, base_url: str, timeout: float = 240.0, request_timeout: float = 600.0, retries: int = 3):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout  # how long to wait for the server to come up
+        self.request_timeout = request_timeout
+        self.retries = retries
+        self.session = requests.Session()
+        self.model_name: str | None = None
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kwargs) -> requests.Response:
+        url = f"{self.base_url}{path}"
+        last_error: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.session.request(method, url, timeout=self.request_timeout, **kwargs)
+            except (requests.ConnectionError, requests.Timeout) as error:
+                last_error = error
+                time.sleep(min(2.0**attempt, 10.0))
+                continue
+            if response.status_code >= 500 and attempt < self.retries:
+                last_error = VLLMServerError(f"HTTP {response.status_code}: {response.text[:300]}")
+                time.sleep(min(2.0**attempt, 10.0))
+                continue
+            return response
+        raise VLLMServerError(
+            f"The vLLM server at {self.base_url} did not answer {method} {path} after {self.retries + 1} tries "
+            f"({last_error}). Check that it is still running and reachable from this machine. {SERVE_HINT}"
+        )
+
+    def _json(self, method: str, path: str, **kwargs) -> Any:
+        response = self._request(method, path, **kwargs)
+        if response.status_code == 404 and path == "/collective_rpc":
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} has no /collective_rpc endpoint: it was started without "
+                f"VLLM_SERVER_DEV_MODE=1, so gspo-trl cannot send it new weights. {SERVE_HINT}"
+            )
+        if response.status_code != 200:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} refused {method} {path}: HTTP {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as error:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} answered {method} {path} with something that is not JSON: "
+                f"{response.text[:300]!r}"
+            ) from error
+
+    def _rpc(self, method: str, **kwargs) -> list:
+        body = self._json("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+        results = (body or {}).get("results")
+        if not isinstance(results, list) or not results:
+            raise VLLMServerError(f"/collective_rpc {method} on {self.base_url} returned {body!r}")
+        return results
+
+    # --- the server ----------------------------------------------------------------------------
+
+    def wait_until_ready(self) -> None:
+        """Block until /health answers 200, for at most `timeout` seconds."""
+        deadline = time.monotonic() + self.timeout
+        last_error = None
+        while time.monotonic() < deadline:
+            try:
+                if self.session.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException as error:
+                last_error = error
+            time.sleep(1.0)
+        raise VLLMServerError(
+            f"No vLLM server answered at {self.base_url}/health within vllm_server_timeout={self.timeout:g} s "
+            f"({last_error}). Check vllm_server_base_url (or vllm_server_host/port) and the server's log. {SERVE_HINT}"
+        )
+
+    def served_model(self) -> str:
+        """The name the server serves its model under (the `model` field of every request)."""
+        body = self._json("GET", "/v1/models")
+        try:
+            self.model_name = body["data"][0]["id"]
+        except (KeyError, IndexError, TypeError) as error:
+            raise VLLMServerError(f"{self.base_url}/v1/models returned no model: {body!r}") from error
+        return self.model_name
+
+    def model_info(self) -> dict:
+        """Architecture, vocabulary, tied head and dtype of the served model, from the gspo-trl worker extension."""
+        try:
+            return self._rpc("gspo_model_info")[0]
+        except VLLMServerError as error:
+            if "no /collective_rpc" in str(error) or "404" in str(error):
+                raise
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} does not have gspo-trl's worker extension loaded "
+                f"(--worker-extension-cls gspo_trl.vllm.worker_extension.WeightSyncExtension): {error}. {SERVE_HINT}"
+            ) from error
+
+    def can_read(self, path: str) -> list[bool]:
+        """Whether each worker of the server can read the file at `path`."""
+        return [isinstance(r, dict) and r.get("readable") is True for r in self._rpc("gspo_can_read", path=path)]
+
+    def pause(self) -> None:
+        """Stop generating (waiting for requests in flight) so weights can change."""
+        self._json("POST", "/pause", params={"mode": "wait"})
+
+    def resume(self) -> None:
+        self._json("POST", "/resume")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prompt KV computed with the old weights."""
+        self._json("POST", "/reset_prefix_cache")
+
+    def reload_weights(self, weights_path: str) -> None:
+        """Every worker loads the safetensors snapshot in `weights_path` (a directory the server can read)."""
+        self._rpc("gspo_reload_weights", weights_path=weights_path)
+
+    # --- sampling ------------------------------------------------------------------------------
+
+    def complete(self, prompt_ids: list[list[int]], n: int, sampling: dict[str, Any]) -> list[list[dict]]:
+        """`n` samples for each prompt (token ids): per prompt, a list of {"token_ids", "logprobs"} in sample order."""
+        body = {
+            "model": self.model_name or self.served_model(),
+            "prompt": prompt_ids,
+            "n": n,
+            "logprobs": 0,  # the sampled token's own log-prob
+            "return_token_ids": True,
+            **sampling,
+        }
+        result = self._json("POST", "/v1/completions", json=body)
+        choices = (result or {}).get("choices")
+        if not isinstance(choices, list) or len(choices) != len(prompt_ids) * n:
+            raise VLLMServerError(
+                f"{self.base_url}/v1/completions returned {len(choices) if isinstance(choices, list) else choices!r} "
+                f"choices for {len(prompt_ids)} prompts × n={n}."
+            )
+        samples: list[list[dict]] = [[] for _ in prompt_ids]
+        for choice in sorted(choices, key=lambda c: c.get("index", 0)):
+            token_ids = choice.get("token_ids")
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if not isinstance(token_ids, list) or not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
+                raise VLLMServerError(
+                    f"{self.base_url}/v1/completions returned a choice without matching token_ids and token "
+                    f"logprobs: {str(choice)[:300]}. Is this a vLLM server of version 0.10 or later?"
+                )
+            samples[choice["index"] // n].append(
+                {"token_ids": token_ids, "logprobs": [float("nan") if v is None else v for v in logprobs]}
+            )
+        return samples
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log p(token_t | tokens_<t) under the served weights, for t = 1 .. len - 1 (temperature 1)."""
+        body = {"model": self.model_name or self.served_model(), "prompt": [token_ids], "max_tokens": 1,
+                "prompt_logprobs": 0, "temperature": 1.0}
+        result = self._json("POST", "/v1/completions", json=body)
+        entries = result["choices"][0]["prompt_logprobs"][1:]
+        return [entry[str(token)]["logprob"] for entry, token in zip(entries, token_ids[1:])]

@@ -1,0 +1,75 @@
+"""`gspo-trl vllm-serve`: start vLLM's OpenAI server the way gspo-trl's trainer expects to find it.
+
+Owns the command line and environment: the gspo-trl worker extension loaded into every worker (weight reloads and
+model checks over `/collective_rpc`, which needs `VLLM_SERVER_DEV_MODE=1`), log-probs of the distribution actually
+sampled from (`--logprobs-mode processed_logprobs`), and 127.0.0.1 unless a host is named. The server may run in
+another Python environment (`--vllm-python`, e.g. a separate venv with the CPU build of vLLM): only this package's
+folder is put on its path, and the extension imports nothing but torch and vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER_EXTENSION = "gspo_trl.vllm.worker_extension.WeightSyncExtension"
+VLLM_PYTHON_ENV = "GSPO_TRL_VLLM_PYTHON"
+
+
+def find_vllm_python(explicit: str | None = None) -> str:
+    """The Python that has vLLM: --vllm-python, else $GSPO_TRL_VLLM_PYTHON, else this one if it imports vllm."""
+    for candidate in (explicit, os.environ.get(VLLM_PYTHON_ENV)):
+        if candidate:
+            if not shutil.which(candidate) and not os.access(candidate, os.X_OK):
+                raise FileNotFoundError(f"No Python executable at {candidate!r} (from --vllm-python or "
+                                        f"${VLLM_PYTHON_ENV}).")
+            return candidate
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True)
+    if probe.returncode == 0:
+        return sys.executable
+    raise FileNotFoundError(
+        f"vLLM is not installed in this environment ({sys.executable}). Install it (`pip install 'gspo-trl[vllm]'` on "
+        f"GPUs; on CPU `scripts/setup_vllm_cpu.sh`, which builds a separate venv) and pass its Python with "
+        f"--vllm-python or ${VLLM_PYTHON_ENV}."
+    )
+
+
+def server_command(model: str, python: str, host: str, port: int, extra: list[str]) -> list[str]:
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--host", host, "--port", str(port),
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--logprobs-mode", "processed_logprobs",
+        *extra,
+    ]
+
+
+def server_environment(base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds gspo_trl/
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gspo-trl vllm-serve",
+        description="Start a vLLM server that a GSPOTrainer with use_vllm=True can sample from and sync weights to. "
+        "Arguments after the known ones go to vLLM unchanged (e.g. --dtype bfloat16 --max-model-len 4096).",
+    )
+    parser.add_argument("model", help="Path or Hub id of the model being trained (its starting checkpoint).")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--vllm-python", default=None, help=f"Python with vLLM installed (or ${VLLM_PYTHON_ENV}).")
+    parser.add_argument("--print-command", action="store_true", help="Print the command and exit.")
+    args, extra = parser.parse_known_args(argv)
+    command = server_command(args.model, find_vllm_python(args.vllm_python), args.host, args.port, extra)
+    if args.print_command:
+        print(" ".join(command))
+        return 0
+    return subprocess.call(command, env=server_environment())

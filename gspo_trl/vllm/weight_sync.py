@@ -1,0 +1,145 @@
+"""The policy's weights as a vLLM server loads them: Hugging Face names, LoRA merged in, written as safetensors.
+
+Owns turning the training model (plain, PEFT/LoRA, ZeRO-3-partitioned) into (name, tensor) pairs in the base
+model's checkpoint names, without changing the training weights (LoRA deltas are added to a copy, never merged
+in and out of the live weights, which would leave rounding drift behind), gathering one module at a time under
+ZeRO-3 (never the whole model at once), and writing the snapshot directory the server reloads from.
+What it does not own: telling the server to load it (`client`), deciding when to sync (`backend`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+
+import torch
+
+from ..distributed import is_partitioned, unwrap_model
+
+SHARD_BYTES = 2 * 1024**3
+
+
+def _gathered(module: torch.nn.Module, recurse: bool):
+    """Under ZeRO-3, the module's parameters gathered on every process for the duration (read-only)."""
+    params = list(module.parameters(recurse=recurse))
+    if not any(getattr(p, "ds_status", None) is not None for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _peft_classes():
+    try:
+        from peft.tuners.lora import LoraLayer
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:  # peft is a dependency; keep this module importable without it all the same
+        return (), ()
+    return (LoraLayer,), (ModulesToSaveWrapper,)
+
+
+def _lora_merged_weight(layer) -> torch.Tensor:
+    """W + Σ ΔW of the active, unmerged adapters, computed on a copy."""
+    weight = layer.get_base_layer().weight.detach().clone()
+    if not getattr(layer, "merged", False) and not getattr(layer, "disable_adapters", False):
+        adapters = layer.active_adapters if isinstance(layer.active_adapters, list) else [layer.active_adapters]
+        for adapter in adapters:
+            if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
+                weight += layer.get_delta_weight(adapter).to(weight.dtype)
+    return weight
+
+
+def named_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, CPU tensor) for every parameter of the policy as the base model would save it.
+
+    Every process must iterate (ZeRO-3 gathers are collective); the tensors are only worth keeping on one.
+    A tied LM head is the embedding's parameter and is yielded once, under the embedding's name.
+    """
+    model = unwrap_model(model)
+    lora_types, wrapper_types = _peft_classes()
+    base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
+    seen: set[int] = set()
+    done_prefixes: list[str] = []
+
+    def out(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        return tensor.to("cpu", copy=True).contiguous()
+
+    for module_name, module in base.named_modules():
+        if any(module_name.startswith(prefix) for prefix in done_prefixes):
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        if lora_types and isinstance(module, lora_types):
+            done_prefixes.append(prefix)
+            base_layer = module.get_base_layer()
+            with _gathered(module, recurse=True):
+                if id(base_layer.weight) not in seen:
+                    seen.add(id(base_layer.weight))
+                    yield f"{prefix}weight", out(_lora_merged_weight(module))
+                if getattr(base_layer, "bias", None) is not None:
+                    yield f"{prefix}bias", out(base_layer.bias)
+            continue
+        if wrapper_types and isinstance(module, wrapper_types):
+            done_prefixes.append(prefix)
+            active = module.modules_to_save[module.active_adapter] if not module.disable_adapters else module.original_module
+            with _gathered(active, recurse=True):
+                for name, param in active.named_parameters():
+                    if id(param) not in seen:
+                        seen.add(id(param))
+                        yield f"{prefix}{name}", out(param)
+            continue
+        own = [(name, param) for name, param in module.named_parameters(recurse=False) if id(param) not in seen]
+        if not own:
+            continue
+        with _gathered(module, recurse=False):
+            for name, param in own:
+                seen.add(id(param))
+                yield f"{prefix}{name}", out(param)
+
+
+def write_snapshot(model: torch.nn.Module, directory: str, is_writer: bool, dtype: torch.dtype | None = None) -> int:
+    """Write the policy's weights as safetensors shards into `directory` (emptied first); returns the bytes written.
+
+    Every process must call it (ZeRO-3 gathers are collective); only `is_writer` keeps tensors and writes.
+    """
+    from safetensors.torch import save_file
+
+    if is_writer:
+        os.makedirs(directory, exist_ok=True)
+        for entry in os.listdir(directory):
+            if entry.endswith(".safetensors") or entry.endswith(".safetensors.index.json"):
+                os.remove(os.path.join(directory, entry))
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, total, index = 0, 0, 0
+
+    def flush():
+        nonlocal shard, shard_bytes, index
+        if shard:
+            save_file(shard, os.path.join(directory, f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+            index += 1
+        shard, shard_bytes = {}, 0
+
+    for name, tensor in named_weights(model, dtype):
+        if not is_writer:
+            continue
+        shard[name] = tensor
+        size = tensor.numel() * tensor.element_size()
+        shard_bytes, total = shard_bytes + size, total + size
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    if is_writer:
+        flush()
+    return total
+
+
+def remove_snapshot(directory: str) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def partitioned(model: torch.nn.Module) -> bool:
+    """Whether any of the model's modules is ZeRO-3-partitioned (gathering then needs every process)."""
+    return any(is_partitioned(module) for module in unwrap_model(model).modules())
