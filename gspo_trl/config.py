@@ -267,6 +267,14 @@ class GSPOConfig(TrainingArguments):
     vllm_importance_sampling_clip_max: float | None = field(
         default=3.0, metadata={"help": "C_max of the correction weight; None: no upper bound."}
     )
+    vllm_logprobs_as_old: bool = field(
+        default=False,
+        metadata={
+            "help": "Use the server's log-probs of the sampled tokens as π_old (GSPO paper §5.4) and skip the trainer's "
+            "π_old forward pass. Saves that pass; the ratio then also carries the engines' numerical gap, which "
+            "GSPO's sequence-level clipping tolerates better than token-level ratios do (docs/vllm.md)."
+        },
+    )
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "Deprecated in TRL: the same as vllm_importance_sampling_clip_max."}
     )
@@ -595,6 +603,8 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max and max > 0, got "
                              f"{low} and {high}.")
         if not self.use_vllm:
+            if self.vllm_logprobs_as_old:
+                raise ValueError("vllm_logprobs_as_old=True needs use_vllm=True (the log-probs come from the server).")
             return
         if self.vllm_mode == "colocate":
             raise ValueError(

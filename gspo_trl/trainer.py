@@ -237,7 +237,9 @@ class GSPOTrainer(Trainer):
                 first_use=use,
             )
             for micro_batch, needed in zip(micro_batches, needs_old):
-                if needed or args.always_compute_old_logprobs:
+                if args.use_vllm and args.vllm_logprobs_as_old:
+                    micro_batch["old_per_token_logps"] = _sampler_logprobs_as_old(micro_batch)
+                elif needed or args.always_compute_old_logprobs:
                     micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
             self._buffered_inputs = micro_batches
             self._rollout_global_step = self.state.global_step
@@ -625,6 +627,15 @@ def _split_batch(
     for part in order.chunk(num_slices):
         slices.append({key: None if value is None else value[part.to(value.device)] for key, value in batch.items()})
     return slices
+
+
+def _sampler_logprobs_as_old(micro_batch: dict[str, Any]) -> torch.Tensor:
+    """π_old taken from the engine that sampled (GSPO paper §5.4), which must have scored every completion token."""
+    sampling = micro_batch["sampling_per_token_logps"]
+    if torch.isnan(sampling[micro_batch["completion_mask"].bool()]).any():
+        raise RuntimeError("vllm_logprobs_as_old=True, but the vLLM server returned no log-prob for some sampled "
+                           "tokens; set vllm_logprobs_as_old=False to compute π_old on the trainer.")
+    return sampling
 
 
 def _print_completions(samples: list[dict], limit: int | None, step: int) -> None:

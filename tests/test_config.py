@@ -92,3 +92,23 @@ def test_invalid_values_name_the_field(tmp_path, kwargs, field_name):
     kwargs.setdefault("per_device_train_batch_size", 8)
     with pytest.raises(ValueError, match=field_name):
         make(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(use_vllm=True, vllm_mode="colocate"), "colocate"),
+    (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode"),
+    (dict(vllm_importance_sampling_mode="sequence"), "vllm_importance_sampling_mode"),
+    (dict(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.0), "clip_min/max"),
+    (dict(use_vllm=True, loss_type="vespo"), "token_truncate"),
+    (dict(vllm_logprobs_as_old=True), "use_vllm=True"),
+])
+def test_vllm_settings_that_cannot_work_are_refused(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **overrides)
+
+
+def test_vllm_defaults_and_trls_deprecated_cap(tmp_path):
+    config = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_importance_sampling_cap=2.0)
+    assert (config.vllm_mode, config.vllm_server_host, config.vllm_importance_sampling_mode) == (
+        "server", "127.0.0.1", "sequence_mask")
+    assert config.vllm_importance_sampling_clip_max == 2.0

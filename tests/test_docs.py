@@ -15,7 +15,7 @@ import torch
 from trl import GRPOConfig
 
 from gspo_trl import GSPOConfig
-from gspo_trl.metrics import LOSS_STAT_NAMES, completion_length_metrics
+from gspo_trl.metrics import LOSS_STAT_NAMES, SAMPLING_STAT_NAMES, completion_length_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -168,7 +168,7 @@ def test_migration_metrics_table_covers_logged_names(migration_text):
     ours = {name for row in rows for name in _code_spans(row[0])}
     lengths = completion_length_metrics(torch.ones(2, 3), torch.zeros(2, dtype=torch.bool))
     logged = (
-        set(LOSS_STAT_NAMES.values()) | set(lengths)
+        set(LOSS_STAT_NAMES.values()) | set(SAMPLING_STAT_NAMES.values()) | set(lengths)
         | {"entropy", "reward", "reward_std", "frac_reward_zero_std", "num_tokens", "loss"}
     )
     assert logged <= ours, f"metrics missing from the guide: {sorted(logged - ours)}"

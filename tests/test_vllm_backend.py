@@ -192,3 +192,16 @@ def test_unreachable_server_is_an_error_naming_the_url(tmp_path, served_model_di
     args = small_config(tmp_path, use_vllm=True, vllm_server_port=port, vllm_server_timeout=2)
     with pytest.raises(VLLMServerError, match=f"127.0.0.1:{port}"):
         GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+
+
+def test_server_logprobs_as_old_skip_the_old_forward(tmp_path, server, served_model_dir):
+    args = vllm_config(tmp_path, server, max_steps=4, steps_per_generation=2, vllm_logprobs_as_old=True,
+                       always_compute_old_logprobs=True)
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    calls = []
+    original = trainer._score_without_grad
+    trainer._score_without_grad = lambda *a, **k: calls.append(1) or original(*a, **k)
+    trainer.train()
+    assert calls == []  # no π_old forward, even with always_compute_old_logprobs
+    ratios = [entry for entry in trainer.state.log_history if "ratio/max" in entry]
+    assert len(ratios) == 4 and any(entry["ratio/max"] != 1.0 for entry in ratios[1::2])  # off-policy steps moved
