@@ -617,6 +617,9 @@ class GSPOConfig(TrainingArguments):
                 self.vllm_importance_sampling_mode.startswith("sequence"):
             raise ValueError("loss_type='vespo' takes the sampling correction into its own sequence weight, token by "
                              "token: set vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (as TRL).")
+        if self.layout_independent_sampling:
+            raise ValueError("layout_independent_sampling=True is not available with use_vllm=True: the vLLM server "
+                             "samples with its own random state (start it with --seed for reproducible runs).")
         if self.decode_loop != "gspo" or self.cache_implementation is not None:
             logger.warning("decode_loop and cache_implementation apply to sampling on the trained model; with "
                            "use_vllm=True the vLLM server samples.")

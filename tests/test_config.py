@@ -101,6 +101,7 @@ def test_invalid_values_name_the_field(tmp_path, kwargs, field_name):
     (dict(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.0), "clip_min/max"),
     (dict(use_vllm=True, loss_type="vespo"), "token_truncate"),
     (dict(vllm_logprobs_as_old=True), "use_vllm=True"),
+    (dict(use_vllm=True, layout_independent_sampling=True), "layout_independent_sampling"),
 ])
 def test_vllm_settings_that_cannot_work_are_refused(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -169,32 +169,19 @@ class VLLMServerBackend(RolloutBackend):
         self.sync_seconds.append(time.perf_counter() - started)
 
     def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
+        # stream_keys: unused; GSPOConfig refuses layout_independent_sampling with use_vllm (the server samples).
         prompt_ids, prompt_mask = tokenize_prompts(
             prompts, self.tokenizer, self.args.max_prompt_length, self.args.chat_template_kwargs
         )
         runs = prompt_runs(prompt_ids, prompt_mask)
-        starts = torch.tensor([0] + [n for _, n in runs]).cumsum(0)[:-1].tolist()
-        requests = []  # (prompt token lists, n, extra fields) per request
-        if stream_keys is not None:
-            # One request per distinct prompt, seeded from its first row's key: the samples do not depend on
-            # which other prompts share the batch or the process (up to the server's batched arithmetic).
-            for (tokens, n), start in zip(runs, starts):
-                requests.append(([tokens], n, {"seed": int(stream_keys[start].item()) & 0x7FFFFFFF}))
-        else:
-            for n in sorted({n for _, n in runs}):
-                group = [tokens for tokens, count in runs if count == n]
-                requests.append((group, n, {"seed": int(torch.randint(0, 2**31 - 1, (1,)).item())}))
-        with ThreadPoolExecutor(max_workers=min(8, len(requests))) as pool:
-            answers = list(pool.map(lambda r: self.client.complete(r[0], r[1], {**self.sampling, **r[2]}), requests))
-        samples_by_prompt: dict[int, list[dict]] = {}
-        if stream_keys is not None:
-            for index, answer in enumerate(answers):
-                samples_by_prompt[index] = answer[0]
-        else:
-            pending = {n: iter(answer) for (_, n, _), answer in zip(requests, answers)}
-            for index, (_, n) in enumerate(runs):
-                samples_by_prompt[index] = next(pending[n])
-        samples = [sample for index in range(len(runs)) for sample in samples_by_prompt[index]]
+        # One request per group size (normally one in all). No per-request seed: vLLM 0.32's CPU build kills its
+        # engine when a seeded request's prefill is split across steps ("CPU Generator does not use offset").
+        sizes = sorted({n for _, n in runs})
+        requests = [([tokens for tokens, count in runs if count == n], n) for n in sizes]
+        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+            answers = list(pool.map(lambda r: self.client.complete(r[0], r[1], self.sampling), requests))
+        pending = {n: iter(answer) for (_, n), answer in zip(requests, answers)}
+        samples = [sample for _, n in runs for sample in next(pending[n])]
         completion_ids, sampling_logps = pad_samples(samples, self.tokenizer.pad_token_id)
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)

@@ -59,16 +59,25 @@ def server_environment(base: dict | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="gspo-trl vllm-serve",
+        usage="gspo-trl vllm-serve [MODEL] [options] [vLLM arguments ...]",
         description="Start a vLLM server that a GSPOTrainer with use_vllm=True can sample from and sync weights to. "
-        "Arguments after the known ones go to vLLM unchanged (e.g. --dtype bfloat16 --max-model-len 4096).",
+        "MODEL (first, if given) is the path or Hub id of the checkpoint training starts from; without it, the demo's "
+        "SmolLM2-135M-Instruct, as `gspo-trl train` uses it. Arguments other than the options below go to vLLM "
+        "unchanged (e.g. --dtype bfloat16 --max-model-len 4096).",
     )
-    parser.add_argument("model", help="Path or Hub id of the model being trained (its starting checkpoint).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--vllm-python", default=None, help=f"Python with vLLM installed (or ${VLLM_PYTHON_ENV}).")
     parser.add_argument("--print-command", action="store_true", help="Print the command and exit.")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The model is the first word or absent: left to argparse, `--dtype float32` would make "float32" the model.
+    model = argv.pop(0) if argv and not argv[0].startswith("-") else None
     args, extra = parser.parse_known_args(argv)
-    command = server_command(args.model, find_vllm_python(args.vllm_python), args.host, args.port, extra)
+    if model is None:
+        from ..default_model import default_model_path
+
+        model = default_model_path()
+    command = server_command(model, find_vllm_python(args.vllm_python), args.host, args.port, extra)
     if args.print_command:
         print(" ".join(command))
         return 0
