@@ -221,3 +221,16 @@ def test_decoding_tables_match_the_result_files():
     for name in ("decoding.json", "decoding_256.json"):
         record = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
         assert bench.render_table(record) in text, name
+
+
+def test_vllm_page_shows_the_measured_table_and_demo_run():
+    """docs/vllm.md shows what benchmarks/results/vllm_rollout.json and vllm_demo_metrics.json hold."""
+    spec = importlib.util.spec_from_file_location("vllm_benchmark", ROOT / "benchmarks" / "vllm_rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    text = (DOCS / "vllm.md").read_text(encoding="utf-8")
+    record = json.loads((ROOT / "benchmarks" / "results" / "vllm_rollout.json").read_text())
+    assert bench.render_table(record) in text, "run: python benchmarks/vllm_rollout.py"
+    demo = json.loads((ROOT / "benchmarks" / "results" / "vllm_demo_metrics.json").read_text())["summary"]
+    assert f"| **{demo['reward_last_window']:.3f}** |" in text and f"| {demo['reward_first_window']:.3f} |" in text
+    assert f"+{demo['reward_gain']:.3f}" in text

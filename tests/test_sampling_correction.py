@@ -87,3 +87,9 @@ def test_bad_mode_and_crossed_bounds_are_value_errors():
         sampling_correction(OLD, SAMPLING, MASK, "sequence")
     with pytest.raises(ValueError, match="crossed"):
         sampling_correction(OLD, SAMPLING, MASK, "token_truncate", clip_min=2.0, clip_max=1.0)
+
+
+def test_mismatch_kl_of_a_tiny_fp32_gap_is_not_rounded_to_zero():
+    old = torch.full((1, 4), -2.0)
+    weights, stats = sampling_correction(old, old - 1e-5, torch.ones(1, 4), "token_truncate")
+    assert stats["mismatch_kl"].item() == pytest.approx(0.5e-10, rel=1e-3)  # d^2 / 2

@@ -205,3 +205,21 @@ def test_server_logprobs_as_old_skip_the_old_forward(tmp_path, server, served_mo
     assert calls == []  # no π_old forward, even with always_compute_old_logprobs
     ratios = [entry for entry in trainer.state.log_history if "ratio/max" in entry]
     assert len(ratios) == 4 and any(entry["ratio/max"] != 1.0 for entry in ratios[1::2])  # off-policy steps moved
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
+    import json
+
+    out = tmp_path / mode
+    worker = Path(__file__).with_name("vllm_worker.py")
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+         served_model_dir, mode, server["url"], str(out)], capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
+    assert all(r["world_size"] == 2 for r in ranks)
+    assert ranks[0]["partitioned"] == (mode == "zero3")
+    assert [r["syncs"] for r in ranks] == [3, 3]  # two rollouts, then the final sync
+    assert ranks[0]["logs"] == ranks[1]["logs"] and len(ranks[0]["logs"]) == 4  # every rank logs the same numbers
+    assert ranks[0]["max_error"] < 1e-4  # the server holds the trained (gathered) weights

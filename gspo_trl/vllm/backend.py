@@ -19,14 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from transformers.utils import logging
 
 from ..distributed import unwrap_model
 from ..rollout import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, tokenize_prompts
 from .client import VLLMServerClient, VLLMServerError
 from .weight_sync import remove_snapshot, write_snapshot
-
-logger = logging.get_logger(__name__)
 
 # Config fields of the trained model that must match the served one.
 MATCHING_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..distributed import is_partitioned, unwrap_model
+from ..distributed import unwrap_model
 
 SHARD_BYTES = 2 * 1024**3
 
@@ -138,8 +138,3 @@ def write_snapshot(model: torch.nn.Module, directory: str, is_writer: bool, dtyp
 
 def remove_snapshot(directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
-
-
-def partitioned(model: torch.nn.Module) -> bool:
-    """Whether any of the model's modules is ZeRO-3-partitioned (gathering then needs every process)."""
-    return any(is_partitioned(module) for module in unwrap_model(model).modules())
