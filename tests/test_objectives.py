@@ -228,7 +228,7 @@ def trl_trainer(tmp_path, model_dir, options):
     return trainer
 
 
-def trl_loss(trainer, logps, old, ref, advantages, mask, entropy):
+def trl_loss(trainer, logps, old, ref, advantages, mask, entropy, **extra_inputs):
     """TRL's loss and its gradients with respect to the log-probs and the entropies it is handed."""
     logps = logps.clone().requires_grad_(True)
     entropy = entropy.clone().requires_grad_(True)
@@ -238,7 +238,7 @@ def trl_loss(trainer, logps, old, ref, advantages, mask, entropy):
         "prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
         "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
         "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
-        "num_items_in_batch": mask.sum(),
+        "num_items_in_batch": mask.sum(), **extra_inputs,
     }
     loss = trainer._compute_loss(trainer.model, inputs)
     grads = torch.autograd.grad(loss, (logps, entropy), allow_unused=True)
@@ -290,20 +290,6 @@ def test_sampling_correction_weights_match_trl(tmp_path, tiny_model_dir, case):
     weights = (torch.rand(mask.shape, generator=g) * 2.5).masked_fill(torch.rand(mask.shape, generator=g) < 0.2, 0.0)
     weights = torch.where(mask.bool(), weights, 1.0)  # TRL's weights are exp(0) on padding
 
-    def trl_call():
-        logps_leaf = logps.clone().requires_grad_(True)
-        trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps_leaf, entropy, None)
-        B, T = logps.shape
-        inputs = {
-            "prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
-            "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
-            "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
-            "num_items_in_batch": mask.sum(), "importance_sampling_ratio": weights,
-            "sampling_per_token_logps": old,
-        }
-        loss = trainer._compute_loss(trainer.model, inputs)
-        return loss.detach(), torch.autograd.grad(loss, logps_leaf)[0]
-
     def our_call():
         logps_leaf = logps.clone().requires_grad_(True)
         objective = Objective(max_completion_length=MAX_COMPLETION_LENGTH, **options)
@@ -311,7 +297,9 @@ def test_sampling_correction_weights_match_trl(tmp_path, tiny_model_dir, case):
                               token_normalizer=mask.sum(), sampling_weights=weights)
         return loss.detach(), torch.autograd.grad(loss, logps_leaf)[0]
 
-    theirs, ours = trl_call(), our_call()
+    theirs = trl_loss(trainer, logps, old, ref, advantages, mask, entropy, importance_sampling_ratio=weights,
+                      sampling_per_token_logps=old)
+    ours = our_call()
     uncorrected, _ = policy_loss(logps, old, advantages, mask, objective=Objective(
         max_completion_length=MAX_COMPLETION_LENGTH, **options), ref_per_token_logps=ref, token_normalizer=mask.sum())
     assert not torch.allclose(ours[0], uncorrected)  # the weights do change the loss

@@ -85,3 +85,38 @@ def test_only_the_writer_writes(tiny_model, tmp_path):
 def test_bf16_model(tiny_model_dir, dtype):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     assert {t.dtype for _, t in named_weights(model, dtype)} == {dtype}
+
+
+FSDP2_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+torch.distributed.init_process_group("gloo")
+from torch.distributed.fsdp import fully_shard
+from conftest import build_tiny_model, build_tiny_tokenizer
+from gspo_trl.vllm.weight_sync import named_weights
+model = build_tiny_model(build_tiny_tokenizer())
+expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+assert type(next(model.parameters())).__name__ == "DTensor"
+names = dict(named_weights(model))
+assert names.keys() == expected.keys(), sorted(names)
+assert all(type(t) is torch.Tensor and torch.equal(t, expected[n]) for n, t in names.items())
+print("ok")
+"""
+
+
+def test_fsdp2_shards_are_gathered_into_plain_tensors(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = subprocess.run([sys.executable, "-c", FSDP2_SCRIPT, str(Path(__file__).parent), str(port)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

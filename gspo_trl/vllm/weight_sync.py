@@ -65,6 +65,8 @@ def named_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> I
 
     def out(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
+        if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor): all-gathered, a collective like ZeRO-3's
+            tensor = tensor.full_tensor()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         return tensor.to("cpu", copy=True).contiguous()
