@@ -164,7 +164,7 @@ class VLLMServerClient:
             if not isinstance(token_ids, list) or not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
                 raise VLLMServerError(
                     f"{self.base_url}/v1/completions returned a choice without matching token_ids and token "
-                    f"logprobs: {str(choice)[:300]}. Is this a vLLM server of version 0.10 or later?"
+                    f"logprobs: {str(choice)[:300]}. Is this a vLLM server of version 0.32 or later?"
                 )
             samples[choice["index"] // n].append(
                 {"token_ids": token_ids, "logprobs": [float("nan") if v is None else v for v in logprobs]}
