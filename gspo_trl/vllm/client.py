@@ -138,6 +138,17 @@ class VLLMServerClient:
         """Every worker loads the safetensors snapshot in `weights_path` (a directory the server can read)."""
         self._rpc("gspo_reload_weights", weights_path=weights_path)
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load (or replace in place) the LoRA adapter saved in `path` under `name`; requests then name it as model."""
+        response = self._request("POST", "/v1/load_lora_adapter",
+                                 json={"lora_name": name, "lora_path": path, "load_inplace": True})
+        if response.status_code != 200:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} refused the LoRA adapter in {path}: HTTP {response.status_code}: "
+                f"{response.text[:500]}. Start it with --enable-lora --max-lora-rank R (R >= the adapter's rank), "
+                "or set vllm_lora_adapter_sync=False to send merged weights instead."
+            )
+
     # --- sampling ------------------------------------------------------------------------------
 
     def complete(self, prompt_ids: list[list[int]], n: int, sampling: dict[str, Any]) -> list[list[dict]]:

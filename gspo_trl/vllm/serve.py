@@ -53,6 +53,7 @@ def server_environment(base: dict | None = None) -> dict:
     package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds gspo_trl/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter (with --enable-lora)
     return env
 
 

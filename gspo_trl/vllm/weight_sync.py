@@ -51,8 +51,11 @@ def _lora_merged_weight(layer) -> torch.Tensor:
     return weight
 
 
-def named_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, CPU tensor) for every parameter of the policy as the base model would save it.
+def named_weights(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, merge_lora: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, CPU tensor) for every parameter of the policy as the base model would save it; LoRA layers
+    with their adapter merged in, or, with `merge_lora=False`, the frozen base weights alone.
 
     Every process must iterate (ZeRO-3 gathers are collective); the tensors are only worth keeping on one.
     A tied LM head is the embedding's parameter and is yielded once, under the embedding's name.
@@ -81,7 +84,8 @@ def named_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> I
             with _gathered(module, recurse=True):
                 if id(base_layer.weight) not in seen:
                     seen.add(id(base_layer.weight))
-                    yield f"{prefix}weight", out(_lora_merged_weight(module))
+                    weight = _lora_merged_weight(module) if merge_lora else base_layer.weight
+                    yield f"{prefix}weight", out(weight)
                 if getattr(base_layer, "bias", None) is not None:
                     yield f"{prefix}bias", out(base_layer.bias)
             continue
@@ -103,7 +107,38 @@ def named_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> I
                 yield f"{prefix}{name}", out(param)
 
 
-def write_snapshot(model: torch.nn.Module, directory: str, is_writer: bool, dtype: torch.dtype | None = None) -> int:
+def adapter_sync_unsupported_reason(model: torch.nn.Module, max_lora_rank: int | None) -> str | None:
+    """Why the policy's LoRA adapter alone cannot be sent to the server (None: it can)."""
+    model = unwrap_model(model)
+    peft_config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", "default"))
+    if peft_config is None or str(getattr(peft_config, "peft_type", "")).upper().split(".")[-1] != "LORA":
+        return "the policy is not a LoRA model"
+    if max_lora_rank is None:
+        return "the server was started without --enable-lora"
+    if peft_config.r > max_lora_rank:
+        return f"the adapter's rank {peft_config.r} exceeds the server's --max-lora-rank {max_lora_rank}"
+    if getattr(peft_config, "use_dora", False) or getattr(peft_config, "use_rslora", False):
+        return "vLLM does not load DoRA or rsLoRA adapters"
+    if getattr(peft_config, "modules_to_save", None):
+        return "the adapter has modules_to_save, which vLLM does not load"
+    targets = peft_config.target_modules
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    if any(name in ("lm_head", "embed_tokens") or name.endswith((".lm_head", ".embed_tokens")) for name in names):
+        return "the adapter targets the embedding or the LM head"
+    if any(getattr(p, "ds_status", None) is not None or hasattr(p, "full_tensor") for p in model.parameters()):
+        return "the parameters are sharded (ZeRO-3 / FSDP2)"
+    return None
+
+
+def write_adapter(model: torch.nn.Module, directory: str) -> None:
+    """The active LoRA adapter as PEFT saves it (adapter_config.json + adapter_model.safetensors), replacing the last."""
+    shutil.rmtree(directory, ignore_errors=True)
+    unwrap_model(model).save_pretrained(directory)
+
+
+def write_snapshot(
+    model: torch.nn.Module, directory: str, is_writer: bool, dtype: torch.dtype | None = None, merge_lora: bool = True
+) -> int:
     """Write the policy's weights as safetensors shards into `directory` (emptied first); returns the bytes written.
 
     Every process must call it (ZeRO-3 gathers are collective); only `is_writer` keeps tensors and writes.
@@ -125,7 +160,7 @@ def write_snapshot(model: torch.nn.Module, directory: str, is_writer: bool, dtyp
             index += 1
         shard, shard_bytes = {}, 0
 
-    for name, tensor in named_weights(model, dtype):
+    for name, tensor in named_weights(model, dtype, merge_lora):
         if not is_writer:
             continue
         shard[name] = tensor

@@ -37,7 +37,9 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         config = self.model_runner.model_config.hf_config
         embed = next((p for n, p in model.named_parameters() if "embed_tokens" in n), None)
+        lora_config = getattr(self.model_runner, "lora_config", None)
         return {
+            "max_lora_rank": int(lora_config.max_lora_rank) if lora_config is not None else None,
             "architectures": list(getattr(config, "architectures", None) or []),
             "vocab_size": int(getattr(config, "vocab_size", 0)),
             "hidden_size": int(getattr(config, "hidden_size", 0)),
