@@ -122,3 +122,13 @@ def test_a_server_that_dies_mid_run_fails_after_bounded_retries():
     with pytest.raises(VLLMServerError, match="did not answer POST /v1/completions after 2 tries"):
         client.complete([[1, 2]], 1, {})
     assert time.monotonic() - started < 30
+
+
+def test_a_server_of_another_kind_is_named():
+    # TRL's `trl vllm-serve` has neither /v1/models nor /collective_rpc.
+    server = FakeServer({"/health": [(200, {"status": "ok"})]})
+    try:
+        with pytest.raises(VLLMServerError, match="HTTP 404.*trl vllm-serve.*gspo-trl vllm-serve"):
+            client_for(server).served_model()
+    finally:
+        server.close()

@@ -59,9 +59,10 @@ class VLLMServerClient:
                 f"VLLM_SERVER_DEV_MODE=1, so gspo-trl cannot send it new weights. {SERVE_HINT}"
             )
         if response.status_code != 200:
+            hint = f" Is it a server of another kind (e.g. `trl vllm-serve`)? {SERVE_HINT}" if response.status_code == 404 else ""
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} refused {method} {path}: HTTP {response.status_code}: "
-                f"{response.text[:500]}"
+                f"{response.text[:500]}{hint}"
             )
         if not response.content:
             return None
