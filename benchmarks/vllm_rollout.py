@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Rollouts on a vLLM server against sampling on the trained model, and what a weight sync costs.
 
-Starts `gspo-trl vllm-serve` for SmolLM2-135M-Instruct (fp32, `--enforce-eager`, on the same CPU cores as the
-trainer), builds a `GSPOTrainer` with `use_vllm=True`, and on the step-time benchmark's rollout (8 prompts of the
+Starts `gspo-trl vllm-serve` for SmolLM2-135M-Instruct (fp32, `--enforce-eager`, `--enable-lora`, on the same CPU
+cores as the trainer), builds a `GSPOTrainer` with `use_vllm=True`, and on the step-time benchmark's rollout (8 prompts of the
 demo task × 8 completions = 64 rows, up to `--max_completion_length` new tokens, temperature 1.0) times, in one
 process and alternating `--repeats` times after an untimed warm-up each:
 
@@ -194,12 +194,15 @@ def render_table(result: dict) -> str:
             continue
         lines.append(f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | mean completion "
                      f"{row['mean_completion_tokens']:.1f} tokens; {per_1k_tokens(row)} |")
-    for name, label in (("full", "weight sync, full fine-tuning (134.5M parameters, fp32)"),
-                        ("lora_adapter", "weight sync, LoRA r=16 on all linear layers (the adapter alone)"),
-                        ("lora_merged", "weight sync, LoRA r=16 on all linear layers (merged, full weights sent)")):
+    full_sync = "pause, safetensors snapshot, reload, prefix-cache reset, resume"
+    for name, label, notes in (
+        ("full", "weight sync, full fine-tuning (134.5M parameters, fp32)", full_sync),
+        ("lora_adapter", "weight sync, LoRA r=16 on all linear layers (the adapter alone)",
+         "pause, adapter saved by PEFT, loaded in place, prefix-cache reset, resume"),
+        ("lora_merged", "weight sync, LoRA r=16 on all linear layers (merged, full weights sent)", full_sync),
+    ):
         row = result["weight_sync"][name]
-        lines.append(f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | pause, snapshot, reload, "
-                     "prefix-cache reset, resume |")
+        lines.append(f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | {notes} |")
     row = result["old_logprob_forward"]
     lines.append(f"| π_old forward over the rollout | {row['min_s']:.2f} | {row['median_s']:.2f} | what "
                  "`vllm_logprobs_as_old=True` skips |")
