@@ -18,6 +18,10 @@ class VLLMServerError(RuntimeError):
     """The vLLM server could not be reached, refused a request, or answered something unusable."""
 
 
+class MissingEndpointError(VLLMServerError):
+    """The server has no such endpoint (HTTP 404): a server of another kind, or started without dev mode."""
+
+
 class VLLMServerClient:
     """Talks to one vLLM server at `base_url`; every call is retried `retries` times on connection errors."""
 
@@ -54,13 +58,14 @@ class VLLMServerClient:
     def _json(self, method: str, path: str, **kwargs) -> Any:
         response = self._request(method, path, **kwargs)
         if response.status_code == 404 and path == "/collective_rpc":
-            raise VLLMServerError(
+            raise MissingEndpointError(
                 f"The vLLM server at {self.base_url} has no /collective_rpc endpoint: it was started without "
                 f"VLLM_SERVER_DEV_MODE=1, so gspo-trl cannot send it new weights. {SERVE_HINT}"
             )
         if response.status_code != 200:
-            hint = f" Is it a server of another kind (e.g. `trl vllm-serve`)? {SERVE_HINT}" if response.status_code == 404 else ""
-            raise VLLMServerError(
+            missing = response.status_code == 404
+            hint = f" Is it a server of another kind (e.g. `trl vllm-serve`)? {SERVE_HINT}" if missing else ""
+            raise (MissingEndpointError if missing else VLLMServerError)(
                 f"The vLLM server at {self.base_url} refused {method} {path}: HTTP {response.status_code}: "
                 f"{response.text[:500]}{hint}"
             )
@@ -112,9 +117,9 @@ class VLLMServerClient:
         """Architecture, vocabulary, tied head and dtype of the served model, from the gspo-trl worker extension."""
         try:
             return self._rpc("gspo_model_info")[0]
+        except MissingEndpointError:
+            raise
         except VLLMServerError as error:
-            if "no /collective_rpc" in str(error) or "404" in str(error):
-                raise
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} does not have gspo-trl's worker extension loaded "
                 f"(--worker-extension-cls gspo_trl.vllm.worker_extension.WeightSyncExtension): {error}. {SERVE_HINT}"
