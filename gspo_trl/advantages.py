@@ -2,7 +2,8 @@
 
 Owns: combining a (N, F) reward table into one scalar reward per completion, and turning those rewards into
 group-relative advantages (GRPO/GSPO style: reward minus the mean of the prompt's group, optionally divided by a
-standard deviation), plus the reward statistics the trainer logs.
+standard deviation), plus the reward statistics the trainer logs; for multi-turn episodes, per-turn returns
+(reward-to-go) normalised within the group at each turn index (`turn_advantages`).
 
 Does not own: calling reward functions (see ``gspo_trl.rewards``), distributed gathering/slicing, or the policy loss.
 Everything here is pure torch on whatever device the inputs live on, with no trainer state.
@@ -159,3 +160,63 @@ def group_advantages(
         "num_invalid": int(valid.numel() - num_valid),
     }
     return advantages, stats
+
+
+def discounted_returns(turn_rewards: torch.Tensor, reached: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Reward-to-go of every turn of an episode: G_k = r_k + gamma * G_(k+1), summed over the turns reached.
+
+    Args:
+        turn_rewards: (N, K) the reward after each assistant turn (anything where a turn was not reached).
+        reached: (N, K) bool, True for the turns an episode played (a prefix of each row).
+        gamma: discount per turn, in [0, 1].
+
+    Returns:
+        (N, K) float returns, 0 where a turn was not reached.
+    """
+    if turn_rewards.ndim != 2 or tuple(reached.shape) != tuple(turn_rewards.shape):
+        raise ValueError(f"turn_rewards and reached must both be (N, K), got {tuple(turn_rewards.shape)} and "
+                         f"{tuple(reached.shape)}")
+    if not 0 <= gamma <= 1:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    rewards = torch.where(reached, turn_rewards.float(), torch.zeros_like(turn_rewards, dtype=torch.float32))
+    returns = torch.zeros_like(rewards)
+    following = torch.zeros_like(rewards[:, 0])  # (N,) G_(k+1)
+    for k in range(rewards.shape[1] - 1, -1, -1):
+        following = rewards[:, k] + gamma * following
+        returns[:, k] = following
+    return torch.where(reached, returns, torch.zeros_like(returns))
+
+
+def turn_advantages(
+    turn_rewards: torch.Tensor,
+    reached: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str | bool = "group",
+    gamma: float = 1.0,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-turn group-relative advantages: the return from turn k (`discounted_returns`), normalised within the
+    prompt's group over the members that reached turn k, as `group_advantages` normalises whole episodes.
+
+    A turn that fewer than two members of the group reached has no baseline and gets advantage 0; so do the turns an
+    episode did not reach and rows that are not ``valid``. With one turn per episode this is `group_advantages`.
+
+    Returns:
+        (N, K) advantages.
+    """
+    returns = discounted_returns(turn_rewards, reached, gamma)  # (N, K)
+    if valid is None:
+        valid = torch.ones(reached.shape[0], dtype=torch.bool, device=reached.device)
+    valid = valid.to(device=reached.device, dtype=torch.bool)  # (N,)
+    columns = [
+        group_advantages(returns[:, k], num_generations, scale_rewards, reached[:, k] & valid)[0]
+        for k in range(returns.shape[1])
+    ]
+    return torch.stack(columns, dim=1)
+
+
+def token_advantages(per_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """(N, T) advantage of each completion token: that of its turn. ``per_turn`` (N, K); ``turn_ids`` (N, T) with the
+    turn of each token in [0, K) (other values, e.g. on environment tokens, are clamped: mask them in the loss)."""
+    ids = turn_ids.long().clamp(0, per_turn.shape[1] - 1)
+    return per_turn.gather(1, ids)

@@ -22,6 +22,8 @@ from .distributed import launched_processes, needs_cpu_process_group
 from .loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, Objective
 from .sampling_correction import CORRECTION_MODES
 
+# How episode rewards become advantages (see `advantage_granularity`).
+ADVANTAGE_GRANULARITIES = ("trajectory", "turn")
 # How completions are sampled (see `decode_loop`).
 DECODE_LOOPS = ("gspo", "generate")
 
@@ -322,8 +324,10 @@ class GSPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "'sequence' (GSPO, paper Eq. 5–7), 'sequence_token' (GSPO-token, Eq. 13–14, for per-token "
-            "advantages) or 'token' (GRPO's per-token ratio, for comparison runs). None: 'sequence' for the "
-            "per-sequence objectives (grpo, sapo, luspo), 'token' for the token-summed ones and vespo."
+            "advantages), 'token' (GRPO's per-token ratio, for comparison runs) or 'turn' (multi-turn episodes: Eq. 7 "
+            "per assistant turn, clipped per turn; the same as 'sequence' for single-turn completions). None: "
+            "'sequence' for the per-sequence objectives (grpo, sapo, luspo), 'token' for the token-summed ones and "
+            "vespo."
         },
     )
     epsilon: float | None = field(
@@ -462,6 +466,29 @@ class GSPOConfig(TrainingArguments):
         },
     )
 
+    # --- Multi-turn episodes (env_factory) ------------------------------------------------------
+    max_turns: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most assistant turns per episode of an env_factory environment; an episode still running then "
+            "ends as truncated. None: episodes end only when the environment ends them or max_completion_length (which "
+            "counts every turn and every environment token) runs out."
+        },
+    )
+    advantage_granularity: str = field(
+        default="trajectory",
+        metadata={
+            "help": "'trajectory': one advantage per episode, from its total reward, for every turn. 'turn': each turn "
+            "gets the advantage of its return (the rewards from that turn on, discounted by turn_discount), "
+            "normalised within the group over the episodes that reached that turn; needs importance_sampling_level "
+            "'turn', 'sequence_token' or 'token'."
+        },
+    )
+    turn_discount: float = field(
+        default=1.0,
+        metadata={"help": "Discount per turn, in [0, 1], applied to step rewards in an episode's return."},
+    )
+
     # --- Logging -----------------------------------------------------------------------------
     log_completions: bool = field(
         default=False,
@@ -565,6 +592,23 @@ class GSPOConfig(TrainingArguments):
                 raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights!r}.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
+        self._validate_episodes()
+
+    def _validate_episodes(self) -> None:
+        if self.advantage_granularity not in ADVANTAGE_GRANULARITIES:
+            raise ValueError(f"advantage_granularity must be one of {ADVANTAGE_GRANULARITIES}, got "
+                             f"{self.advantage_granularity!r}.")
+        if self.advantage_granularity == "turn" and self.importance_sampling_level == "sequence":
+            raise ValueError("advantage_granularity='turn' gives each turn its own advantage, which one ratio per "
+                             "sequence cannot carry: set importance_sampling_level='turn' (one ratio per turn) or "
+                             "'sequence_token' (GSPO-token).")
+        if self.advantage_granularity == "turn" and self.loss_type == "vespo":
+            raise ValueError("loss_type='vespo' weighs whole sequences and takes one advantage per sequence: use "
+                             "advantage_granularity='trajectory' with it.")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1 or None, got {self.max_turns}.")
+        if not 0 <= self.turn_discount <= 1:
+            raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}.")
 
     def _validate_sampling(self) -> None:
         if self.num_generations is None or self.num_generations < 2:

@@ -2,11 +2,15 @@
 
 This module owns the importance ratio, the KL penalty, which tokens count, how per-token losses are
 averaged, and the statistics; the policy terms themselves (clipped GSPO/GRPO, SAPO, CISPO, VESPO)
-are one function each in `objectives`. Three importance-sampling levels:
+are one function each in `objectives`. Four importance-sampling levels:
 
 * ``"sequence"`` (GSPO): s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|)            (Eq. 7), objective Eq. 5.
 * ``"sequence_token"`` (GSPO-token): s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)]  (Eq. 14), objective Eq. 13.
 * ``"token"`` (GRPO): r_i,t = pi(y_i,t) / pi_old(y_i,t), clipped per token        (Eq. 2).
+* ``"turn"`` (multi-turn GSPO): s_i,k = (pi(y_i,k|.) / pi_old(y_i,k|.))^(1/|y_i,k|), Eq. 7 applied to each
+  assistant turn k of an episode on its own and clipped per turn; with one turn it is ``"sequence"``. Each turn's
+  term covers its tokens, so under the default aggregation a turn weighs its share of the episode's tokens and every
+  token's gradient has the same 1/|y_i| weight, as at the sequence level.
 
 All functions are pure: tensors in, tensors out, no trainer state. The hyperparameters travel in an
 `Objective`; `policy_loss` also accepts them as keywords.
@@ -22,7 +26,7 @@ import torch
 from .loss_masks import off_policy_sequence_mask
 from .objectives import CORRECTION_IN_RATIO, POLICY_TERMS, VESPO_LOG_WEIGHT_MIN
 
-IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
+IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token", "turn")
 
 # How each loss_type averages its per-token losses l_i,t over a batch of B sequences (TRL's names):
 #   grpo, sapo:         (1/B) sum_i (1/|y_i|) sum_t l_i,t    each sequence weighs the same (GSPO's Eq. 5)
@@ -112,14 +116,35 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return total / count.clamp(min=1.0)
 
 
-def importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """log of the importance weight of each token's loss, (B, T): Eq. 7, Eq. 14 or GRPO's per-token ratio."""
+def segment_mean(values: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T): at each position, the mean of ``values`` over the masked positions of the same row and segment.
+
+    ``segment_ids`` (B, T) holds integers >= 0 where ``mask`` is set (e.g. the assistant turn of each token); other
+    positions may hold anything. A segment without masked positions has mean 0.
+    """
+    mask = mask.bool()
+    ids = torch.where(mask, segment_ids, torch.zeros_like(segment_ids)).long()  # (B, T)
+    num_segments = int(ids.max()) + 1 if ids.numel() else 1
+    masked_values = torch.where(mask, values, torch.zeros_like(values))
+    totals = values.new_zeros(values.shape[0], num_segments).scatter_add(1, ids, masked_values)  # (B, K)
+    counts = values.new_zeros(values.shape[0], num_segments).scatter_add(1, ids, mask.to(values.dtype))  # (B, K)
+    return (totals / counts.clamp(min=1.0)).gather(1, ids)  # (B, T)
+
+
+def importance_weights(
+    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str, turn_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log of the importance weight of each token's loss, (B, T): Eq. 7, Eq. 14, GRPO's per-token ratio, or Eq. 7
+    per assistant turn (``turn_ids`` (B, T): each token's turn; None: the whole completion is one turn)."""
     log_ratio = logps - old_logps  # (B, T), 0 on padding
     if level == "token":
         return log_ratio  # GRPO: r_i,t = pi / pi_old
+    if level == "turn" and turn_ids is not None:
+        # log s_i,k = (1/|y_i,k|) sum_{t in turn k} log(pi / pi_old), broadcast over the turn's tokens.
+        return segment_mean(log_ratio, mask, turn_ids)
     # Eq. 7: log s_i = (1/|y_i|) sum_t log(pi / pi_old), the length-normalised sequence log-ratio.
     sequence_log_ratio = masked_mean(log_ratio, mask, dim=1).unsqueeze(1)  # (B, 1)
-    if level == "sequence":
+    if level in ("sequence", "turn"):
         return sequence_log_ratio.expand_as(logps)  # s_i broadcast over the sequence
     # Eq. 14: s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: value s_i, gradient only through token t.
     return sequence_log_ratio.detach() + logps - logps.detach()
@@ -152,7 +177,8 @@ def _validate_tensors(per_token_logps, advantages, objective: Objective, beta_ne
                          f"got {tuple(advantages.shape)}")
     if advantages.dim() == 2 and objective.importance_sampling_level == "sequence":
         raise ValueError("advantages of shape (B, T) are per-token; importance_sampling_level='sequence' needs (B,) "
-                         "advantages. Use importance_sampling_level='sequence_token' (GSPO-token) for per-token ones.")
+                         "advantages. Use importance_sampling_level='sequence_token' (GSPO-token) for per-token ones, 'turn' for "
+                         "per-turn ones.")
     if advantages.dim() == 2 and objective.loss_type == "vespo":
         raise ValueError("loss_type='vespo' weighs whole sequences and needs (B,) advantages, got (B, T)")
     if beta_needs_ref:
@@ -169,6 +195,7 @@ def policy_loss(
     sampling_per_token_logps: torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
     policy_token_mask: torch.Tensor | None = None,
+    turn_ids: torch.Tensor | None = None,
     token_normalizer: torch.Tensor | float | None = None,
     per_token_entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
@@ -182,7 +209,8 @@ def policy_loss(
         per_token_logps: (B, T) log pi_theta(y_t | x, y_<t); carries the gradient.
         old_per_token_logps: (B, T) behaviour-policy log-probs, or None for on-policy (old = sg[logp]: the
             ratio is exactly 1 while its gradient is ratio * d logp).
-        advantages: (B,) per sequence, or (B, T) per token (only with ``"sequence_token"`` or ``"token"``).
+        advantages: (B,) per sequence, or (B, T) per token (with ``"sequence_token"``, ``"token"`` or ``"turn"``;
+            per-turn advantages are (B, T) constant over each turn's tokens).
         completion_mask: (B, T), nonzero where a token is trained on. Padded positions of every other tensor
             may hold garbage (NaN, -inf); it never reaches the loss or the gradient.
         ref_per_token_logps: (B, T) reference-policy log-probs; required when beta > 0.
@@ -193,6 +221,7 @@ def policy_loss(
             KL term, as in TRL), or, for ``vespo``, enter its sequence ratio.
         policy_token_mask: (B, T) extra 0/1 selection of the tokens the policy term learns from (e.g.
             `loss_masks.high_entropy_token_mask`); masked tokens still count in the denominators.
+        turn_ids: (B, T) integer assistant turn (0, 1, ...) of each token, for ``"turn"``; None: one turn per row.
         token_normalizer: the number of completion tokens the ``dapo``/``cispo``/``vespo`` sum is divided by
             (the optimizer step's tokens per process); defaults to this batch's.
         per_token_entropy: (B, T) token entropies carrying a gradient, for ``entropy_coef``.
@@ -216,7 +245,7 @@ def policy_loss(
                       beta_needs_ref=objective.beta > 0 and ref_per_token_logps is None,
                       old_per_token_logps=old_per_token_logps, completion_mask=completion_mask,
                       ref_per_token_logps=ref_per_token_logps, sampling_per_token_logps=sampling_per_token_logps,
-                      sampling_weights=sampling_weights,
+                      sampling_weights=sampling_weights, turn_ids=turn_ids,
                       policy_token_mask=policy_token_mask, per_token_entropy=per_token_entropy)
     mask = completion_mask.bool()  # (B, T)
     zeros = torch.zeros_like(per_token_logps)
@@ -230,7 +259,7 @@ def policy_loss(
     valid_sequences = mask.any(dim=1)  # (B,)
     level = objective.importance_sampling_level
 
-    log_is_weight = importance_weights(logps, old_logps, mask, level)  # (B, T)
+    log_is_weight = importance_weights(logps, old_logps, mask, level, turn_ids)  # (B, T)
     ratio = torch.exp(log_is_weight.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T)
 
     def reduce(values: torch.Tensor) -> torch.Tensor:  # mean over the level's units: sequences or tokens

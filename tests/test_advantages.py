@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from gspo_trl.advantages import aggregate_rewards, group_advantages
+from gspo_trl.advantages import (
+    aggregate_rewards,
+    discounted_returns,
+    group_advantages,
+    token_advantages,
+    turn_advantages,
+)
 
 NAN = float("nan")
 
@@ -168,3 +174,55 @@ def test_errors():
         group_advantages(torch.zeros(0), 2)
     with pytest.raises(ValueError, match="marked valid"):
         group_advantages(torch.tensor([1.0, NAN]), 2, valid=torch.ones(2, dtype=torch.bool))
+
+
+# --- multi-turn: per-turn returns and advantages ------------------------------------------------
+
+def test_discounted_returns_hand_computed():
+    rewards = torch.tensor([[1.0, 0.0, 2.0], [0.5, 3.0, 9.0]])
+    reached = torch.tensor([[True, True, True], [True, True, False]])  # row 1 stopped after two turns
+    # gamma = 0.5: row 0 -> (1 + 0.5 * (0 + 0.5 * 2), 0 + 0.5 * 2, 2) = (1.5, 1, 2); row 1 -> (0.5 + 1.5, 3, 0).
+    expected = torch.tensor([[1.5, 1.0, 2.0], [2.0, 3.0, 0.0]])
+    torch.testing.assert_close(discounted_returns(rewards, reached, gamma=0.5), expected)
+    torch.testing.assert_close(discounted_returns(rewards, reached), torch.tensor([[3.0, 2.0, 2.0], [3.5, 3.0, 0.0]]))
+
+
+def test_discounted_returns_checks_inputs():
+    with pytest.raises(ValueError, match="gamma"):
+        discounted_returns(torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool), gamma=1.5)
+    with pytest.raises(ValueError, match="reached"):
+        discounted_returns(torch.zeros(2, 2), torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_turn_advantages_normalise_each_turn_over_the_members_that_reached_it():
+    # One group of 3 episodes, gamma 1. Returns: episode 0 (1 turn, r=1) -> (1); episode 1 (2 turns, r=0, 2) ->
+    # (2, 2); episode 2 (3 turns, r=0, 0, 1) -> (1, 1, 1).
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 1.0]])
+    reached = torch.tensor([[True, False, False], [True, True, False], [True, True, True]])
+    advantages = turn_advantages(rewards, reached, num_generations=3, scale_rewards="none")
+    # Turn 0: returns (1, 2, 1), mean 4/3. Turn 1: episodes 1, 2 with (2, 1), mean 1.5. Turn 2: one member -> 0.
+    expected = torch.tensor([[-1 / 3, 0.0, 0.0], [2 / 3, 0.5, 0.0], [-1 / 3, -0.5, 0.0]])
+    torch.testing.assert_close(advantages, expected)
+    scaled = turn_advantages(rewards, reached, num_generations=3, scale_rewards="group")
+    turn0_std = torch.tensor([1.0, 2.0, 1.0]).std()
+    turn1_std = torch.tensor([2.0, 1.0]).std()
+    torch.testing.assert_close(scaled[:, 0], expected[:, 0] / turn0_std)
+    torch.testing.assert_close(scaled[1:, 1], expected[1:, 1] / turn1_std)
+
+
+def test_turn_advantages_with_one_turn_equal_group_advantages():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(12, generator=g)
+    valid = torch.ones(12, dtype=torch.bool)
+    valid[5] = False
+    for scale in ("group", "batch", "none"):
+        expected, _ = group_advantages(rewards, 4, scale, valid)
+        got = turn_advantages(rewards[:, None], torch.ones(12, 1, dtype=torch.bool), 4, scale, valid=valid)
+        torch.testing.assert_close(got[:, 0], expected)
+
+
+def test_token_advantages_gather_each_tokens_turn():
+    per_turn = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
+    turn_ids = torch.tensor([[0, 0, -1, 1], [0, 1, 1, 5]])  # -1 / 5: environment or padding tokens
+    torch.testing.assert_close(token_advantages(per_turn, turn_ids),
+                               torch.tensor([[1.0, 1.0, 1.0, -2.0], [0.5, 0.0, 0.0, 0.0]]))

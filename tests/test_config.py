@@ -86,6 +86,11 @@ def test_scale_rewards_booleans(tmp_path):
         ({"generation_batch_size": 32, "steps_per_generation": 4}, "generation_batch_size"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
         ({"per_device_train_batch_size": 4, "steps_per_generation": 2}, "split across optimizer steps"),
+        ({"advantage_granularity": "step"}, "advantage_granularity"),
+        ({"advantage_granularity": "turn"}, "importance_sampling_level='turn'"),
+        ({"advantage_granularity": "turn", "loss_type": "vespo"}, "advantage_granularity='trajectory'"),
+        ({"max_turns": 0}, "max_turns"),
+        ({"turn_discount": 1.5}, "turn_discount"),
     ],
 )
 def test_invalid_values_name_the_field(tmp_path, kwargs, field_name):
@@ -113,3 +118,9 @@ def test_vllm_defaults_and_trls_deprecated_cap(tmp_path):
     assert (config.vllm_mode, config.vllm_server_host, config.vllm_importance_sampling_mode) == (
         "server", "127.0.0.1", "sequence_mask")
     assert config.vllm_importance_sampling_clip_max == 2.0
+
+
+def test_turn_level_defaults_to_the_papers_sequence_clipping_range(tmp_path):
+    args = make(tmp_path, per_device_train_batch_size=8, importance_sampling_level="turn", advantage_granularity="turn")
+    assert (args.epsilon, args.epsilon_high) == (3e-4, 4e-4)
+    assert args.max_turns is None and args.turn_discount == 1.0

@@ -333,3 +333,107 @@ def test_invalid_inputs_raise_value_error_naming_the_argument(change, name):
     kwargs.update(change)
     with pytest.raises(ValueError, match=name):
         policy_loss(**kwargs)
+
+
+# --- turn level (multi-turn GSPO: Eq. 7 per assistant turn) ------------------------------------
+
+def test_turn_hand_computed():
+    logps, old, mask = hand_inputs()
+    # Row 0: turn 0 = tokens 0-1 (log-ratios 0.3, 0 -> log s = 0.15), turn 1 = token 2 (log s = 0).
+    # Row 1: turn 0 = token 0 (log s = -0.1), turn 1 = token 1 (log s = -0.3).
+    turn_ids = torch.tensor([[0, 0, 1], [0, 1, 7]])  # 7 sits on padding
+    adv = torch.tensor([[1.0, 1.0, -1.0], [-1.0, 2.0, float("nan")]], dtype=F64)  # per-turn, NaN on padding
+    loss, stats = policy_loss(logps, old, adv, mask, importance_sampling_level="turn", turn_ids=turn_ids, **HAND_EPS)
+    loss.backward()
+    # Row 0: s = e^0.15 = 1.1618 inside [0.9, 1.2] with A=+1 on 2 tokens; s = 1 with A=-1 on 1 token.
+    # Row 1: s = e^-0.1 inside with A=-1; s = e^-0.3 = 0.7408 < 0.9 with A=+2: the min keeps the ratio term.
+    row0 = (2 * math.exp(0.15) - 1) / 3
+    row1 = (-math.exp(-0.1) + 2 * math.exp(-0.3)) / 2
+    assert loss.item() == pytest.approx(-(row0 + row1) / 2, rel=1e-12)
+    # d/d logp_t = -(1/B)(1/|y_i|) A_k s_k for every token t of turn k: each token weighs 1/|y_i|, as in Eq. 7.
+    expected = torch.tensor([
+        [-math.exp(0.15) / 6, -math.exp(0.15) / 6, 1 / 6],
+        [math.exp(-0.1) / 4, -2 * math.exp(-0.3) / 4, 0.0],
+    ], dtype=F64)
+    torch.testing.assert_close(logps.grad, expected)
+    assert stats["clip_fraction"].item() == 0.0
+    # Statistics are over tokens at the turn level.
+    assert stats["ratio_mean"].item() == pytest.approx(
+        (2 * math.exp(0.15) + 1 + math.exp(-0.1) + math.exp(-0.3)) / 5)
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(0.15))
+    assert stats["ratio_min"].item() == pytest.approx(math.exp(-0.3))
+
+
+def test_turn_clips_each_turn_on_its_own():
+    # One row, two turns: turn 0 drifted above the range (clipped, no gradient), turn 1 is on-policy.
+    logps = leaf([[-1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.5, -1.5, -1.0]], dtype=F64)
+    mask = torch.ones(1, 3, dtype=F64)
+    turn_ids = torch.tensor([[0, 0, 1]])
+    adv = torch.ones(1, 3, dtype=F64)
+    loss, stats = policy_loss(logps, old, adv, mask, importance_sampling_level="turn", turn_ids=turn_ids, **HAND_EPS)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(2 * 1.2 + 1.0) / 3, rel=1e-12)
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, 0.0, -1 / 3]], dtype=F64))
+    assert stats["clip_fraction_high"].item() == pytest.approx(2 / 3)  # 2 of 3 tokens sit in a clipped turn
+    # The sequence level would average the two turns (log s = 1/3 -> clipped too) and give no gradient at all.
+    seq_logps = logps.detach().clone().requires_grad_(True)
+    policy_loss(seq_logps, old, adv[:, 0], mask, importance_sampling_level="sequence", **HAND_EPS)[0].backward()
+    assert seq_logps.grad.abs().sum().item() == 0.0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_turn_with_one_turn_equals_sequence(beta):
+    logps, old, adv, mask = random_batch(seed=11, scale=5e-4)
+    ref = logps + 0.1 * torch.randn(logps.shape, dtype=F64, generator=torch.Generator().manual_seed(12))
+    kw = dict(beta=beta, ref_per_token_logps=ref)
+    l_seq, g_seq, s_seq = loss_and_grad(logps, old, adv, mask, importance_sampling_level="sequence", **kw)
+    assert 0 < s_seq["clip_fraction"].item() < 1  # the comparison covers clipped and unclipped rows
+    for turn_ids in (torch.zeros(logps.shape, dtype=torch.long), None):
+        l_turn, g_turn, _ = loss_and_grad(logps, old, adv, mask, importance_sampling_level="turn", turn_ids=turn_ids,
+                                          **kw)
+        torch.testing.assert_close(l_turn, l_seq, rtol=1e-13, atol=0)
+        torch.testing.assert_close(g_turn, g_seq, rtol=1e-12, atol=1e-16)
+
+
+def test_turn_equals_sequence_level_on_each_turn_as_its_own_row():
+    # With a token-sum aggregation ("luspo": sum_t l_t per row), a row of K turns contributes exactly what its K
+    # turns would as K separate sequences at the sequence level (Eq. 7 on each), in loss and gradient.
+    g = torch.Generator().manual_seed(5)
+    B, T = 4, 9
+    logps = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    old = logps + 5e-4 * torch.randn(B, T, generator=g, dtype=F64)
+    turn_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1, 1],
+                             [0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 2, 2, 2]])
+    mask = torch.ones(B, T, dtype=F64)
+    mask[3, 4] = 0  # an environment token inside turn 1 of row 3: out of the ratio and the loss
+    per_turn_adv = torch.randn(B, 3, generator=g, dtype=F64)
+    adv = per_turn_adv.gather(1, turn_ids)
+    kw = dict(loss_type="luspo", epsilon=3e-4, epsilon_high=4e-4)
+    loss, grad, stats = loss_and_grad(logps, old, adv, mask, importance_sampling_level="turn", turn_ids=turn_ids, **kw)
+    assert 0 < stats["clip_fraction"].item() < 1
+
+    # The same tokens, one row per (row, turn), right-padded.
+    pieces = [(i, k) for i in range(B) for k in range(3) if bool((turn_ids[i] == k).any())]
+    split_logps = torch.zeros(len(pieces), T, dtype=F64)
+    split_old, split_mask = torch.zeros_like(split_logps), torch.zeros_like(split_logps)
+    for r, (i, k) in enumerate(pieces):
+        cols = (turn_ids[i] == k).nonzero().flatten()
+        split_logps[r, : len(cols)], split_old[r, : len(cols)] = logps[i, cols], old[i, cols]
+        split_mask[r, : len(cols)] = mask[i, cols]
+    split_adv = torch.stack([per_turn_adv[i, k] for i, k in pieces])
+    split_loss, split_grad, _ = loss_and_grad(split_logps, split_old, split_adv, split_mask,
+                                              importance_sampling_level="sequence", **kw)
+    # luspo averages row sums over rows: rescale to the same number of rows.
+    torch.testing.assert_close(loss * B, split_loss * len(pieces))
+    regathered = torch.zeros_like(grad)
+    for r, (i, k) in enumerate(pieces):
+        cols = (turn_ids[i] == k).nonzero().flatten()
+        regathered[i, cols] = split_grad[r, : len(cols)] * len(pieces) / B
+    torch.testing.assert_close(grad, regathered)
+
+
+def test_turn_ids_shape_is_checked():
+    with pytest.raises(ValueError, match="turn_ids"):
+        policy_loss(torch.zeros(2, 3), None, torch.zeros(2), torch.ones(2, 3), importance_sampling_level="turn",
+                    turn_ids=torch.zeros(2, 4, dtype=torch.long))
