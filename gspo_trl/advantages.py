@@ -220,3 +220,32 @@ def token_advantages(per_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Te
     turn of each token in [0, K) (other values, e.g. on environment tokens, are clamped: mask them in the loss)."""
     ids = turn_ids.long().clamp(0, per_turn.shape[1] - 1)
     return per_turn.gather(1, ids)
+
+
+def episode_advantages(
+    turn_rewards: torch.Tensor,
+    reached: torch.Tensor,
+    final_rewards: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str | bool = "group",
+    gamma: float = 1.0,
+    granularity: str = "trajectory",
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Advantages of every turn of multi-turn episodes (N, K), the episodes' returns (N,), and their statistics.
+
+    The reward after turn k is the environment's step reward; ``final_rewards`` (N,) (the reward functions' weighted
+    sum, scored on the whole episode) joins the reward of the episode's last turn. The episode's return is
+    ``G_0 = sum_k gamma^k r_k``. ``granularity="trajectory"``: every turn gets the group-relative advantage of G_0
+    (`group_advantages`). ``"turn"``: turn k gets that of its own return G_k (`turn_advantages`).
+    """
+    if granularity not in ("trajectory", "turn"):
+        raise ValueError(f"granularity must be 'trajectory' or 'turn', got {granularity!r}")
+    rows = torch.arange(reached.shape[0], device=reached.device)
+    last_turn = (reached.sum(dim=1) - 1).clamp(min=0)  # (N,)
+    rewards = torch.where(reached, turn_rewards.float(), torch.zeros_like(turn_rewards, dtype=torch.float32))
+    rewards[rows, last_turn] += final_rewards.float()
+    returns = discounted_returns(rewards, reached, gamma)  # (N, K)
+    trajectory, stats = group_advantages(returns[:, 0], num_generations, scale_rewards)  # (N,)
+    if granularity == "trajectory":
+        return trajectory.unsqueeze(1).expand_as(returns).clone(), returns[:, 0], stats
+    return turn_advantages(rewards, reached, num_generations, scale_rewards, gamma), returns[:, 0], stats

@@ -211,3 +211,22 @@ def format_health(health: dict) -> str:
     ]
     lines += [f"  hint: {hint}" for hint in health["hints"]]
     return "\n".join(lines)
+
+
+def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor, sampled_tokens: torch.Tensor,
+                    env_tokens: torch.Tensor, end_codes: torch.Tensor, end_reasons: tuple[str, ...]) -> dict[str, float]:
+    """What a batch of multi-turn episodes did (all tensors over every process): turns per episode, the share of
+    completion tokens that came from the environment, how episodes ended (`end_codes` index `end_reasons`), and the
+    mean step reward at each turn index over the episodes that reached it."""
+    metrics = {
+        "episodes/turns/mean": reached.sum(dim=1).float().mean().item(),
+        "episodes/turns/max": reached.sum(dim=1).max().item(),
+        "episodes/env_token_fraction": (env_tokens.sum() / (env_tokens.sum() + sampled_tokens.sum()).clamp(min=1)).item(),
+    }
+    for code, reason in enumerate(end_reasons):
+        metrics[f"episodes/ended_by/{reason}"] = (end_codes == code).float().mean().item()
+    for turn in range(reached.shape[1]):
+        played = reached[:, turn]
+        if played.any():
+            metrics[f"episodes/reward_turn_{turn}/mean"] = turn_rewards[played, turn].float().mean().item()
+    return metrics

@@ -42,6 +42,11 @@ class Rollout:
     # (N, C) log-probs of the sampled tokens under the engine that sampled them, when that engine is not the
     # trained model itself (a vLLM server); 0 on padding, NaN where the engine gave none. None otherwise.
     sampling_logps: torch.Tensor | None = None
+    # Multi-turn episodes (`environments.episodes`): (N, C) 1 on the tokens the model sampled, 0 on the environment's
+    # (observations between turns), and (N, C) the assistant turn (0, 1, ...) of each sampled token, -1 elsewhere.
+    # None for single-turn rollouts, where every completion token is sampled and there is one turn.
+    env_mask: torch.Tensor | None = None
+    turn_ids: torch.Tensor | None = None
 
 
 class RolloutBackend(ABC):
@@ -63,6 +68,13 @@ class RolloutBackend(ABC):
         With `stream_keys` ((N,) int64, see `stream_keys`), row i's randomness depends on its key and
         token position only, so it samples the same completion in any batch, on any number of processes.
         """
+
+    def generate_from_ids(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None
+    ) -> Rollout:
+        """Sample one completion of at most `max_new_tokens` after each token-id prompt: the next assistant turn of
+        a multi-turn episode, whose history is kept as token ids (never re-tokenized)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot continue token-id prompts (multi-turn episodes).")
 
 
 def create_rollout_backend(args, tokenizer: PreTrainedTokenizerBase, accelerator, model_getter) -> RolloutBackend:
@@ -94,6 +106,18 @@ def tokenize_prompts(
         prompt_ids = prompt_ids[:, -max_prompt_length:]
         prompt_mask = prompt_mask[:, -max_prompt_length:]
     return prompt_ids, prompt_mask
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), (N, L) left-padded to the longest sequence."""
+    length = max(1, max(len(ids) for ids in sequences))
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        if tokens:
+            ids[row, length - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, length - len(tokens):] = 1
+    return ids, mask
 
 
 def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,10 +178,19 @@ class HFGenerateBackend(RolloutBackend):
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return tokenize_prompts(prompts, self.tokenizer, self.max_prompt_length, self.chat_template_kwargs)
 
-    @torch.no_grad()
     def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
-        model = self.model_getter()
         prompt_ids, prompt_mask = self.tokenize_prompts(prompts)
+        return self._sample(prompt_ids, prompt_mask, stream_keys, self.generation_config.max_new_tokens)
+
+    def generate_from_ids(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None
+    ) -> Rollout:
+        ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id)
+        return self._sample(ids, mask, stream_keys, max_new_tokens)
+
+    @torch.no_grad()
+    def _sample(self, prompt_ids, prompt_mask, stream_keys, max_new_tokens: int) -> Rollout:
+        model = self.model_getter()
         prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
         keys = None if stream_keys is None else stream_keys.to(model.device)
         was_training = model.training
@@ -166,9 +199,9 @@ class HFGenerateBackend(RolloutBackend):
         model.eval()
         try:
             if self.use_decode_loop:
-                completion_ids = self._sample_with_loop(model, prompt_ids, prompt_mask, keys)
+                completion_ids = self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens)
             else:
-                completion_ids = self._sample_with_generate(model, prompt_ids, prompt_mask, keys)
+                completion_ids = self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens)
         finally:
             model.train(was_training)
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
@@ -176,7 +209,7 @@ class HFGenerateBackend(RolloutBackend):
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
 
-    def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys) -> torch.Tensor:
+    def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
         uniforms = decoding.random_uniforms
         if keys is not None:  # one uniform per row and position, from the row's own stream
             def uniforms(rows, position):
@@ -184,16 +217,18 @@ class HFGenerateBackend(RolloutBackend):
 
         return decoding.sample(
             model, prompt_ids, prompt_mask,
-            max_new_tokens=self.generation_config.max_new_tokens, eos_token_ids=self.eos_token_ids,
+            max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
             pad_token_id=self.tokenizer.pad_token_id, processors=self.processors, uniforms=uniforms,
             cache=prefill_shared_prompts(model, prompt_ids, prompt_mask),
         )
 
-    def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys) -> torch.Tensor:
+    def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
         generation_config, processors = self.generation_config, None
+        if max_new_tokens != generation_config.max_new_tokens:
+            generation_config = GenerationConfig(**{**generation_config.to_dict(), "max_new_tokens": max_new_tokens})
         if keys is not None:
             # Greedy over Gumbel-perturbed, warped scores: an exact sample, drawn from the row's own stream.
-            sampling = self.generation_config
+            sampling = generation_config
             generation_config = GenerationConfig(
                 **{**sampling.to_dict(), "do_sample": False, "temperature": None, "top_p": None, "top_k": None,
                    "min_p": None}

@@ -19,7 +19,13 @@ from transformers.utils import logging
 from trl.trainer.utils import RepeatSampler
 
 from . import __version__
-from .advantages import aggregate_rewards, group_advantages
+from .advantages import (
+    aggregate_rewards,
+    discounted_returns,
+    episode_advantages,
+    group_advantages,
+    token_advantages,
+)
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
 from .distributed import (
@@ -32,6 +38,8 @@ from .distributed import (
     weights_for_generation,
 )
 from .entropy_control import EntropyCoefficient
+from .environments import EpisodeBatch, EpisodeRunner
+from .environments.episodes import END_REASONS, end_codes
 from .logprobs import completion_logprobs
 from .loss import Objective, masked_mean, policy_loss
 from .loss_masks import high_entropy_token_mask
@@ -40,6 +48,7 @@ from .metrics import (
     completion_length_metrics,
     loss_metrics,
     metric_counts,
+    episode_metrics,
     reduce_across_processes,
     reward_function_metrics,
     sampling_metrics,
@@ -89,6 +98,7 @@ class GSPOTrainer(Trainer):
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
+        env_factory=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
@@ -98,8 +108,8 @@ class GSPOTrainer(Trainer):
                 f"args must be a GSPOConfig, got {type(args).__name__}. Coming from TRL, replace GRPOConfig with "
                 "gspo_trl.GSPOConfig (same field names)."
             )
-        _check_prompt_dataset(train_dataset, "train_dataset")
-        _check_prompt_dataset(eval_dataset, "eval_dataset")
+        _check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=env_factory is None)
+        _check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=env_factory is None)
         _check_enough_prompts(train_dataset, args)
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
@@ -115,7 +125,12 @@ class GSPOTrainer(Trainer):
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
+        if reward_funcs is None and env_factory is not None:
+            reward_funcs = []  # the environment's step rewards may be the whole reward
         self.reward_funcs = load_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs)
+        if not self.reward_funcs and env_factory is None:
+            raise ValueError("reward_funcs is empty: pass at least one reward function (or an env_factory whose "
+                             "step() returns the rewards).")
         self.reward_weights = resolve_reward_weights(args.reward_weights, len(self.reward_funcs))
         self.ref_model = create_reference_model(model, model_source, args) if args.beta > 0 else None
 
@@ -147,6 +162,7 @@ class GSPOTrainer(Trainer):
         self.rollout_backend = create_rollout_backend(
             args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model)
         )
+        self.episode_runner = None if env_factory is None else EpisodeRunner(env_factory, tokenizer, args)
         self._metrics = MetricsBuffer()
         self._completion_samples: list[dict] = []
         self._buffered_inputs: list[dict] | None = None
@@ -305,18 +321,30 @@ class GSPOTrainer(Trainer):
 
     def _generate_and_score(self, batch: list[dict], mode: str) -> dict[str, Any]:
         args, device = self.args, self.accelerator.device
-        prompts = [row["prompt"] for row in batch]
+        keys = self._stream_keys(len(batch), mode)
         self.rollout_backend.update_weights(self.model_wrapped, self.state.global_step)
+        episodes = None
         with self._generation_context():
-            rollout = self.rollout_backend.generate(prompts, self._stream_keys(len(prompts), mode))
-        completion_mask = rollout.completion_mask
+            if self.episode_runner is None:
+                prompts = [row["prompt"] for row in batch]
+                rollout = self.rollout_backend.generate(prompts, keys)
+            else:
+                episodes = self.episode_runner.run(self.rollout_backend, batch, self._episode_seeds(len(batch), mode),
+                                                   keys)
+                rollout, prompts = episodes.rollout, episodes.prompts
+        # The tokens trained on: those the model sampled (not an environment's observations).
+        sampled_mask = rollout.completion_mask if rollout.env_mask is None else rollout.completion_mask * rollout.env_mask
         completion_texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        if is_conversational_prompt(prompts[0]):
-            completions = [[{"role": "assistant", "content": text}] for text in completion_texts]
-        else:
-            completions = completion_texts
-        completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, completion_mask)]
         columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
+        if episodes is not None:
+            completions, completion_ids = episodes.completions, episodes.completion_ids
+            columns["environments"] = episodes.environments
+        else:
+            if is_conversational_prompt(prompts[0]):
+                completions = [[{"role": "assistant", "content": text}] for text in completion_texts]
+            else:
+                completions = completion_texts
+            completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, sampled_mask)]
 
         extra_columns: dict[str, list] = {}
         local_rewards = compute_rewards(
@@ -324,13 +352,17 @@ class GSPOTrainer(Trainer):
             log_metric=lambda name, value: self._metrics.add(mode, name, value),
             log_extra=extra_columns.__setitem__,
         ).to(device)  # (n, F)
-        # Groups may span processes: advantages are computed on the gathered batch.
-        rewards_per_func = self.accelerator.gather(local_rewards)  # (N, F)
-        rewards, valid = aggregate_rewards(rewards_per_func, self.reward_weights.to(device))
-        advantages, advantage_stats = group_advantages(rewards, args.num_generations, args.scale_rewards, valid)
         local = slice(self.accelerator.process_index * len(batch), (self.accelerator.process_index + 1) * len(batch))
-        advantages = advantages[local]
+        # Groups may span processes: advantages are computed on the gathered batch.
+        if episodes is None:
+            rewards_per_func = self.accelerator.gather(local_rewards)  # (N, F)
+            rewards, valid = aggregate_rewards(rewards_per_func, self.reward_weights.to(device))
+            advantages, advantage_stats = group_advantages(rewards, args.num_generations, args.scale_rewards, valid)
+            advantages = advantages[local]
+        else:
+            advantages, advantage_stats, rewards_per_func, rewards = self._episode_advantages(episodes, local_rewards)
 
+        completion_mask = sampled_mask
         if args.mask_truncated_completions:
             completion_mask = completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
         inputs = {
@@ -340,6 +372,7 @@ class GSPOTrainer(Trainer):
             "completion_mask": completion_mask,
             "advantages": advantages,
             "sampling_per_token_logps": rollout.sampling_logps,  # the vLLM server's, None when the model sampled
+            "turn_ids": rollout.turn_ids,  # multi-turn episodes only
         }
         inputs["old_per_token_logps"] = None  # filled per micro-batch by _prepare_inputs where needed
         inputs["ref_per_token_logps"] = None
@@ -347,13 +380,42 @@ class GSPOTrainer(Trainer):
             with reference_weights(self.model, self.ref_model) as reference:
                 inputs["ref_per_token_logps"] = self._score_without_grad(reference, inputs)
 
-        self._record_rollout_metrics(mode, rollout, rewards_per_func, advantage_stats)
+        self._record_rollout_metrics(mode, rollout, sampled_mask, rewards_per_func, advantage_stats, episodes)
         if args.log_completions and self.accelerator.is_main_process:
             self._completion_samples = [
                 {"prompt": p, "completion": c, "reward": r, "advantage": a, **{k: v[i] for k, v in extra_columns.items()}}
-                for i, (p, c, r, a) in enumerate(zip(prompts, completion_texts, rewards[local].tolist(), advantages.tolist()))
+                for i, (p, c, r, a) in enumerate(zip(prompts, completion_texts, rewards[local].tolist(),
+                                                     _row_advantages(advantages).tolist()))
             ]
         return inputs
+
+    def _episode_advantages(self, episodes: EpisodeBatch, local_rewards: torch.Tensor):
+        """(this process's advantages, the rollout's advantage statistics, the (N, F + 1) reward table with the
+        environment's return first, the (N,) episode returns) for multi-turn episodes, over every process."""
+        args, accelerator, device = self.args, self.accelerator, self.accelerator.device
+        turn_rewards = accelerator.gather(accelerator.pad_across_processes(episodes.turn_rewards.to(device), dim=1))
+        reached = accelerator.gather(accelerator.pad_across_processes(episodes.reached.to(device), dim=1))
+        function_table = accelerator.gather(local_rewards)  # (N, F)
+        function_rewards, _ = aggregate_rewards(function_table, self.reward_weights.to(device))  # NaN-free
+        per_turn, returns, stats = episode_advantages(
+            turn_rewards, reached, function_rewards, args.num_generations, args.scale_rewards, args.turn_discount,
+            args.advantage_granularity,
+        )  # (N, K), (N,)
+        local = slice(accelerator.process_index * len(episodes.ends), (accelerator.process_index + 1) * len(episodes.ends))
+        if args.advantage_granularity == "turn":
+            advantages = token_advantages(per_turn[local], episodes.rollout.turn_ids.to(device))  # (n, C)
+        else:
+            advantages = per_turn[local, 0]  # (n,)
+        env_return = discounted_returns(turn_rewards, reached, args.turn_discount)[:, :1]  # (N, 1)
+        return advantages, stats, torch.cat([env_return, function_table], dim=1), returns
+
+    def _episode_seeds(self, num_rows: int, mode: str) -> list[int]:
+        """One environment seed per group (its num_generations episodes start from the same state), whatever the
+        process layout."""
+        rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
+        keys = stream_keys(self.args.seed, self.state.global_step, 0 if mode == "train" else 1,
+                           rows // self.args.num_generations)
+        return (keys & 0x7FFFFFFF).tolist()
 
     def _generation_context(self) -> contextlib.AbstractContextManager:
         """Sampling on the trained model runs under the training precision and, under ZeRO-3, gathered weights."""
@@ -396,16 +458,23 @@ class GSPOTrainer(Trainer):
             chunks.append(logps)
         return torch.cat(chunks)
 
-    def _record_rollout_metrics(self, mode, rollout, rewards_per_func, advantage_stats) -> None:
-        metrics = self._metrics
-        metrics.add_many(mode, reward_function_metrics(rewards_per_func, [f.name for f in self.reward_funcs]))
+    def _record_rollout_metrics(self, mode, rollout, sampled_mask, rewards_per_func, advantage_stats, episodes) -> None:
+        metrics, gather = self._metrics, self.accelerator.gather
+        names = [f.name for f in self.reward_funcs]
+        metrics.add_many(mode, reward_function_metrics(rewards_per_func, names if episodes is None else ["env"] + names))
         for name in ("reward", "reward_std", "frac_reward_zero_std"):
             metrics.add(mode, name, advantage_stats[name])
-        lengths = completion_length_metrics(
-            self.accelerator.gather(rollout.completion_mask.sum(1, keepdim=True)),
-            self.accelerator.gather(rollout.is_truncated.unsqueeze(1)).squeeze(1),
-        )
+        sampled_tokens = sampled_mask.sum(1, keepdim=True)  # (n, 1) model tokens, as TRL counts with tools
+        lengths = completion_length_metrics(gather(sampled_tokens), gather(rollout.is_truncated.unsqueeze(1)).squeeze(1))
         metrics.add_many(mode, lengths)
+        if episodes is not None:
+            device = sampled_mask.device
+            env_tokens = rollout.completion_mask.sum(1, keepdim=True) - sampled_tokens
+            metrics.add_many(mode, episode_metrics(
+                gather(self.accelerator.pad_across_processes(episodes.reached.to(device), dim=1)),
+                gather(self.accelerator.pad_across_processes(episodes.turn_rewards.to(device), dim=1)),
+                gather(sampled_tokens), gather(env_tokens), gather(end_codes(episodes.ends).to(device)), END_REASONS,
+            ))
         if mode == "train":
             tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()
             self._num_tokens_seen += self.accelerator.gather(tokens.reshape(1)).sum().item()
@@ -444,6 +513,7 @@ class GSPOTrainer(Trainer):
             sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
             sampling_weights=sampling_weights,
             policy_token_mask=policy_token_mask,
+            turn_ids=inputs.get("turn_ids"),
             token_normalizer=self._token_normalizer(inputs, mode),
             per_token_entropy=scores.entropy,
             entropy_coef=entropy_coef,
@@ -598,13 +668,13 @@ def _check_enough_prompts(dataset, args: GSPOConfig) -> None:
         )
 
 
-def _check_prompt_dataset(dataset, name: str) -> None:
+def _check_prompt_dataset(dataset, name: str, needs_prompt: bool = True) -> None:
     if dataset is None:
         return
     column_names = getattr(dataset, "column_names", None)
     if isinstance(column_names, dict):  # a DatasetDict
         raise TypeError(f"{name} is a DatasetDict; pass one split, e.g. {name}=dataset['train'].")
-    if column_names is not None and "prompt" not in column_names:
+    if needs_prompt and column_names is not None and "prompt" not in column_names:
         raise ValueError(
             f"{name} needs a 'prompt' column (a string, or a list of chat messages); it has {column_names}. "
             "Rename your column with dataset.rename_column(old, 'prompt')."
@@ -627,6 +697,11 @@ def _split_batch(
     for part in order.chunk(num_slices):
         slices.append({key: None if value is None else value[part.to(value.device)] for key, value in batch.items()})
     return slices
+
+
+def _row_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """(n,) one advantage per row for display: per-turn advantages show the first turn's."""
+    return advantages if advantages.dim() == 1 else advantages[:, 0]
 
 
 def _sampler_logprobs_as_old(micro_batch: dict[str, Any]) -> torch.Tensor:

@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from ..distributed import unwrap_model
-from ..rollout import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, tokenize_prompts
+from ..rollout import (
+    Rollout,
+    RolloutBackend,
+    completion_mask_from_eos,
+    eos_token_ids_of,
+    left_pad,
+    tokenize_prompts,
+)
 from .client import VLLMServerClient, VLLMServerError
 from .weight_sync import adapter_sync_unsupported_reason, remove_snapshot, write_adapter, write_snapshot
 
@@ -204,6 +211,17 @@ class VLLMServerBackend(RolloutBackend):
             answers = list(pool.map(lambda r: self.client.complete(r[0], r[1], self.sampling), requests))
         pending = {n: iter(answer) for (_, n), answer in zip(requests, answers)}
         samples = [sample for _, n in runs for sample in next(pending[n])]
+        return self._rollout(prompt_ids, prompt_mask, samples)
+
+    def generate_from_ids(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None
+    ) -> Rollout:
+        # Each episode has its own history: one sample per prompt, in one request.
+        answers = self.client.complete(prompt_ids, 1, {**self.sampling, "max_tokens": max_new_tokens})
+        ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id)
+        return self._rollout(ids, mask, [samples[0] for samples in answers])
+
+    def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples: list[dict]) -> Rollout:
         completion_ids, sampling_logps = pad_samples(samples, self.tokenizer.pad_token_id)
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)

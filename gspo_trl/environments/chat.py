@@ -1,0 +1,54 @@
+"""How an environment's observation joins an episode's token ids after an assistant turn.
+
+The history of an episode stays token ids (never decoded and re-tokenized, which could change the tokens the model
+sampled). An observation is appended as the tokens the chat template puts after a finished assistant turn: the user
+message and the next generation prompt. They are found once per template by rendering a short conversation with and
+without the message (TRL does the same for tool results) and cutting after the assistant's end-of-turn token, which
+is where sampling stopped. Text prompts (no chat template) get the observation's own tokens.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+
+class ObservationEncoder:
+    """`encoder(text)`: the token ids that show `text` to the model as the next user message."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, conversational: bool, end_of_turn_ids: list[int],
+                 chat_template_kwargs: dict | None = None):
+        self.tokenizer = tokenizer
+        self.conversational = conversational
+        self.end_of_turn_ids = set(end_of_turn_ids)
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self._history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+        self._prefix = self._history_ids() if conversational else None
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False,
+            **self.chat_template_kwargs,
+        )
+        return list(ids)
+
+    def _history_ids(self) -> list[int]:
+        prefix = self._render(self._history, add_generation_prompt=False)
+        ends = [i for i, token in enumerate(prefix) if token in self.end_of_turn_ids]
+        if not ends:
+            raise ValueError(
+                "The chat template does not end an assistant turn with an end-of-turn token the sampler stops at "
+                f"({sorted(self.end_of_turn_ids)}), so observations cannot be appended after a turn as token ids. "
+                "Set the tokenizer's eos_token (or generation_config.eos_token_id) to the template's end-of-turn token."
+            )
+        return prefix[: ends[-1] + 1]  # what sampling produced: the turn up to and including its end-of-turn token
+
+    def __call__(self, text: str) -> list[int]:
+        if not self.conversational:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        full = self._render(self._history + [{"role": "user", "content": text}], add_generation_prompt=True)
+        if full[: len(self._prefix)] != self._prefix:
+            raise ValueError(
+                "The chat template renders a conversation differently once a user message follows the assistant's "
+                "turn (the earlier tokens change), so observations cannot be appended as token ids."
+            )
+        return full[len(self._prefix):]

@@ -1,0 +1,215 @@
+"""The multi-turn loop: a batch of episodes played turn by turn.
+
+Each turn, every live episode's next assistant turn is sampled in one batch by the rollout backend (from the
+episode's token ids so far); then the environments step on the turns' texts, and an episode that goes on gets the
+observation's tokens appended (`chat.ObservationEncoder`). An episode ends when its environment terminates or
+truncates it, at `max_turns`, when a turn runs out of the completion budget without its end-of-turn token, or when
+the next observation would not fit the budget (`max_completion_length` counts every turn and every observation
+token, as TRL does for tool results).
+
+Owns the token bookkeeping of episodes: the sampled tokens (`env_mask`), the turn of each (`turn_ids`), the reward
+after each turn, and how each episode ended. Does not own environments' conventions (`text_env`), reward functions,
+advantages or the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..rollout import Rollout, RolloutBackend, is_conversational_prompt, stream_keys, tokenize_prompts
+from . import text_env
+from .chat import ObservationEncoder
+
+# Why an episode ended. "length" and "budget" mean the completion budget ran out: they are the episode's
+# `is_truncated` (what mask_truncated_completions drops).
+END_REASONS = ("terminated", "env_truncated", "max_turns", "length", "budget")
+BUDGET_ENDS = ("length", "budget")
+
+
+@dataclass(eq=False)
+class Episode:
+    env: Any
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)  # 1: sampled by the model, 0: the environment's
+    turn_ids: list[int] = field(default_factory=list)  # the assistant turn of each sampled token, -1 elsewhere
+    sampling_logps: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)  # one per assistant turn
+    messages: list[dict] = field(default_factory=list)  # the conversation after the prompt
+    end: str | None = None
+
+    def add_turn(self, ids: list[int], logps: list[float], turn: int) -> None:
+        self.completion_ids += ids
+        self.env_mask += [1] * len(ids)
+        self.turn_ids += [turn] * len(ids)
+        self.sampling_logps += logps
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.completion_ids += ids
+        self.env_mask += [0] * len(ids)
+        self.turn_ids += [-1] * len(ids)
+        self.sampling_logps += [0.0] * len(ids)
+
+
+@dataclass
+class EpisodeBatch:
+    """A batch of finished episodes, row by row with the dataset rows that started them."""
+
+    rollout: Rollout  # completions hold every turn and observation; env_mask and turn_ids tell them apart
+    prompts: list  # each episode's first prompt (the row's prompt with the reset observation)
+    turn_rewards: torch.Tensor  # (N, K) the reward after each assistant turn, 0 past an episode's end
+    reached: torch.Tensor  # (N, K) bool, the turns each episode played
+    completions: list  # for reward functions: the messages after the prompt, or the completion's text
+    completion_ids: list[list[int]]  # every completion token (turns and observations), as TRL passes them
+    environments: list  # each episode's environment, in its final state (reward functions get `environments=`)
+    ends: list[str]  # why each episode ended (`END_REASONS`)
+
+
+class EpisodeRunner:
+    """Plays gym-style text environments from `env_factory` (`text_env`); environments are reused across rollouts."""
+
+    def __init__(self, env_factory, tokenizer, args):
+        if not callable(env_factory):
+            raise TypeError(f"env_factory must be a callable returning an environment, got {type(env_factory).__name__}.")
+        self.env_factory = env_factory
+        self.tokenizer = tokenizer
+        self.args = args
+        self.pool: list = []
+        self._encoders: dict[bool, ObservationEncoder] = {}
+        text_env.make_environment(env_factory)  # fail at construction, not at the first rollout
+
+    def _environments(self, count: int) -> list:
+        while len(self.pool) < count:
+            self.pool.append(text_env.make_environment(self.env_factory))
+        return self.pool[:count]
+
+    def _encoder(self, conversational: bool, end_of_turn_ids: list[int]) -> ObservationEncoder:
+        if conversational not in self._encoders:
+            self._encoders[conversational] = ObservationEncoder(
+                self.tokenizer, conversational, end_of_turn_ids, self.args.chat_template_kwargs
+            )
+        return self._encoders[conversational]
+
+    def initial_prompts(self, rows: list[dict], observations: list[str]) -> list:
+        """Each row's prompt with its reset observation appended (to the last message's text, as TRL does); a row
+        without a prompt starts from the observation alone, as a user message when the tokenizer has a chat template."""
+        prompts = []
+        for row, observation in zip(rows, observations):
+            prompt = row.get("prompt")
+            if prompt is None:
+                chat = getattr(self.tokenizer, "chat_template", None) is not None
+                prompts.append([{"role": "user", "content": observation}] if chat else observation)
+            elif isinstance(prompt, str):
+                prompts.append(prompt + observation)
+            elif observation:
+                prompts.append(prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}])
+            else:
+                prompts.append(prompt)
+        return prompts
+
+    def run(self, backend: RolloutBackend, rows: list[dict], seeds: list[int],
+            keys: torch.Tensor | None = None) -> EpisodeBatch:
+        """Play one episode per row; the rows of a group share their seed, so they start from the same state.
+
+        `keys`: per-row sampling streams (`rollout.stream_keys`); each turn draws from its own stream."""
+        args, tokenizer = self.args, self.tokenizer
+        envs = self._environments(len(rows))
+        observations = [text_env.reset(env, seed, row) for env, seed, row in zip(envs, seeds, rows)]
+        prompts = self.initial_prompts(rows, observations)
+        conversational = is_conversational_prompt(prompts[0])
+        prompt_ids, prompt_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length,
+                                                   args.chat_template_kwargs)
+        episodes = [Episode(env, ids[mask.bool()].tolist()) for env, ids, mask in zip(envs, prompt_ids, prompt_mask)]
+        encoder = self._encoder(conversational, backend.eos_token_ids)
+        budget = args.max_completion_length
+        turn = 0
+        while True:
+            live_rows = [row for row, episode in enumerate(episodes) if episode.end is None]
+            if not live_rows:
+                break
+            live = [episodes[row] for row in live_rows]
+            room = [budget - len(episode.completion_ids) for episode in live]
+            turn_keys = None if keys is None else stream_keys(turn, keys[torch.tensor(live_rows)])
+            rollout = backend.generate_from_ids(
+                [episode.prompt_ids + episode.completion_ids for episode in live], max(room), turn_keys
+            )
+            actions, finished_turn = [], []
+            for row, (episode, space) in enumerate(zip(live, room)):
+                length = int(rollout.completion_mask[row].sum())
+                ids = rollout.completion_ids[row, :length].tolist()
+                logps = ([0.0] * length if rollout.sampling_logps is None
+                         else rollout.sampling_logps[row, :length].tolist())
+                ended = not bool(rollout.is_truncated[row]) and length <= space
+                episode.add_turn(ids[:space], logps[:space], turn)
+                text = tokenizer.decode(ids[:space], skip_special_tokens=True)
+                episode.messages.append({"role": "assistant", "content": text})
+                actions.append(text)
+                finished_turn.append(ended)
+            results = text_env.step_all([episode.env for episode in live], actions)
+            for episode, result, ended in zip(live, results, finished_turn):
+                episode.rewards.append(result.reward)
+                if result.terminated:
+                    episode.end = "terminated"
+                elif result.truncated:
+                    episode.end = "env_truncated"
+                elif not ended:
+                    episode.end = "length"
+                elif args.max_turns is not None and turn + 1 >= args.max_turns:
+                    episode.end = "max_turns"
+                else:
+                    observation_ids = encoder(result.observation)
+                    # The next turn needs at least one token of room.
+                    if len(episode.completion_ids) + len(observation_ids) >= budget:
+                        episode.end = "budget"
+                    else:
+                        episode.add_observation(observation_ids)
+                        episode.messages.append({"role": "user", "content": result.observation})
+            turn += 1
+        return _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer,
+                      rollout.sampling_logps is not None)
+
+
+def _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer, has_sampling_logps) -> EpisodeBatch:
+    rows, width = len(episodes), max(1, max(len(e.completion_ids) for e in episodes))
+    turns = max(len(e.rewards) for e in episodes)
+    completion_ids = torch.full((rows, width), tokenizer.pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((rows, width), dtype=torch.long)
+    env_mask = torch.zeros((rows, width), dtype=torch.long)
+    turn_ids = torch.full((rows, width), -1, dtype=torch.long)
+    sampling_logps = torch.zeros((rows, width), dtype=torch.float32)
+    turn_rewards = torch.zeros((rows, turns), dtype=torch.float32)
+    reached = torch.zeros((rows, turns), dtype=torch.bool)
+    for row, episode in enumerate(episodes):
+        n = len(episode.completion_ids)
+        completion_ids[row, :n] = torch.tensor(episode.completion_ids, dtype=torch.long)
+        completion_mask[row, :n] = 1
+        env_mask[row, :n] = torch.tensor(episode.env_mask, dtype=torch.long)
+        turn_ids[row, :n] = torch.tensor(episode.turn_ids, dtype=torch.long)
+        sampling_logps[row, :n] = torch.tensor(episode.sampling_logps, dtype=torch.float32)
+        turn_rewards[row, : len(episode.rewards)] = torch.tensor(episode.rewards, dtype=torch.float32)
+        reached[row, : len(episode.rewards)] = True
+    is_truncated = torch.tensor([episode.end in BUDGET_ENDS for episode in episodes])
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated,
+                      sampling_logps if has_sampling_logps else None, env_mask, turn_ids)
+    if conversational:
+        completions = [episode.messages for episode in episodes]
+    else:
+        completions = [tokenizer.decode(episode.completion_ids, skip_special_tokens=True) for episode in episodes]
+    return EpisodeBatch(
+        rollout=rollout,
+        prompts=prompts,
+        turn_rewards=turn_rewards,
+        reached=reached,
+        completions=completions,
+        completion_ids=[episode.completion_ids for episode in episodes],
+        environments=[episode.env for episode in episodes],
+        ends=[episode.end for episode in episodes],
+    )
+
+
+def end_codes(ends: list[str]) -> torch.Tensor:
+    """(N,) the index of each episode's end reason in `END_REASONS`."""
+    return torch.tensor([END_REASONS.index(end) for end in ends], dtype=torch.long)

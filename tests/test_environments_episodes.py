@@ -1,0 +1,183 @@
+"""Tests for gspo_trl.environments.episodes: the multi-turn loop's token bookkeeping, budget and endings, with a
+scripted sampler (the loop's boundary with a backend) and with the tiny model itself."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gspo_trl.environments.chat import ObservationEncoder
+from gspo_trl.environments.episodes import EpisodeRunner
+from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.rollout import HFGenerateBackend, Rollout, RolloutBackend, completion_mask_from_eos
+
+
+def episode_args(**overrides):
+    values = dict(max_prompt_length=None, chat_template_kwargs=None, max_completion_length=40, max_turns=None,
+                  temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, cache_implementation=None,
+                  generation_kwargs=None, decode_loop="gspo")
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+class ScriptedSampler(RolloutBackend):
+    """Answers each turn with the next scripted token lists (one per live episode) and records what it was asked."""
+
+    def __init__(self, turns, eos_token_id, pad_token_id):
+        self.turns, self.calls = list(turns), []
+        self.eos_token_ids, self.pad = [eos_token_id], pad_token_id
+
+    def generate(self, prompts, stream_keys=None):
+        raise AssertionError("episodes sample from token ids")
+
+    def generate_from_ids(self, prompt_ids, max_new_tokens, stream_keys=None):
+        self.calls.append(([list(p) for p in prompt_ids], max_new_tokens))
+        answers = [ids[:max_new_tokens] for ids in self.turns.pop(0)]
+        assert len(answers) == len(prompt_ids)
+        width = max(len(a) for a in answers)
+        ids = torch.full((len(answers), width), self.pad)
+        for row, answer in enumerate(answers):
+            ids[row, : len(answer)] = torch.tensor(answer)
+        mask, truncated = completion_mask_from_eos(ids, self.eos_token_ids)
+        empty = torch.zeros(len(answers), 1, dtype=torch.long)
+        return Rollout(empty, empty, ids, mask, truncated)
+
+
+class Scripted:
+    """Step rewards 1, 2, 3, ...; terminates when the action contains 'stop'."""
+
+    def reset(self, seed=None, options=None):
+        self.seed, self.turn = seed, 0
+        return "", {}
+
+    def step(self, action):
+        self.turn += 1
+        return "no", float(self.turn), "stop" in action, False, {}
+
+
+def test_turns_and_observations_are_concatenated_as_token_ids(tiny_tokenizer):
+    tok = tiny_tokenizer
+    eos = tok.eos_token_id
+    hello, stop, world = tok.encode("hello"), tok.encode("stop"), tok.encode("world")
+    sampler = ScriptedSampler([
+        [hello + [eos], world + [eos]],   # turn 0: both go on
+        [stop + [eos], hello + [eos]],    # turn 1: row 0 stops
+        [world + [eos]],                  # turn 2: row 1 hits max_turns
+    ], eos, tok.pad_token_id)
+    runner = EpisodeRunner(Scripted, tok, episode_args(max_turns=3))
+    rows = [{"prompt": [{"role": "user", "content": "Go."}]}] * 2
+    batch = runner.run(sampler, rows, seeds=[5, 5])
+
+    observation = ObservationEncoder(tok, True, [eos])("no")
+    prompt = tok.apply_chat_template(rows[0]["prompt"], tokenize=True, add_generation_prompt=True, return_dict=False)
+    first = [hello + [eos], world + [eos]]
+    # What each turn was sampled from: the prompt and the episode so far, never re-tokenized.
+    assert sampler.calls[0][0] == [prompt, prompt]
+    assert sampler.calls[1][0] == [prompt + first[0] + observation, prompt + first[1] + observation]
+    assert sampler.calls[2][0] == [prompt + first[1] + observation + hello + [eos] + observation]
+
+    row0 = first[0] + observation + stop + [eos]
+    row1 = first[1] + observation + hello + [eos] + observation + world + [eos]
+    rollout = batch.rollout
+    assert rollout.completion_ids[0, : len(row0)].tolist() == row0
+    assert rollout.completion_ids[1].tolist() == row1
+    assert rollout.completion_mask.sum(1).tolist() == [len(row0), len(row1)]
+    expected_env = [1] * len(first[0]) + [0] * len(observation) + [1] * (len(stop) + 1)
+    assert rollout.env_mask[0, : len(row0)].tolist() == expected_env
+    assert rollout.turn_ids[0, : len(row0)].tolist() == (
+        [0] * len(first[0]) + [-1] * len(observation) + [1] * (len(stop) + 1))
+    assert (rollout.turn_ids[1][rollout.env_mask[1].bool()].unique().tolist()) == [0, 1, 2]
+    assert batch.ends == ["terminated", "max_turns"]
+    assert batch.turn_rewards.tolist() == [[1.0, 2.0, 0.0], [1.0, 2.0, 3.0]]
+    assert batch.reached.tolist() == [[True, True, False], [True, True, True]]
+    assert rollout.is_truncated.tolist() == [False, False]
+    # Reward functions see the conversation after the prompt.
+    assert [m["role"] for m in batch.completions[1]] == ["assistant", "user", "assistant", "user", "assistant"]
+    assert batch.completions[0][-1]["content"] == "stop"
+    assert [env.seed for env in batch.environments] == [5, 5]
+
+
+def test_the_completion_budget_counts_every_turn_and_observation(tiny_tokenizer):
+    tok = tiny_tokenizer
+    eos = tok.eos_token_id
+    observation = ObservationEncoder(tok, True, [eos])("no")
+    budget = 2 * 3 + len(observation) + 2  # two 3-token turns, one observation, 2 tokens to spare
+    sampler = ScriptedSampler([
+        [[7, 8, eos], [7, 8, eos]],
+        [[9, 10, eos], [9, 9, 9, 9, 9]],  # row 1 runs past its 5 tokens of room: cut, no end-of-turn token
+    ], eos, tok.pad_token_id)
+    runner = EpisodeRunner(Scripted, tok, episode_args(max_completion_length=budget))
+    batch = runner.run(sampler, [{"prompt": [{"role": "user", "content": "Go."}]}] * 2, seeds=[0, 0])
+    room = budget - 3 - len(observation)
+    assert sampler.calls[1][1] == room  # the most any live episode may still sample
+    # Row 0 ended its turn with room left, but the next observation would leave no token for a reply.
+    assert batch.ends == ["budget", "length"]
+    assert batch.rollout.completion_mask.sum(1).tolist() == [3 + len(observation) + 3, budget]
+    assert batch.rollout.is_truncated.tolist() == [True, True]
+
+
+def test_reset_observation_joins_the_prompt_and_rows_without_prompt_start_from_it(tiny_tokenizer):
+    class Greets(Scripted):
+        def reset(self, seed=None, options=None):
+            super().reset(seed, options)
+            return " (level 3)", {}
+
+    runner = EpisodeRunner(Greets, tiny_tokenizer, episode_args())
+    prompts = runner.initial_prompts(
+        [{"prompt": [{"role": "user", "content": "Go."}]}, {"prompt": "Go."}, {"task": 1}],
+        [" (level 3)", " (level 3)", "Level 3."],
+    )
+    assert prompts == [[{"role": "user", "content": "Go. (level 3)"}], "Go. (level 3)",
+                       [{"role": "user", "content": "Level 3."}]]
+
+
+def test_env_factory_is_checked_at_construction(tiny_tokenizer):
+    with pytest.raises(TypeError, match="env_factory must be a callable"):
+        EpisodeRunner(Scripted(), tiny_tokenizer, episode_args())
+
+    class NoReset:
+        def step(self, action):
+            return "", 0.0, True, False, {}
+
+    with pytest.raises(TypeError, match=r"NoReset without a reset\(\) method"):
+        EpisodeRunner(NoReset, tiny_tokenizer, episode_args())
+
+
+class Forever:
+    """Never ends an episode by itself."""
+
+    def reset(self, seed=None, options=None):
+        return "", {}
+
+    def step(self, action):
+        return "Again.", 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_trainer_log_probs_of_episodes_match_the_sampling_contexts(tiny_model, tiny_tokenizer, padding_free):
+    # Every sampled token is scored in the padded (or packed) training batch from exactly the context it was
+    # sampled from: the prompt, earlier turns and observations. Recomputed here one turn at a time.
+    tok = tiny_tokenizer
+    torch.manual_seed(0)
+    # The random model seldom ends a turn by itself: favour its end-of-turn token so that episodes have turns.
+    args = episode_args(max_completion_length=30, max_turns=3,
+                        generation_kwargs={"sequence_bias": [[[tok.eos_token_id], 3.0]]})
+    backend = HFGenerateBackend(lambda: tiny_model, tok, args)
+    runner = EpisodeRunner(Forever, tok, args)
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}] * 2  # one group: the same prompt
+    batch = runner.run(backend, rows, seeds=[1, 1])
+    r = batch.rollout
+    assert r.env_mask.sum() < r.completion_mask.sum()  # some observations were appended
+    sampled = r.completion_mask * r.env_mask
+    scores = completion_logprobs(
+        tiny_model, torch.cat([r.prompt_ids, r.completion_ids], 1), torch.cat([r.prompt_mask, r.completion_mask], 1),
+        r.completion_ids, sampled, padding_free=padding_free,
+    ).logps
+    with torch.no_grad():
+        for row in range(2):
+            prompt = r.prompt_ids[row][r.prompt_mask[row].bool()].tolist()
+            completion = r.completion_ids[row][r.completion_mask[row].bool()].tolist()
+            logits = tiny_model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+            direct = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+            keep = sampled[row, : len(completion)].bool()
+            torch.testing.assert_close(scores[row, : len(completion)][keep], direct[keep], atol=2e-5, rtol=0)
