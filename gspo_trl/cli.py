@@ -41,6 +41,19 @@ DEMO_DEFAULTS = {
     "dataloader_num_workers": 0,
 }
 
+# `--env NAME`: multi-turn environments the command line can train on, with the GSPOConfig values they start from
+# (flags and --config still override them).
+ENV_DEFAULTS = {
+    # A reasoning-gym question answered again after feedback (environments/retry.py): three tries of a short reply
+    # plus the feedback messages fit 192 tokens; each try gets its own ratio and advantage.
+    "retry": {
+        "max_turns": 3,
+        "max_completion_length": 192,
+        "importance_sampling_level": "turn",
+        "advantage_granularity": "turn",
+    },
+}
+
 
 @dataclass
 class RunArguments:
@@ -64,6 +77,13 @@ class RunArguments:
             "(json/jsonl/csv/parquet), with a 'prompt' column. Needs --reward_funcs."
         },
     )
+    env: str | None = field(
+        default=None,
+        metadata={
+            "help": "Train on multi-turn episodes: 'retry' (the reasoning-gym task's question; a wrong reply gets "
+            "feedback and another try, up to max_turns; docs/agents.md)."
+        },
+    )
     dataset_size: int = field(default=2000, metadata={"help": "Number of reasoning-gym prompts to generate."})
     reward_funcs: list[str] = field(
         default_factory=list,
@@ -85,7 +105,12 @@ def parse_train_args(argv: list[str]) -> tuple[RunArguments, GSPOConfig]:
     parser = HfArgumentParser((RunArguments, GSPOConfig), prog="gspo-trl train")
     parser.add_argument("--config", default=None, help="YAML file of RunArguments/GSPOConfig fields; flags override it.")
     parser.set_defaults(**DEMO_DEFAULTS)
-    config_path = _config_path(argv)
+    env = _flag_value(argv, "--env")
+    if env is not None:
+        if env not in ENV_DEFAULTS:
+            raise ValueError(f"--env {env!r}: the environments are {sorted(ENV_DEFAULTS)}.")
+        parser.set_defaults(**ENV_DEFAULTS[env])
+    config_path = _flag_value(argv, "--config")
     if config_path is not None:
         with open(config_path, encoding="utf-8") as handle:
             values = yaml.safe_load(handle) or {}
@@ -98,17 +123,17 @@ def parse_train_args(argv: list[str]) -> tuple[RunArguments, GSPOConfig]:
     return run_args, config
 
 
-def _config_path(argv: list[str]) -> str | None:
+def _flag_value(argv: list[str], flag: str) -> str | None:
     for index, arg in enumerate(argv):
-        if arg == "--config" and index + 1 < len(argv):
+        if arg == flag and index + 1 < len(argv):
             return argv[index + 1]
-        if arg.startswith("--config="):
+        if arg.startswith(f"{flag}="):
             return arg.split("=", 1)[1]
     return None
 
 
 def build_run(run_args: RunArguments):
-    """(model, train_dataset, reward_funcs) from the run arguments."""
+    """(model, train_dataset, reward_funcs, env_factory) from the run arguments."""
     from .tasks import default_task_dataset, default_task_reward, reasoning_gym_dataset, reasoning_gym_reward
 
     model = run_args.model_name_or_path
@@ -118,17 +143,29 @@ def build_run(run_args: RunArguments):
         model = default_model_path()
     reward_funcs = [_import_function(path) for path in run_args.reward_funcs]
     if run_args.dataset_name is not None:
+        if run_args.env is not None:
+            raise ValueError("--env plays reasoning-gym tasks (--task); it cannot take --dataset_name.")
         if not reward_funcs:
             raise ValueError("--dataset_name needs --reward_funcs module:function (a dataset carries no verifier).")
-        return model, _load_local_dataset(run_args.dataset_name), reward_funcs
-    if run_args.task is None and run_args.task_kwargs is None:
-        dataset = default_task_dataset(size=run_args.dataset_size, seed=0)
-        return model, dataset, reward_funcs or [default_task_reward()]
-    if run_args.task is None:
+        return model, _load_local_dataset(run_args.dataset_name), reward_funcs, None
+    if run_args.task is None and run_args.task_kwargs is not None:
         raise ValueError("--task_kwargs needs --task (the reasoning-gym task they configure).")
     task_kwargs = json.loads(run_args.task_kwargs) if run_args.task_kwargs else {}
-    dataset = reasoning_gym_dataset(run_args.task, size=run_args.dataset_size, seed=0, **task_kwargs)
-    return model, dataset, reward_funcs or [reasoning_gym_reward(run_args.task, **task_kwargs)]
+    if run_args.task is None:
+        dataset = default_task_dataset(size=run_args.dataset_size, seed=0)
+        verifier = default_task_reward
+    else:
+        dataset = reasoning_gym_dataset(run_args.task, size=run_args.dataset_size, seed=0, **task_kwargs)
+        verifier = lambda: reasoning_gym_reward(run_args.task, **task_kwargs)  # noqa: E731
+    if run_args.env == "retry":
+        from functools import partial
+
+        from .environments.retry import ReasoningGymRetryEnv
+        from .tasks import DEFAULT_TASK
+
+        # The environment's step rewards are the verifier's; --reward_funcs may add more.
+        return model, dataset, reward_funcs, partial(ReasoningGymRetryEnv, run_args.task or DEFAULT_TASK, **task_kwargs)
+    return model, dataset, reward_funcs or [verifier()], None
 
 
 def _import_function(path: str):
@@ -158,7 +195,7 @@ def train(argv: list[str]) -> dict:
     from .trainer import GSPOTrainer
 
     run_args, config = parse_train_args(argv)
-    model, dataset, reward_funcs = build_run(run_args)
+    model, dataset, reward_funcs, env_factory = build_run(run_args)
     peft_config = None
     if run_args.use_peft:
         from peft import LoraConfig
@@ -169,7 +206,8 @@ def train(argv: list[str]) -> dict:
             target_modules=run_args.lora_target_modules,
             task_type="CAUSAL_LM",
         )
-    trainer = GSPOTrainer(model, reward_funcs, args=config, train_dataset=dataset, peft_config=peft_config)
+    trainer = GSPOTrainer(model, reward_funcs, args=config, train_dataset=dataset, peft_config=peft_config,
+                          env_factory=env_factory)
     trainer.train()
     trainer.save_model()
     trainer.create_model_card()
