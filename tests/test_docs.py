@@ -234,3 +234,15 @@ def test_vllm_page_shows_the_measured_table_and_demo_run():
     demo = json.loads((ROOT / "benchmarks" / "results" / "vllm_demo_metrics.json").read_text())["summary"]
     assert f"| **{demo['reward_last_window']:.3f}** |" in text and f"| {demo['reward_first_window']:.3f} |" in text
     assert f"+{demo['reward_gain']:.3f}" in text
+
+
+def test_agents_page_shows_the_measured_retry_run():
+    """docs/agents.md's table is what benchmarks/results/retry_env_demo.json holds."""
+    text = (DOCS / "agents.md").read_text(encoding="utf-8")
+    record = json.loads((ROOT / "benchmarks" / "results" / "retry_env_demo.json").read_text())
+    for rollout in record["rollouts"]:
+        row = (f"| {rollout['step']} | {rollout['reward']:.3f} | {rollout['episodes/reward_turn_0/mean']:.3f} | "
+               f"{rollout['episodes/ended_by/terminated']:.0%} | {rollout['completions/mean_length']:.1f} |")
+        assert row in text, row
+    assert f"+{record['summary']['reward_gain']:.3f}" in text
+    assert record["command"].split("train ", 1)[1].split()[:2] == ["--env", "retry"]
