@@ -475,6 +475,14 @@ class GSPOConfig(TrainingArguments):
             "counts every turn and every environment token) runs out."
         },
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "With tools or environment_factory: the most rounds of tool calls per episode (TRL's field); "
+            "the episode then ends after the turn that asked for more. None: bounded by max_turns and "
+            "max_completion_length only."
+        },
+    )
     advantage_granularity: str = field(
         default="trajectory",
         metadata={
@@ -605,6 +613,8 @@ class GSPOConfig(TrainingArguments):
         if self.advantage_granularity == "turn" and self.loss_type == "vespo":
             raise ValueError("loss_type='vespo' weighs whole sequences and takes one advantage per sequence: use "
                              "advantage_granularity='trajectory' with it.")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}.")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 or None, got {self.max_turns}.")
         if not 0 <= self.turn_discount <= 1:

@@ -214,10 +214,12 @@ def format_health(health: dict) -> str:
 
 
 def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor, sampled_tokens: torch.Tensor,
-                    env_tokens: torch.Tensor, end_codes: torch.Tensor, end_reasons: tuple[str, ...]) -> dict[str, float]:
+                    env_tokens: torch.Tensor, end_codes: torch.Tensor, end_reasons: tuple[str, ...],
+                    tool_calls: torch.Tensor | None = None, tool_failures: torch.Tensor | None = None) -> dict[str, float]:
     """What a batch of multi-turn episodes did (all tensors over every process): turns per episode, the share of
-    completion tokens that came from the environment, how episodes ended (`end_codes` index `end_reasons`), and the
-    mean step reward at each turn index over the episodes that reached it."""
+    completion tokens that came from the environment, how episodes ended (`end_codes` index `end_reasons`), the
+    mean step reward at each turn index over the episodes that reached it, and with tools TRL's
+    ``tools/call_frequency`` (calls per episode) and ``tools/failure_frequency`` (failed calls per call)."""
     metrics = {
         "episodes/turns/mean": reached.sum(dim=1).float().mean().item(),
         "episodes/turns/max": reached.sum(dim=1).max().item(),
@@ -225,6 +227,10 @@ def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor, sampled_t
     }
     for code, reason in enumerate(end_reasons):
         metrics[f"episodes/ended_by/{reason}"] = (end_codes == code).float().mean().item()
+    if tool_calls is not None:
+        calls = tool_calls.sum()
+        metrics["tools/call_frequency"] = (calls / max(tool_calls.numel(), 1)).item()
+        metrics["tools/failure_frequency"] = (tool_failures.sum() / calls).item() if calls > 0 else 0.0
     for turn in range(reached.shape[1]):
         played = reached[:, turn]
         if played.any():

@@ -40,6 +40,7 @@ from .distributed import (
 from .entropy_control import EntropyCoefficient
 from .environments import EpisodeBatch, EpisodeRunner
 from .environments.episodes import END_REASONS, end_codes
+from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprobs import completion_logprobs
 from .loss import Objective, masked_mean, policy_loss
 from .loss_masks import high_entropy_token_mask
@@ -99,6 +100,9 @@ class GSPOTrainer(Trainer):
         optimizers=(None, None),
         peft_config=None,
         env_factory=None,
+        tools=None,
+        environment_factory=None,
+        tool_call_parser=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
@@ -108,8 +112,9 @@ class GSPOTrainer(Trainer):
                 f"args must be a GSPOConfig, got {type(args).__name__}. Coming from TRL, replace GRPOConfig with "
                 "gspo_trl.GSPOConfig (same field names)."
             )
-        _check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=env_factory is None)
-        _check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=env_factory is None)
+        episodes = env_factory is not None or tools is not None or environment_factory is not None
+        _check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
+        _check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
         _check_enough_prompts(train_dataset, args)
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
@@ -125,12 +130,15 @@ class GSPOTrainer(Trainer):
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
-        if reward_funcs is None and env_factory is not None:
-            reward_funcs = []  # the environment's step rewards may be the whole reward
+        if reward_funcs is None and episodes:
+            reward_funcs = []  # the environment's step rewards or get_reward may be the whole reward
+        tool_episodes = tool_episode_factory(tools, environment_factory, tool_call_parser, env_factory)
+        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        reward_funcs += environment_reward_functions(environment_factory)
         self.reward_funcs = load_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs)
-        if not self.reward_funcs and env_factory is None:
-            raise ValueError("reward_funcs is empty: pass at least one reward function (or an env_factory whose "
-                             "step() returns the rewards).")
+        if not self.reward_funcs and (env_factory is None):
+            raise ValueError("reward_funcs is empty: pass at least one reward function, an env_factory whose step() "
+                             "returns rewards, or an environment_factory whose environment defines get_reward().")
         self.reward_weights = resolve_reward_weights(args.reward_weights, len(self.reward_funcs))
         self.ref_model = create_reference_model(model, model_source, args) if args.beta > 0 else None
 
@@ -162,7 +170,13 @@ class GSPOTrainer(Trainer):
         self.rollout_backend = create_rollout_backend(
             args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model)
         )
-        self.episode_runner = None if env_factory is None else EpisodeRunner(env_factory, tokenizer, args)
+        self.uses_tools = tool_episodes is not None
+        if tool_episodes is not None:
+            iterations = args.max_tool_calling_iterations
+            max_turns = args.max_turns if iterations is None else min(args.max_turns or iterations + 1, iterations + 1)
+            self.episode_runner = EpisodeRunner(tool_episodes, tokenizer, args, max_turns=max_turns)
+        else:
+            self.episode_runner = None if env_factory is None else EpisodeRunner(env_factory, tokenizer, args)
         self._metrics = MetricsBuffer()
         self._completion_samples: list[dict] = []
         self._buffered_inputs: list[dict] | None = None
@@ -474,6 +488,8 @@ class GSPOTrainer(Trainer):
                 gather(self.accelerator.pad_across_processes(episodes.reached.to(device), dim=1)),
                 gather(self.accelerator.pad_across_processes(episodes.turn_rewards.to(device), dim=1)),
                 gather(sampled_tokens), gather(env_tokens), gather(end_codes(episodes.ends).to(device)), END_REASONS,
+                gather(episodes.tool_calls.to(device)) if self.uses_tools else None,
+                gather(episodes.tool_failures.to(device)) if self.uses_tools else None,
             ))
         if mode == "train":
             tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()

@@ -66,17 +66,20 @@ class EpisodeBatch:
     completion_ids: list[list[int]]  # every completion token (turns and observations), as TRL passes them
     environments: list  # each episode's environment, in its final state (reward functions get `environments=`)
     ends: list[str]  # why each episode ended (`END_REASONS`)
+    tool_calls: torch.Tensor  # (N,) tool calls per episode (0 without tools)
+    tool_failures: torch.Tensor  # (N,) tool calls that failed (an error result)
 
 
 class EpisodeRunner:
     """Plays gym-style text environments from `env_factory` (`text_env`); environments are reused across rollouts."""
 
-    def __init__(self, env_factory, tokenizer, args):
+    def __init__(self, env_factory, tokenizer, args, max_turns: int | None = None):
         if not callable(env_factory):
             raise TypeError(f"env_factory must be a callable returning an environment, got {type(env_factory).__name__}.")
         self.env_factory = env_factory
         self.tokenizer = tokenizer
         self.args = args
+        self.max_turns = args.max_turns if max_turns is None else max_turns
         self.pool: list = []
         self._encoders: dict[bool, ObservationEncoder] = {}
         text_env.make_environment(env_factory)  # fail at construction, not at the first rollout
@@ -157,7 +160,7 @@ class EpisodeRunner:
                     episode.end = "env_truncated"
                 elif not ended:
                     episode.end = "length"
-                elif args.max_turns is not None and turn + 1 >= args.max_turns:
+                elif self.max_turns is not None and turn + 1 >= self.max_turns:
                     episode.end = "max_turns"
                 else:
                     observation_ids = encoder(result.observation)
@@ -166,7 +169,10 @@ class EpisodeRunner:
                         episode.end = "budget"
                     else:
                         episode.add_observation(observation_ids)
-                        episode.messages.append({"role": "user", "content": result.observation})
+                        if isinstance(result.observation, str):
+                            episode.messages.append({"role": "user", "content": result.observation})
+                        else:
+                            episode.messages.extend(result.observation)
             turn += 1
         return _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer,
                       rollout.sampling_logps is not None)
@@ -205,7 +211,10 @@ def _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer
         reached=reached,
         completions=completions,
         completion_ids=[episode.completion_ids for episode in episodes],
-        environments=[episode.env for episode in episodes],
+        # A wrapper (e.g. `tools.ToolEnvironment`) shows reward functions the environment it wraps, as TRL does.
+        environments=[getattr(episode.env, "unwrapped", episode.env) for episode in episodes],
+        tool_calls=torch.tensor([getattr(episode.env, "tool_calls", 0) for episode in episodes]),
+        tool_failures=torch.tensor([getattr(episode.env, "tool_failures", 0) for episode in episodes]),
         ends=[episode.end for episode in episodes],
     )
 

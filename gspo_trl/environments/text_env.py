@@ -5,7 +5,8 @@ An environment is any object with
 * ``reset(seed=None, options=None) -> (observation, info)``: ``options`` is the dataset row the episode plays;
   ``observation`` (a string, possibly empty) joins the row's prompt;
 * ``step(action) -> (observation, reward, terminated, truncated, info)``: ``action`` is the text of the assistant's
-  turn; ``observation`` is shown to the model as the next user message unless the episode ended.
+  turn; ``observation`` is shown to the model as the next user message unless the episode ended (or, as a list of
+  chat messages such as tool results, as those messages).
 
 Either method may be ``async def``; the steps of one turn then run concurrently. Owns creating environments,
 calling them and checking their answers (an error names the class and the method). Does not own the episode loop.
@@ -23,7 +24,7 @@ from typing import Any
 
 @dataclass
 class StepResult:
-    observation: str
+    observation: str | list[dict]
     reward: float
     terminated: bool
     truncated: bool
@@ -103,15 +104,19 @@ def _check_step(env, result) -> StepResult:
     for flag_name, flag in (("terminated", terminated), ("truncated", truncated)):
         if not isinstance(flag, (bool, numbers.Integral)) and type(flag).__name__ != "bool_":
             raise TypeError(f"{where} returned {flag_name}={flag!r}; it must be a bool.")
-    return StepResult(_observation(observation, where), float(reward), bool(terminated), bool(truncated),
-                      info if isinstance(info, dict) else {})
+    return StepResult(_observation(observation, where, messages_allowed=True), float(reward), bool(terminated),
+                      bool(truncated), info if isinstance(info, dict) else {})
 
 
-def _observation(value, where: str) -> str:
+def _observation(value, where: str, messages_allowed: bool = False) -> str | list[dict]:
     if value is None:
         return ""
+    if messages_allowed and isinstance(value, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
+        return value
     if not isinstance(value, str):
-        raise TypeError(f"{where} returned observation {_show(value)}; text environments return a string.")
+        kinds = "a string or a list of chat messages ({'role': ..., 'content': str})" if messages_allowed else "a string"
+        raise TypeError(f"{where} returned observation {_show(value)}; text environments return {kinds}.")
     return value
 
 

@@ -1,0 +1,157 @@
+"""Tests for gspo_trl.environments.tools: TRL's tools / environment_factory convention played as episodes."""
+
+import pytest
+import torch
+
+from gspo_trl.environments.episodes import EpisodeRunner
+from gspo_trl.environments.tools import (
+    ToolEnvironment,
+    environment_reward_functions,
+    parse_hermes_tool_calls,
+    tool_episode_factory,
+)
+from test_environments_episodes import ScriptedSampler, episode_args
+
+
+class Calculator:
+    """TRL's documented pattern: reset(**row), public methods are tools, get_reward()."""
+
+    def reset(self, **row):
+        self.answer, self.calls = row["answer"], 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+
+    def divide(self, a: int, b: int) -> float:
+        """Divide a by b.
+
+        Args:
+            a: The dividend.
+            b: The divisor.
+        """
+        return a / b
+
+    def get_reward(self) -> float:
+        return float(self.calls > 0)
+
+
+def test_hermes_parser_reads_calls_and_flags_malformed_ones():
+    text = ('I will add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call> and '
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call><tool_call>oops</tool_call>')
+    calls = parse_hermes_tool_calls(text)
+    assert calls[:2] == [{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "add", "arguments": {"a": 1, "b": 1}}]
+    assert calls[2]["name"] == "__malformed__"
+    assert parse_hermes_tool_calls("The answer is 5.") == []
+
+
+def test_tool_episode_runs_calls_feeds_results_back_and_ends_on_an_answer(tiny_tokenizer):
+    tok = tiny_tokenizer
+    eos = tok.eos_token_id
+    call = tok.encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>') + [eos]
+    bad = tok.encode('<tool_call>{"name": "divide", "arguments": {"a": 1, "b": 0}}</tool_call>') + [eos]
+    answer = tok.encode("5") + [eos]
+    sampler = ScriptedSampler([[call, bad], [answer, answer]], eos, tok.pad_token_id)
+    factory = tool_episode_factory(None, Calculator)
+    runner = EpisodeRunner(factory, tok, episode_args(max_completion_length=200))
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}] * 2
+    batch = runner.run(sampler, rows, seeds=[0, 0])
+
+    # The tools are described in the prompt; TRL's reset(**row) got the row.
+    assert '"name": "add"' in batch.prompts[0][-1]["content"] and "<tool_call>" in batch.prompts[0][-1]["content"]
+    assert [env.answer for env in batch.environments] == ["5", "5"]
+    # Results come back as the next message (the tiny template has no tool role: <tool_response> in a user turn).
+    assert batch.completions[0][1] == {"role": "tool", "name": "add", "content": "5"}
+    assert batch.completions[1][1]["content"] == '{"error": "division by zero"}'
+    result_tokens = batch.rollout.completion_ids[0][batch.rollout.turn_ids[0] == -1].tolist()
+    assert "<tool_response>\n5\n</tool_response>" in tok.decode(result_tokens)
+    assert batch.ends == ["terminated", "terminated"]  # the second turn answered without a tool call
+    assert batch.tool_calls.tolist() == [1, 1] and batch.tool_failures.tolist() == [0, 1]
+    (get_reward,) = environment_reward_functions(Calculator)
+    assert get_reward(environments=batch.environments) == [1.0, 0.0]
+
+
+def test_max_tool_calling_iterations_bounds_the_episode(tiny_tokenizer):
+    tok = tiny_tokenizer
+    eos = tok.eos_token_id
+    call = tok.encode('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>') + [eos]
+    sampler = ScriptedSampler([[call], [call], [call]], eos, tok.pad_token_id)
+    runner = EpisodeRunner(tool_episode_factory(None, Calculator), tok, episode_args(max_completion_length=400),
+                           max_turns=2)  # what max_tool_calling_iterations=1 gives
+    batch = runner.run(sampler, [{"prompt": [{"role": "user", "content": "Go."}], "answer": "2"}], seeds=[0])
+    assert batch.ends == ["max_turns"] and batch.tool_calls.tolist() == [2]
+
+
+def test_unknown_tools_and_bad_schemas():
+    env = ToolEnvironment([], Calculator)
+    env.reset(options={"answer": "1"})
+    messages, *_ = asyncio_run(env.step('<tool_call>{"name": "mul", "arguments": {}}</tool_call>'))
+    assert "tool 'mul' not found" in messages[0]["content"] and env.tool_failures == 1
+
+    def undocumented(x):
+        return x
+
+    with pytest.raises(TypeError, match="Cannot build a JSON schema for tool .*undocumented"):
+        tool_episode_factory([undocumented], None)
+
+    class NoReset:
+        def add(self, a: int) -> int:
+            """Add.
+
+            Args:
+                a: a.
+            """
+            return a
+
+    with pytest.raises(TypeError, match=r"NoReset without a reset\(\) method"):
+        tool_episode_factory(None, NoReset)
+    with pytest.raises(ValueError, match="not both"):
+        tool_episode_factory(None, Calculator, env_factory=lambda: None)
+
+
+def test_multi_environment_rows_pick_their_environment():
+    class Other(Calculator):
+        pass
+
+    env = ToolEnvironment([], {"calc": Calculator, "other": Other})
+    env.reset(options={"environment": "other", "answer": "1"})
+    assert type(env.unwrapped) is Other and env.unwrapped.answer == "1"
+    with pytest.raises(ValueError, match="environment='missing'"):
+        env.reset(options={"environment": "missing", "answer": "1"})
+
+
+def asyncio_run(awaitable):
+    import asyncio
+
+    return asyncio.run(awaitable)
+
+
+def test_trainer_trains_a_trl_environment_factory_unchanged(tmp_path, tiny_model_dir):
+    from datasets import Dataset
+
+    from gspo_trl import GSPOTrainer
+    from helpers import small_config
+
+    seen = {}
+
+    def accuracy(completions, answer, environments, **kwargs):
+        seen["environments"] = environments
+        return [float(c[-1]["content"].strip().endswith(a)) for c, a in zip(completions, answer)]
+
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)],
+                              "answer": [str(i + 3) for i in range(8)]})
+    args = small_config(tmp_path / "out", max_completion_length=24, max_tool_calling_iterations=2)
+    trainer = GSPOTrainer(tiny_model_dir, [accuracy], args=args, train_dataset=data, environment_factory=Calculator)
+    assert [f.name for f in trainer.reward_funcs] == ["accuracy", "get_reward"]
+    assert trainer.episode_runner.max_turns == 3
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert "rewards/get_reward/mean" in log and "tools/call_frequency" in log and "tools/failure_frequency" in log
+    assert all(isinstance(env, Calculator) for env in seen["environments"])
+    assert torch.isfinite(torch.tensor(log["loss"]))
