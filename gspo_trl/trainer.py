@@ -134,12 +134,17 @@ class GSPOTrainer(Trainer):
             reward_funcs = []  # the environment's step rewards or get_reward may be the whole reward
         tool_episodes = tool_episode_factory(tools, environment_factory, tool_call_parser, env_factory)
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        reward_funcs += environment_reward_functions(environment_factory)
-        self.reward_funcs = load_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs)
+        environment_rewards = environment_reward_functions(environment_factory)  # weighted 1, as in TRL
+        if reward_processing_classes is not None and environment_rewards:
+            reward_processing_classes = (list(reward_processing_classes) if isinstance(reward_processing_classes, (
+                list, tuple)) else [reward_processing_classes]) + [None] * len(environment_rewards)
+        self.reward_funcs = load_reward_funcs(reward_funcs + environment_rewards, reward_processing_classes,
+                                              args.model_init_kwargs)
         if not self.reward_funcs and (env_factory is None):
             raise ValueError("reward_funcs is empty: pass at least one reward function, an env_factory whose step() "
                              "returns rewards, or an environment_factory whose environment defines get_reward().")
-        self.reward_weights = resolve_reward_weights(args.reward_weights, len(self.reward_funcs))
+        self.reward_weights = torch.cat([resolve_reward_weights(args.reward_weights, len(reward_funcs)),
+                                         torch.ones(len(environment_rewards))])
         self.ref_model = create_reference_model(model, model_source, args) if args.beta > 0 else None
 
         super().__init__(

@@ -148,10 +148,51 @@ def test_trainer_trains_a_trl_environment_factory_unchanged(tmp_path, tiny_model
                               "answer": [str(i + 3) for i in range(8)]})
     args = small_config(tmp_path / "out", max_completion_length=24, max_tool_calling_iterations=2)
     trainer = GSPOTrainer(tiny_model_dir, [accuracy], args=args, train_dataset=data, environment_factory=Calculator)
-    assert [f.name for f in trainer.reward_funcs] == ["accuracy", "get_reward"]
+    assert [f.name for f in trainer.reward_funcs] == ["accuracy", "Calculator"]
     assert trainer.episode_runner.max_turns == 3
     trainer.train()
     log = trainer.state.log_history[0]
-    assert "rewards/get_reward/mean" in log and "tools/call_frequency" in log and "tools/failure_frequency" in log
+    assert "rewards/Calculator/mean" in log and "tools/call_frequency" in log and "tools/failure_frequency" in log
     assert all(isinstance(env, Calculator) for env in seen["environments"])
     assert torch.isfinite(torch.tensor(log["loss"]))
+
+
+def test_side_by_side_with_trl_grpo_trainer(tmp_path):
+    """The same environment class and reward function train under TRL 1.16's GRPOTrainer and GSPOTrainer (a
+    Qwen3 template, which TRL requires for tools), log the same reward and tool metric names, and append a tool
+    result as the same tokens."""
+    import os
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from conftest import build_tiny_model, build_tiny_tokenizer
+    from gspo_trl import GSPOTrainer
+    from gspo_trl.environments.chat import ObservationEncoder
+    from helpers import small_config
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = qwen3_chat_template
+
+    def accuracy(completions, answer, **kwargs):
+        return [float(c[-1]["content"].strip().endswith(a)) for c, a in zip(completions, answer)]
+
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)],
+                              "answer": [str(i + 3) for i in range(8)]})
+    common = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=24, max_steps=1,
+                  use_cpu=True, report_to="none", save_strategy="no", max_tool_calling_iterations=2, logging_steps=1)
+    trl = GRPOTrainer(model=build_tiny_model(tokenizer), reward_funcs=[accuracy], train_dataset=data,
+                      processing_class=tokenizer, environment_factory=Calculator,
+                      args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common))
+    trl.train()
+    ours = GSPOTrainer(build_tiny_model(tokenizer), [accuracy], train_dataset=data, processing_class=tokenizer,
+                       environment_factory=Calculator, args=small_config(tmp_path / "gspo", **common))
+    ours.train()
+    names = {"rewards/accuracy/mean", "rewards/Calculator/mean", "tools/call_frequency", "tools/failure_frequency"}
+    assert names <= set(trl.state.log_history[0]) and names <= set(ours.state.log_history[0])
+
+    tool_message = [{"role": "tool", "name": "add", "content": "5"}]
+    encoder = ObservationEncoder(tokenizer, True, [tokenizer.eos_token_id])
+    assert encoder(tool_message) == trl._get_tool_suffix_ids(tool_message)

@@ -6,6 +6,10 @@ message and the next generation prompt. They are found once per template by rend
 without the message (TRL does the same for tool results) and cutting after the assistant's end-of-turn token, which
 is where sampling stopped. Text prompts (no chat template) get the observation's own tokens.
 
+A template that renders earlier assistant turns differently from the last one (Qwen3 drops an empty thinking block)
+is not prefix-preserving: then TRL's prefix-preserving training version of the template renders observations, as
+TRL does for tools.
+
 An observation may also be a list of messages (tool results: ``{"role": "tool", "name": ..., "content": ...}``).
 A template that renders tool calls and tool messages (TRL's `supports_tool_calling`) gets them as they are; any
 other template gets each result as a user message wrapped in ``<tool_response>`` tags.
@@ -14,7 +18,11 @@ other template gets each result as a user message wrapped in ``<tool_response>``
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
-from trl.chat_template_utils import supports_tool_calling
+from trl.chat_template_utils import (
+    get_training_chat_template,
+    is_chat_template_prefix_preserving,
+    supports_tool_calling,
+)
 
 
 class ObservationEncoder:
@@ -26,6 +34,9 @@ class ObservationEncoder:
         self.conversational = conversational
         self.end_of_turn_ids = set(end_of_turn_ids)
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self.chat_template = None
+        if conversational and not is_chat_template_prefix_preserving(tokenizer):
+            self.chat_template = get_training_chat_template(tokenizer)
         self._history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
         self._prefix = self._history_ids(self._history) if conversational else None
         self._native_tools = None  # whether the template renders tool messages, checked on first use
@@ -33,7 +44,7 @@ class ObservationEncoder:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False,
-            **self.chat_template_kwargs,
+            chat_template=self.chat_template, **self.chat_template_kwargs,
         )
         return list(ids)
 

@@ -188,8 +188,8 @@ def tool_episode_factory(tools, environment_factory, tool_call_parser=None, env_
 
 
 def environment_reward_functions(environment_factory) -> list[Callable]:
-    """TRL's rule: an environment class with ``get_reward()`` adds a reward function (named ``get_reward``) that
-    asks each episode's environment of that class for its reward (None for the others)."""
+    """TRL's rule: an environment class with ``get_reward()`` adds a reward function, named after the class and
+    weighted 1, that asks each episode's environment of that class for its reward (None for the others)."""
     factories = environment_factory.values() if isinstance(environment_factory, dict) else (
         [] if environment_factory is None else [environment_factory])
     functions, seen = [], set()
@@ -209,4 +209,5 @@ def _get_reward_function(environment_type):
     else:
         def get_reward(environments, **kwargs):
             return [e.get_reward() if type(e) is environment_type else None for e in environments]
+    get_reward.__name__ = get_reward.__qualname__ = environment_type.__name__
     return get_reward
