@@ -4,7 +4,8 @@ mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
 completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
-the top-half-entropy tokens with an entropy bonus (quantities that span every process). Each rank writes
+the top-half-entropy tokens with an entropy bonus (quantities that span every process), `+episodes` plays
+two-turn episodes of a text environment with turn-level ratios and advantages. Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
@@ -59,6 +60,17 @@ def fails_on_rank_1(completions, **kwargs):
     return [0.0] * len(completions)
 
 
+class MoreDigits:
+    """Rewards digits; a reply with 2 or more ends the episode, otherwise the model is asked for more."""
+
+    def reset(self, seed=None, options=None):
+        return "", {}
+
+    def step(self, action):
+        digits = sum(c.isdigit() for c in action)
+        return " More.", digits / max(len(action), 1), digits >= 2, False, {}
+
+
 def main(model_dir: str, mode: str, out: str) -> None:
     mode, *options = mode.split("+")
     resume_options = {"kill", "resume", "checkpoints"} & set(options)
@@ -75,7 +87,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]), layout_independent_sampling=True)
     config = GSPOConfig(
         output_dir=f"{out}.output", **{"per_device_train_batch_size": 4, **schedule}, num_generations=4,
-        max_completion_length=6,
+        max_completion_length=16 if "episodes" in options else 6,
         learning_rate=5e-3, epsilon=0.2,
         epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
         use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
@@ -83,11 +95,15 @@ def main(model_dir: str, mode: str, out: str) -> None:
         deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0, ds3_gather_for_generation="nogather" not in options,
         **(dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01) if "family" in options else {}),
+        **(dict(max_turns=2, importance_sampling_level="turn", advantage_granularity="turn",
+                generation_kwargs={"sequence_bias": [[[2], 4.0]]})  # id 2 ends a turn: favour it
+           if "episodes" in options else {}),
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
     trainer = GSPOTrainer(model_dir, rewards, args=config, train_dataset=dataset,
-                          peft_config=peft_config, callbacks=[KillRank1MidWindow()] if "kill" in options else None)
+                          peft_config=peft_config, callbacks=[KillRank1MidWindow()] if "kill" in options else None,
+                          env_factory=MoreDigits if "episodes" in options else None)
     generate, whole_at_generation = trainer.rollout_backend.generate, []
 
     def spy(prompts, *rest):  # under ZeRO-3, were the weights gathered for the whole rollout?
@@ -95,9 +111,11 @@ def main(model_dir: str, mode: str, out: str) -> None:
         whole_at_generation.append(all(p.numel() == p.ds_numel for p in params) if params else None)
         return generate(prompts, *rest)
 
-    trainer.rollout_backend.generate = spy
+    if "episodes" not in options:
+        trainer.rollout_backend.generate = spy
     trainer.train(resume_from_checkpoint=True if "resume" in options else None)
-    logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl", "entropy", "completions/mean_length") if k in e}
+    logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl", "entropy", "completions/mean_length",
+                                "episodes/turns/mean", "episodes/env_token_fraction") if k in e}
             for e in trainer.state.log_history if "loss" in e]
     model = trainer.accelerator.unwrap_model(trainer.model)
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]

@@ -98,7 +98,8 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
     assert time.monotonic() - start < 120
 
 
-@pytest.mark.parametrize("mode", ["ddp+seeded", "ddp+seeded+family", "ddp+seeded+lora+beta", "zero3+seeded"])
+@pytest.mark.parametrize("mode", ["ddp+seeded", "ddp+seeded+family", "ddp+seeded+lora+beta", "zero3+seeded",
+                                  "ddp+seeded+episodes"])
 def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode):
     # 8 completions per micro-step: one process of 8, or two of 4, with layout-independent sampling. Both
     # sample the same rollouts and cut them into the same global micro-batches (each process its slice).
@@ -112,6 +113,9 @@ def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode
     assert one[0]["logs"][0]["completions/mean_length"] == two[0]["logs"][0]["completions/mean_length"]
     if "beta" in mode:  # the token-weighted KL mean over processes is one process's number
         assert any(e["kl"] > 0 for e in one[0]["logs"])
+    if "episodes" in mode:  # the same episodes, a second turn included, whatever the process layout
+        assert one[0]["logs"][0]["episodes/turns/mean"] > 1
+        assert one[0]["logs"][0]["episodes/env_token_fraction"] == two[0]["logs"][0]["episodes/env_token_fraction"]
 
 
 @pytest.mark.parametrize("mode", ["ddp+bf16+beta", "zero3+bf16+lora+beta"])
