@@ -2,6 +2,7 @@
 `gspo-trl vllm-serve` on 127.0.0.1 for a tiny tied Llama: sampling, weight sync after every rollout (full and LoRA),
 the server's log-probs against the trainer's, bad set-ups, and a clean shutdown."""
 
+import math
 import os
 import signal
 import socket
@@ -233,3 +234,37 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
     assert [r["syncs"] for r in ranks] == [3, 3]  # two rollouts, then the final sync
     assert ranks[0]["logs"] == ranks[1]["logs"] and len(ranks[0]["logs"]) == 4  # every rank logs the same numbers
     assert ranks[0]["max_error"] < 1e-4  # the server holds the trained (gathered) weights
+
+
+class AskAgain:
+    """Never ends an episode by itself: every turn gets an observation (the loop's budget and max_turns end it)."""
+
+    def reset(self, seed=None, options=None):
+        return "", {}
+
+    def step(self, action):
+        return " Again:", float(len(action) % 3), False, False, {}
+
+
+def test_episodes_sample_each_turn_on_the_server_from_token_ids(tmp_path, server, served_model_dir):
+    args = vllm_config(tmp_path, server, max_completion_length=40, max_turns=3, importance_sampling_level="turn",
+                       advantage_granularity="turn")
+    trainer = GSPOTrainer(served_model_dir, None, args=args, train_dataset=text_dataset(), env_factory=AskAgain)
+    backend = trainer.rollout_backend
+    # The random model seldom emits its end-of-turn token: let 40 frequent tokens end a turn too, so that episodes
+    # have several turns (the server stops on them and the loop appends the observation after them).
+    stops = backend.eos_token_ids + list(range(3, 43))
+    backend.eos_token_ids, backend.sampling["stop_token_ids"] = stops, stops
+    backend.update_weights(trainer.model, 0)
+    batch = trainer.episode_runner.run(backend, [{"prompt": "What is 1 + 2?"}] * 4, seeds=[0] * 4)
+    rollout = batch.rollout
+    sampled = (rollout.completion_mask * rollout.env_mask).bool()
+    assert (rollout.completion_mask.bool() & ~sampled).any() and batch.reached[:, 1].any()  # later turns happened
+    # The server's log-probs of every sampled token, in every turn, are the trainer's own on the whole episode.
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    ours = completion_logprobs(trainer.accelerator.unwrap_model(trainer.model), ids, mask, rollout.completion_ids,
+                               sampled.long()).logps
+    torch.testing.assert_close(rollout.sampling_logps[sampled], ours[sampled], atol=1e-4, rtol=0)
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"]) and "episodes/turns/mean" in trainer.state.log_history[0]
