@@ -1,7 +1,8 @@
 """`GSPOTrainer`: the `transformers.Trainer` that wires rollout → reward → advantage → loss → log.
 
-It holds no math and no backend details: sampling lives in `rollout`, log-probabilities in
-`logprobs`, rewards in `rewards`, advantages in `advantages`, the objective in `loss`. The
+It holds no math and no backend details: sampling lives in `rollout`, multi-turn episodes in
+`environments`, log-probabilities in `logprobs`, rewards in `rewards`, the rollout's advantages in `scoring`
+(math in `advantages`), the objective in `loss`. The
 trainer's own job is the schedule (one rollout reused for `steps_per_generation × num_iterations`
 micro-steps, as in TRL), moving data between those modules, and logging.
 """
@@ -19,13 +20,6 @@ from transformers.utils import logging
 from trl.trainer.utils import RepeatSampler
 
 from . import __version__
-from .advantages import (
-    aggregate_rewards,
-    discounted_returns,
-    episode_advantages,
-    group_advantages,
-    token_advantages,
-)
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
 from .distributed import (
@@ -38,7 +32,7 @@ from .distributed import (
     weights_for_generation,
 )
 from .entropy_control import EntropyCoefficient
-from .environments import EpisodeBatch, EpisodeRunner
+from .environments import EpisodeRunner
 from .environments.episodes import END_REASONS, end_codes
 from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprobs import completion_logprobs
@@ -71,6 +65,7 @@ from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, re
 from .rollout import create_rollout_backend, is_conversational_prompt, stream_keys
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
 from .sampling_correction import sampling_correction
+from .scoring import score_rollout
 from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
 
 
@@ -371,15 +366,8 @@ class GSPOTrainer(Trainer):
             log_metric=lambda name, value: self._metrics.add(mode, name, value),
             log_extra=extra_columns.__setitem__,
         ).to(device)  # (n, F)
-        local = slice(self.accelerator.process_index * len(batch), (self.accelerator.process_index + 1) * len(batch))
-        # Groups may span processes: advantages are computed on the gathered batch.
-        if episodes is None:
-            rewards_per_func = self.accelerator.gather(local_rewards)  # (N, F)
-            rewards, valid = aggregate_rewards(rewards_per_func, self.reward_weights.to(device))
-            advantages, advantage_stats = group_advantages(rewards, args.num_generations, args.scale_rewards, valid)
-            advantages = advantages[local]
-        else:
-            advantages, advantage_stats, rewards_per_func, rewards = self._episode_advantages(episodes, local_rewards)
+        scores = score_rollout(local_rewards, self.reward_weights, args, self.accelerator, episodes)
+        advantages = scores.advantages
 
         completion_mask = sampled_mask
         if args.mask_truncated_completions:
@@ -399,34 +387,15 @@ class GSPOTrainer(Trainer):
             with reference_weights(self.model, self.ref_model) as reference:
                 inputs["ref_per_token_logps"] = self._score_without_grad(reference, inputs)
 
-        self._record_rollout_metrics(mode, rollout, sampled_mask, rewards_per_func, advantage_stats, episodes)
+        self._record_rollout_metrics(mode, rollout, sampled_mask, scores.rewards_per_func, scores.stats, episodes)
         if args.log_completions and self.accelerator.is_main_process:
+            local = slice(self.accelerator.process_index * len(batch), (self.accelerator.process_index + 1) * len(batch))
             self._completion_samples = [
                 {"prompt": p, "completion": c, "reward": r, "advantage": a, **{k: v[i] for k, v in extra_columns.items()}}
-                for i, (p, c, r, a) in enumerate(zip(prompts, completion_texts, rewards[local].tolist(),
+                for i, (p, c, r, a) in enumerate(zip(prompts, completion_texts, scores.rewards[local].tolist(),
                                                      _row_advantages(advantages).tolist()))
             ]
         return inputs
-
-    def _episode_advantages(self, episodes: EpisodeBatch, local_rewards: torch.Tensor):
-        """(this process's advantages, the rollout's advantage statistics, the (N, F + 1) reward table with the
-        environment's return first, the (N,) episode returns) for multi-turn episodes, over every process."""
-        args, accelerator, device = self.args, self.accelerator, self.accelerator.device
-        turn_rewards = accelerator.gather(accelerator.pad_across_processes(episodes.turn_rewards.to(device), dim=1))
-        reached = accelerator.gather(accelerator.pad_across_processes(episodes.reached.to(device), dim=1))
-        function_table = accelerator.gather(local_rewards)  # (N, F)
-        function_rewards, _ = aggregate_rewards(function_table, self.reward_weights.to(device))  # NaN-free
-        per_turn, returns, stats = episode_advantages(
-            turn_rewards, reached, function_rewards, args.num_generations, args.scale_rewards, args.turn_discount,
-            args.advantage_granularity,
-        )  # (N, K), (N,)
-        local = slice(accelerator.process_index * len(episodes.ends), (accelerator.process_index + 1) * len(episodes.ends))
-        if args.advantage_granularity == "turn":
-            advantages = token_advantages(per_turn[local], episodes.rollout.turn_ids.to(device))  # (n, C)
-        else:
-            advantages = per_turn[local, 0]  # (n,)
-        env_return = discounted_returns(turn_rewards, reached, args.turn_discount)[:, :1]  # (N, 1)
-        return advantages, stats, torch.cat([env_return, function_table], dim=1), returns
 
     def _episode_seeds(self, num_rows: int, mode: str) -> list[int]:
         """One environment seed per group (its num_generations episodes start from the same state), whatever the

@@ -1,0 +1,57 @@
+"""From a scored rollout to advantages: the reward table gathered over every process (a prompt's group may span
+processes), combined, and turned into group-relative advantages, for single-turn rollouts and for multi-turn
+episodes (whose step rewards join the table as its first column, "env").
+
+Owns which rows and tokens get which advantage and the reward statistics that go with them. The math is in
+`advantages`; calling reward functions is `rewards.compute_rewards`; playing episodes is `environments`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .advantages import (
+    aggregate_rewards,
+    discounted_returns,
+    episode_advantages,
+    group_advantages,
+    token_advantages,
+)
+
+
+@dataclass
+class RolloutScores:
+    advantages: torch.Tensor  # this process's rows: (n,), or (n, C) per token with per-turn advantages
+    stats: dict[str, float]  # reward, reward_std, frac_reward_zero_std, num_invalid (over every process)
+    rewards_per_func: torch.Tensor  # (N, F) over every process; with episodes the environment's return first
+    rewards: torch.Tensor  # (N,) each row's total reward
+
+
+def score_rollout(local_rewards: torch.Tensor, reward_weights: torch.Tensor, args, accelerator,
+                  episodes=None) -> RolloutScores:
+    """Advantages of this process's rows from its (n, F) reward-function table (`episodes`: its `EpisodeBatch`)."""
+    device = local_rewards.device
+    n = local_rewards.shape[0]
+    local = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
+    function_table = accelerator.gather(local_rewards)  # (N, F)
+    rewards, valid = aggregate_rewards(function_table, reward_weights.to(device))  # (N,), NaN-free
+    if episodes is None:
+        advantages, stats = group_advantages(rewards, args.num_generations, args.scale_rewards, valid)
+        return RolloutScores(advantages[local], stats, function_table, rewards)
+
+    def gathered(tensor):  # episodes on different processes may have played different numbers of turns
+        return accelerator.gather(accelerator.pad_across_processes(tensor.to(device), dim=1))
+
+    turn_rewards, reached = gathered(episodes.turn_rewards), gathered(episodes.reached)  # (N, K) each
+    per_turn, returns, stats = episode_advantages(
+        turn_rewards, reached, rewards, args.num_generations, args.scale_rewards, args.turn_discount,
+        args.advantage_granularity,
+    )  # (N, K), (N,)
+    if args.advantage_granularity == "turn":
+        advantages = token_advantages(per_turn[local], episodes.rollout.turn_ids.to(device))  # (n, C)
+    else:
+        advantages = per_turn[local, 0]  # (n,)
+    env_return = discounted_returns(turn_rewards, reached, args.turn_discount)[:, :1]  # (N, 1)
+    return RolloutScores(advantages, stats, torch.cat([env_return, function_table], dim=1), returns)

@@ -1,0 +1,50 @@
+"""Tests for gspo_trl.scoring: a rollout's reward table to this process's advantages (one process here; the
+multi-process gathering is exercised by test_distributed.py)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from gspo_trl.advantages import group_advantages, turn_advantages
+from gspo_trl.scoring import score_rollout
+
+
+class OneProcess:
+    process_index = 0
+
+    @staticmethod
+    def gather(tensor):
+        return tensor
+
+    @staticmethod
+    def pad_across_processes(tensor, dim=0):
+        return tensor
+
+
+def args(**overrides):
+    values = dict(num_generations=2, scale_rewards="none", turn_discount=1.0, advantage_granularity="trajectory")
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_single_turn_rows_get_group_advantages_of_the_weighted_sum():
+    table = torch.tensor([[1.0, float("nan")], [0.0, 2.0], [3.0, 1.0], [1.0, 1.0]])
+    scores = score_rollout(table, torch.tensor([1.0, 0.5]), args(), OneProcess)
+    totals = torch.tensor([1.0, 1.0, 3.5, 1.5])
+    torch.testing.assert_close(scores.rewards, totals)
+    torch.testing.assert_close(scores.advantages, group_advantages(totals, 2, "none")[0])
+    assert scores.stats["reward"] == totals.mean().item()
+
+
+def test_episodes_put_the_environment_return_first_and_add_the_functions_to_the_last_turn():
+    rollout = SimpleNamespace(turn_ids=torch.tensor([[0, 0, -1, 1], [0, -1, 1, 1]]))
+    episodes = SimpleNamespace(turn_rewards=torch.tensor([[0.0, 1.0], [1.0, 0.0]]),
+                               reached=torch.tensor([[True, True], [True, True]]), rollout=rollout)
+    functions = torch.tensor([[2.0], [0.0]])  # one reward function, scored on the whole episode
+    trajectory = score_rollout(functions, torch.ones(1), args(), OneProcess, episodes)
+    torch.testing.assert_close(trajectory.rewards_per_func, torch.tensor([[1.0, 2.0], [1.0, 0.0]]))
+    torch.testing.assert_close(trajectory.rewards, torch.tensor([3.0, 1.0]))  # returns: env + functions
+    torch.testing.assert_close(trajectory.advantages, torch.tensor([1.0, -1.0]))
+    per_turn = score_rollout(functions, torch.ones(1), args(advantage_granularity="turn"), OneProcess, episodes)
+    expected = turn_advantages(torch.tensor([[0.0, 3.0], [1.0, 0.0]]), episodes.reached, 2, "none")  # (2, 2)
+    torch.testing.assert_close(per_turn.advantages, expected.gather(1, rollout.turn_ids.clamp(min=0)))
