@@ -86,19 +86,24 @@ def create_rollout_backend(args, tokenizer: PreTrainedTokenizerBase, accelerator
     return HFGenerateBackend(model_getter, tokenizer, args)
 
 
-def render_prompts(prompts: list[Any], tokenizer: PreTrainedTokenizerBase, chat_template_kwargs=None) -> list[str]:
-    """Prompt texts: conversational prompts go through the chat template with a generation prompt."""
+def render_prompts(prompts: list[Any], tokenizer: PreTrainedTokenizerBase, chat_template_kwargs=None,
+                   tools: list[list[dict] | None] | None = None) -> list[str]:
+    """Prompt texts: conversational prompts go through the chat template with a generation prompt (and, per
+    prompt, the JSON schemas of the tools the template should present)."""
+    tools = tools or [None] * len(prompts)
     return [
-        maybe_apply_chat_template({"prompt": prompt}, tokenizer, **(chat_template_kwargs or {}))["prompt"]
-        for prompt in prompts
+        maybe_apply_chat_template({"prompt": prompt}, tokenizer, tools=prompt_tools or None,
+                                  **(chat_template_kwargs or {}))["prompt"]
+        for prompt, prompt_tools in zip(prompts, tools)
     ]
 
 
 def tokenize_prompts(
-    prompts: list[Any], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int | None, chat_template_kwargs=None
+    prompts: list[Any], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int | None, chat_template_kwargs=None,
+    tools: list[list[dict] | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt_ids, prompt_mask), (N, P) left-padded, truncated from the left to `max_prompt_length`."""
-    texts = render_prompts(prompts, tokenizer, chat_template_kwargs)
+    texts = render_prompts(prompts, tokenizer, chat_template_kwargs, tools)
     # Chat templates already carry the special tokens; plain text prompts get none added either, matching TRL.
     encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]

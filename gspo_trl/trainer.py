@@ -127,7 +127,7 @@ class GSPOTrainer(Trainer):
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
         if reward_funcs is None and episodes:
             reward_funcs = []  # the environment's step rewards or get_reward may be the whole reward
-        tool_episodes = tool_episode_factory(tools, environment_factory, tool_call_parser, env_factory)
+        tool_episodes = tool_episode_factory(tools, environment_factory, tool_call_parser, env_factory, tokenizer)
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         environment_rewards = environment_reward_functions(environment_factory)  # weighted 1, as in TRL
         if reward_processing_classes is not None and environment_rewards:

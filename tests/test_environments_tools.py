@@ -196,3 +196,24 @@ def test_side_by_side_with_trl_grpo_trainer(tmp_path):
     tool_message = [{"role": "tool", "name": "add", "content": "5"}]
     encoder = ObservationEncoder(tokenizer, True, [tokenizer.eos_token_id])
     assert encoder(tool_message) == trl._get_tool_suffix_ids(tool_message)
+
+
+def test_a_template_with_tool_support_presents_the_tools_itself():
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from conftest import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = qwen3_chat_template
+    eos = tokenizer.eos_token_id
+    sampler = ScriptedSampler([[tokenizer.encode("5") + [eos]]], eos, tokenizer.pad_token_id)
+    runner = EpisodeRunner(tool_episode_factory(None, Calculator, tokenizer=tokenizer), tokenizer, episode_args())
+    batch = runner.run(sampler, [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}], [0])
+    rendered = tokenizer.decode(sampler.calls[0][0][0])
+    assert "<tools>" in rendered and '"name": "add"' in rendered  # Qwen3's own tool prompt, as TRL renders it
+    assert batch.prompts[0][-1]["content"] == "What is 2 + 3?"  # no Hermes description added to the question
+    # Without tool support (the tiny ChatML template), the tools are described in the user message instead.
+    plain = build_tiny_tokenizer()
+    env = tool_episode_factory(None, Calculator, tokenizer=plain)()
+    observation, _ = env.reset(options={"answer": "5"})
+    assert "<tool_call>" in observation and env.template_tools is None

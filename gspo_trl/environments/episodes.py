@@ -123,8 +123,10 @@ class EpisodeRunner:
         observations = [text_env.reset(env, seed, row) for env, seed, row in zip(envs, seeds, rows)]
         prompts = self.initial_prompts(rows, observations)
         conversational = is_conversational_prompt(prompts[0])
+        # Environments whose tools the chat template presents itself (`tools.ToolEnvironment`) say which.
+        tools = [getattr(env, "template_tools", None) for env in envs]
         prompt_ids, prompt_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length,
-                                                   args.chat_template_kwargs)
+                                                   args.chat_template_kwargs, tools)
         episodes = [Episode(env, ids[mask.bool()].tolist()) for env, ids, mask in zip(envs, prompt_ids, prompt_mask)]
         encoder = self._encoder(conversational, backend.eos_token_ids)
         budget = args.max_completion_length

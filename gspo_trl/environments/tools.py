@@ -9,8 +9,9 @@ environment's public methods (not ``reset``/``get_reward``); their JSON schemas 
 docstrings (`transformers.utils.get_json_schema`).
 
 Tool calls are read by a parser, text -> [{"name": ..., "arguments": {...}}]. The default, `parse_hermes_tool_calls`,
-reads ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks (the Hermes/Qwen format), and the tools are
-described in the prompt in that format, which works with any chat template (SmolLM2's has no tool support).
+reads ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks (the Hermes/Qwen format). A chat template
+with tool support (TRL's `supports_tool_calling`, e.g. Qwen's) presents the tools itself, as TRL renders them; for
+any other template (SmolLM2's has no tool support) the tools are described in the user message in that format.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transformers.utils import get_json_schema
+from trl.chat_template_utils import supports_tool_calling
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", flags=re.DOTALL)
 MALFORMED = "__malformed__"  # the name given to a tool call that could not be read
@@ -82,8 +84,10 @@ class ToolEnvironment:
     """One episode's tools and (optionally) TRL-style environment, behind the gym-style interface."""
 
     def __init__(self, tools: list[Callable], environment_factory=None,
-                 tool_call_parser: Callable[[str], list[dict]] = parse_hermes_tool_calls):
+                 tool_call_parser: Callable[[str], list[dict]] = parse_hermes_tool_calls, template_presents_tools=False):
         self.standalone_tools = list(tools)
+        self.template_presents_tools = template_presents_tools
+        self.template_tools: list[dict] | None = None  # the schemas the chat template renders, when it can
         self.environment_factory = environment_factory
         self.parser = tool_call_parser
         self.environment = None  # the TRL environment of the current episode
@@ -126,8 +130,11 @@ class ToolEnvironment:
         self.tools = {tool.__name__: tool for tool in self.standalone_tools}
         if self.environment is not None:
             self.tools.update({tool.__name__: tool for tool in public_methods(self.environment)})
-        if self.tools:
-            observation += describe_tools([tool_schema(tool) for tool in self.tools.values()])
+        schemas = [tool_schema(tool) for tool in self.tools.values()]
+        if self.template_presents_tools:
+            self.template_tools = schemas or None
+        elif schemas:
+            observation += describe_tools(schemas)
         return observation, {}
 
     async def step(self, action: str):
@@ -156,9 +163,10 @@ class ToolEnvironment:
         return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
-def tool_episode_factory(tools, environment_factory, tool_call_parser=None, env_factory=None):
+def tool_episode_factory(tools, environment_factory, tool_call_parser=None, env_factory=None, tokenizer=None):
     """The factory of `ToolEnvironment`s for `GSPOTrainer(tools=..., environment_factory=...)`, checked now (tool
-    schemas, the environments' ``reset``), or None when neither is given."""
+    schemas, the environments' ``reset``), or None when neither is given. With a `tokenizer` whose chat template
+    supports tool calling, the template presents the tools."""
     if tools is None and environment_factory is None:
         return None
     if env_factory is not None:
@@ -180,9 +188,11 @@ def tool_episode_factory(tools, environment_factory, tool_call_parser=None, env_
         for method in public_methods(environment):
             tool_schema(method)
     parser = tool_call_parser or parse_hermes_tool_calls
+    native = tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None and \
+        supports_tool_calling(tokenizer)
 
     def factory():
-        return ToolEnvironment(tools, environment_factory, parser)
+        return ToolEnvironment(tools, environment_factory, parser, template_presents_tools=native)
 
     return factory
 
