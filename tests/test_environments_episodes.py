@@ -181,3 +181,19 @@ def test_trainer_log_probs_of_episodes_match_the_sampling_contexts(tiny_model, t
             direct = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
             keep = sampled[row, : len(completion)].bool()
             torch.testing.assert_close(scores[row, : len(completion)][keep], direct[keep], atol=2e-5, rtol=0)
+
+
+def test_the_examples_retry_environment_rewards_an_early_right_answer():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "train_retry_agent.py"
+    spec = importlib.util.spec_from_file_location("train_retry_agent", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    env = example.RetryArithmeticEnv()
+    assert env.reset(seed=0, options={"answer": "7"}) == ("", {})
+    observation, reward, terminated, truncated, _ = env.step("3 + 4 = 8")
+    assert (reward, terminated, truncated) == (0.0, False, False) and "Try again" in observation
+    _, reward, terminated, _, _ = env.step("3 + 4 = 7")
+    assert reward == pytest.approx(0.7) and terminated
