@@ -119,12 +119,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 def segment_mean(values: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
     """(B, T): at each position, the mean of ``values`` over the masked positions of the same row and segment.
 
-    ``segment_ids`` (B, T) holds integers >= 0 where ``mask`` is set (e.g. the assistant turn of each token); other
+    ``segment_ids`` (B, T) holds integers in [0, T) where ``mask`` is set (e.g. the assistant turn of each token); other
     positions may hold anything. A segment without masked positions has mean 0.
     """
     mask = mask.bool()
     ids = torch.where(mask, segment_ids, torch.zeros_like(segment_ids)).long()  # (B, T)
-    num_segments = int(ids.max()) + 1 if ids.numel() else 1
+    num_segments = max(values.shape[1], 1)  # a row has at most T segments; no host sync to count them
     masked_values = torch.where(mask, values, torch.zeros_like(values))
     totals = values.new_zeros(values.shape[0], num_segments).scatter_add(1, ids, masked_values)  # (B, K)
     counts = values.new_zeros(values.shape[0], num_segments).scatter_add(1, ids, mask.to(values.dtype))  # (B, K)
