@@ -123,3 +123,18 @@ def test_rows_without_prompt_start_from_the_reset_observation(tmp_path, tiny_mod
 def test_no_reward_source_is_refused(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="reward_funcs is empty"):
         GSPOTrainer(tiny_model_dir, [], args=config(tmp_path), train_dataset=chat_rows())
+
+
+def test_episodes_with_the_gpu_recipe_bf16_lora_and_kl(tmp_path, tiny_model_dir):
+    # What users run: bf16 autocast (on CPU here), a LoRA adapter and the KL term to the disabled-adapter reference.
+    from peft import LoraConfig
+
+    args = config(tmp_path, importance_sampling_level="turn", advantage_granularity="turn", bf16=True, beta=0.04,
+                  steps_per_generation=2, gradient_accumulation_steps=1, max_steps=2)
+    trainer = GSPOTrainer(tiny_model_dir, None, args=args, train_dataset=chat_rows(), env_factory=DigitsEnv,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(math.isfinite(entry["loss"]) for entry in logs)
+    assert any(entry["kl"] > 0 for entry in logs)  # the reference scored the episodes' sampled tokens
+    assert logs[0]["episodes/turns/mean"] > 1
