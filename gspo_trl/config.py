@@ -134,6 +134,26 @@ class GSPOConfig(TrainingArguments):
         default=1,
         metadata={"help": "Passes over each rollout batch (μ in the GRPO/GSPO papers)."},
     )
+    async_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample the next rollout in a background thread while the current one trains (one rollout "
+            "ahead, as verl's one-step-off): on the trained model, from a copy of the weights (one more copy in "
+            "memory); with use_vllm, on the server, which gets the weights at launch. The importance ratio's π_old "
+            "is the sampling weights' own log-probs. Pays where sampling and training use different hardware (a "
+            "vLLM server) or leave each other idle (GPU decoding); docs/async_rollouts.md."
+        },
+    )
+    max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "With async_rollouts: the most optimizer steps between the weights that sample a rollout and the "
+            "first optimizer step that trains on it; the next rollout starts sampling as soon as that allows. None: "
+            "the optimizer steps per rollout (sampling overlaps the whole rollout's training). 0 samples each "
+            "rollout when its training starts, as the synchronous trainer does. At most one rollout is sampled "
+            "ahead, so larger values act as the optimizer steps per rollout."
+        },
+    )
     always_compute_old_logprobs: bool = field(
         default=False,
         metadata={
@@ -535,6 +555,7 @@ class GSPOConfig(TrainingArguments):
         self._validate_sampling()
         self._validate_vllm()
         self._resolve_batch_sizes(steps_per_generation_was_set)
+        self._validate_async_rollouts()
 
     def _resolve_objective_defaults(self) -> None:
         if self.importance_sampling_level is None:
@@ -718,6 +739,29 @@ class GSPOConfig(TrainingArguments):
                 f"generation_batch_size ({self.generation_batch_size} = per_device_train_batch_size × num_processes "
                 f"× steps_per_generation) must be a multiple of num_generations ({self.num_generations}) so every "
                 "prompt's group is generated whole. Adjust per_device_train_batch_size or steps_per_generation."
+            )
+
+    def _validate_async_rollouts(self) -> None:
+        if not self.async_rollouts:
+            if self.max_staleness is not None:
+                raise ValueError(f"max_staleness={self.max_staleness} only applies with async_rollouts=True; set "
+                                 "async_rollouts=True to sample rollouts ahead, or leave max_staleness unset.")
+            return
+        if self.steps_per_generation * self.num_iterations % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"async_rollouts=True needs every rollout to start on an optimizer step: steps_per_generation × "
+                f"num_iterations ({self.steps_per_generation} × {self.num_iterations}) must be a multiple of "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps})."
+            )
+        if self.max_staleness is None:
+            self.max_staleness = self.optimizer_steps_per_rollout
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}.")
+        if self.use_vllm and self.max_staleness > 0 and not self.vllm_logprobs_as_old:
+            raise ValueError(
+                "async_rollouts=True with use_vllm=True and max_staleness > 0 trains on rollouts sampled by weights "
+                "that only the vLLM server still has, so π_old must be the server's log-probs: set "
+                "vllm_logprobs_as_old=True (or max_staleness=0)."
             )
 
     @property

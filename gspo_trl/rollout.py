@@ -48,6 +48,20 @@ class Rollout:
     env_mask: torch.Tensor | None = None
     turn_ids: torch.Tensor | None = None
 
+    @property
+    def sampled_mask(self) -> torch.Tensor:
+        """(N, C) 1 on the tokens the model sampled: the completion without an environment's observations."""
+        return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The log-prob inputs of these completions: prompt + completion ids and attention, the sampled tokens scored."""
+        return {
+            "input_ids": torch.cat([self.prompt_ids, self.completion_ids], dim=1),
+            "attention_mask": torch.cat([self.prompt_mask, self.completion_mask], dim=1),
+            "completion_ids": self.completion_ids,
+            "completion_mask": self.sampled_mask,
+        }
+
 
 class RolloutBackend(ABC):
     """What the trainer needs from a generator."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from transformers.utils import logging
 from trl.trainer.utils import RepeatSampler
 
 from . import __version__
+from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
 from .distributed import (
@@ -33,7 +35,7 @@ from .distributed import (
 )
 from .entropy_control import EntropyCoefficient
 from .environments import EpisodeRunner
-from .environments.episodes import END_REASONS, end_codes
+from .environments.episodes import END_REASONS, EpisodeBatch, end_codes
 from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprobs import completion_logprobs
 from .loss import Objective, masked_mean, policy_loss
@@ -62,7 +64,7 @@ from .models import (
 from .packing import packing_pays_on, padding_free_unsupported_reason
 from .precision import check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
-from .rollout import create_rollout_backend, is_conversational_prompt, stream_keys
+from .rollout import Rollout, create_rollout_backend, is_conversational_prompt, stream_keys
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
 from .sampling_correction import sampling_correction
 from .scoring import score_rollout
@@ -70,6 +72,16 @@ from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
 
 
 logger = logging.get_logger(__name__)
+
+
+@dataclass
+class SampledRollout:
+    """A rollout before it is scored: the completions (or episodes) and the prompts they answer."""
+
+    rollout: Rollout
+    prompts: list
+    episodes: EpisodeBatch | None = None
+    behaviour_logps: torch.Tensor | None = None  # (N, C) under the sampling weights, where those will be gone
 
 
 def _keep_as_list(features: list[dict]) -> list[dict]:
@@ -177,6 +189,10 @@ class GSPOTrainer(Trainer):
             self.episode_runner = EpisodeRunner(tool_episodes, tokenizer, args, max_turns=max_turns)
         else:
             self.episode_runner = None if env_factory is None else EpisodeRunner(env_factory, tokenizer, args)
+        self.rollout_pipeline = None
+        if args.async_rollouts:
+            check_async_rollouts_supported(self.rollout_backend, self.accelerator)
+            self.rollout_pipeline = RolloutPipeline(args, self.rollout_backend, self.episode_runner, tokenizer)
         self._metrics = MetricsBuffer()
         self._completion_samples: list[dict] = []
         self._buffered_inputs: list[dict] | None = None
@@ -254,7 +270,11 @@ class GSPOTrainer(Trainer):
             self._buffered_inputs = restored.micro_batches
             self._rollout_global_step = restored.sampled_at_step
         if use == 0 or self._buffered_inputs is None:
-            rollout_batch = self._generate_and_score(generation_batch, mode="train")
+            if self.rollout_pipeline is None:
+                rollout_batch, weights_step = self._generate_and_score(generation_batch, "train"), self.state.global_step
+            else:
+                sampled, weights_step = self._take_prefetched_rollout(generation_batch)
+                rollout_batch = self._score(generation_batch, sampled, "train")
             micro_batches = self._micro_batches(rollout_batch)
             num_items = self._count_completion_tokens(rollout_batch)
             for micro_batch in micro_batches:
@@ -267,13 +287,62 @@ class GSPOTrainer(Trainer):
                 first_use=use,
             )
             for micro_batch, needed in zip(micro_batches, needs_old):
+                if micro_batch["old_per_token_logps"] is not None:
+                    continue  # sampled ahead by weights trained past since: their own log-probs (async_rollouts)
                 if args.use_vllm and args.vllm_logprobs_as_old:
                     micro_batch["old_per_token_logps"] = _sampler_logprobs_as_old(micro_batch)
                 elif needed or args.always_compute_old_logprobs:
                     micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
             self._buffered_inputs = micro_batches
-            self._rollout_global_step = self.state.global_step
+            self._rollout_global_step = weights_step
+        if self.rollout_pipeline is not None:
+            self._metrics.add("train", "rollout/staleness", float(self.state.global_step - self._rollout_global_step))
+            self._prefetch_next_rollout()
         return self._buffered_inputs[use % args.steps_per_generation]
+
+    # --- async rollouts -----------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self.rollout_pipeline is not None:  # read through a look-ahead, which finds the next rollout's prompts
+            epoch_iterator = self.rollout_pipeline.wrap(epoch_iterator)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _take_prefetched_rollout(self, batch: list[dict]) -> tuple[SampledRollout, int]:
+        """(the rollout sampled ahead for this step, the optimizer step of its weights); where none was (the first
+        of an epoch, max_staleness=0, a resumed run), one is sampled now on the same path, with staleness 0."""
+        step = self.state.global_step
+        taken = self.rollout_pipeline.prefetcher.take(step)
+        if taken is None:
+            self._launch_rollout(batch, for_step=step)
+            taken = self.rollout_pipeline.prefetcher.take(step)
+        return taken
+
+    def _prefetch_next_rollout(self) -> None:
+        """Start sampling the next rollout once the weights are within max_staleness optimizer steps of it."""
+        upcoming = self.rollout_pipeline.next_rollout(
+            self.state.global_step, self._step, self._window_offset, self.current_gradient_accumulation_steps
+        )
+        if upcoming is not None and upcoming[1] < self.state.max_steps:  # not past the end of training
+            self._launch_rollout(*upcoming)
+
+    def _launch_rollout(self, batch: list[dict], for_step: int) -> None:
+        weights_step = self.state.global_step
+        backend, runner, frozen = self.rollout_pipeline.engines(
+            self.model_wrapped, self.accelerator.unwrap_model(self.model), weights_step
+        )
+
+        ahead = for_step != weights_step  # sampling overlaps training
+
+        def sample() -> SampledRollout:  # runs on the pipeline's thread
+            with precision_context(self.accelerator):  # autocast is per thread
+                # Overlapping training, which rewinds the global random state (checkpointed recomputation), it
+                # draws from per-completion streams of its own.
+                sampled = self._sample(backend, runner, batch, "train", for_step, keyed=ahead)
+                if frozen is not None and ahead:  # π_old will be gone by the time it trains
+                    sampled.behaviour_logps = self._score_without_grad(frozen, sampled.rollout.model_inputs())
+            return sampled
+
+        self.rollout_pipeline.prefetcher.submit(for_step, weights_step, sample)
 
     def _count_completion_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         """The completion tokens trained on in a rollout, over every process (the token-mean losses' count)."""
@@ -329,25 +398,39 @@ class GSPOTrainer(Trainer):
                 if restored.entropy_control is not None:
                     self.entropy_coefficient.load_state_dict(restored.entropy_control)
                 self._restored_rollout = restored
-        return super()._inner_training_loop(*args, **kwargs)
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        finally:
+            if self.rollout_pipeline is not None:
+                self.rollout_pipeline.prefetcher.drain()
+                self.rollout_pipeline.lookahead = None
 
     # --- rollout ------------------------------------------------------------------------------
 
     def _generate_and_score(self, batch: list[dict], mode: str) -> dict[str, Any]:
-        args, device = self.args, self.accelerator.device
-        keys = self._stream_keys(len(batch), mode)
+        """Sample a synchronous rollout on the current weights and score it (eval; train without async_rollouts)."""
+        if self.rollout_pipeline is not None:
+            self.rollout_pipeline.prefetcher.wait()  # a server must not change weights under a rollout being sampled ahead
         self.rollout_backend.update_weights(self.model_wrapped, self.state.global_step)
-        episodes = None
         with self._generation_context():
-            if self.episode_runner is None:
-                prompts = [row["prompt"] for row in batch]
-                rollout = self.rollout_backend.generate(prompts, keys)
-            else:
-                episodes = self.episode_runner.run(self.rollout_backend, batch, self._episode_seeds(len(batch), mode),
-                                                   keys)
-                rollout, prompts = episodes.rollout, episodes.prompts
+            sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, self.state.global_step)
+        return self._score(batch, sampled, mode)
+
+    def _sample(self, backend, runner, batch: list[dict], mode: str, step: int, keyed: bool = False) -> SampledRollout:
+        """Completions (or episodes) for `batch`, with the sampling streams and seeds of optimizer step `step`
+        (`keyed`: per-completion streams even without layout_independent_sampling)."""
+        keys = self._stream_keys(len(batch), mode, step, keyed)
+        if runner is None:
+            rollout = backend.generate([row["prompt"] for row in batch], keys)
+            return SampledRollout(rollout, [row["prompt"] for row in batch])
+        episodes = runner.run(backend, batch, self._episode_seeds(len(batch), mode, step), keys)
+        return SampledRollout(episodes.rollout, episodes.prompts, episodes)
+
+    def _score(self, batch: list[dict], sampled: SampledRollout, mode: str) -> dict[str, Any]:
+        args, device = self.args, self.accelerator.device
+        rollout, prompts, episodes = sampled.rollout, sampled.prompts, sampled.episodes
         # The tokens trained on: those the model sampled (not an environment's observations).
-        sampled_mask = rollout.completion_mask if rollout.env_mask is None else rollout.completion_mask * rollout.env_mask
+        sampled_mask = rollout.sampled_mask
         completion_texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
         if episodes is not None:
@@ -373,15 +456,15 @@ class GSPOTrainer(Trainer):
         if args.mask_truncated_completions:
             completion_mask = completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
         inputs = {
-            "input_ids": torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1),
-            "attention_mask": torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1),
-            "completion_ids": rollout.completion_ids,
+            **rollout.model_inputs(),
             "completion_mask": completion_mask,
             "advantages": advantages,
             "sampling_per_token_logps": rollout.sampling_logps,  # the vLLM server's, None when the model sampled
             "turn_ids": rollout.turn_ids,  # multi-turn episodes only
         }
-        inputs["old_per_token_logps"] = None  # filled per micro-batch by _prepare_inputs where needed
+        # π_old: the sampling weights' log-probs when they are already gone (async_rollouts), else filled per
+        # micro-batch by _prepare_inputs where needed.
+        inputs["old_per_token_logps"] = sampled.behaviour_logps
         inputs["ref_per_token_logps"] = None
         if args.beta > 0:
             with reference_weights(self.model, self.ref_model) as reference:
@@ -397,12 +480,11 @@ class GSPOTrainer(Trainer):
             ]
         return inputs
 
-    def _episode_seeds(self, num_rows: int, mode: str) -> list[int]:
+    def _episode_seeds(self, num_rows: int, mode: str, step: int) -> list[int]:
         """One environment seed per group (its num_generations episodes start from the same state), whatever the
         process layout."""
         rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
-        keys = stream_keys(self.args.seed, self.state.global_step, 0 if mode == "train" else 1,
-                           rows // self.args.num_generations)
+        keys = stream_keys(self.args.seed, step, 0 if mode == "train" else 1, rows // self.args.num_generations)
         return (keys & 0x7FFFFFFF).tolist()
 
     def _generation_context(self) -> contextlib.AbstractContextManager:
@@ -417,13 +499,13 @@ class GSPOTrainer(Trainer):
         ))
         return stack
 
-    def _stream_keys(self, num_rows: int, mode: str) -> torch.Tensor | None:
+    def _stream_keys(self, num_rows: int, mode: str, step: int, keyed: bool = False) -> torch.Tensor | None:
         """Per-completion sampling keys that do not depend on the process layout (None: global RNG)."""
-        if not self.args.layout_independent_sampling:
+        if not (self.args.layout_independent_sampling or keyed):
             return None
         # Ranks hold consecutive slices of the global generation batch.
         rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
-        return stream_keys(self.args.seed, self.state.global_step, 0 if mode == "train" else 1, rows)
+        return stream_keys(self.args.seed, step, 0 if mode == "train" else 1, rows)
 
     @torch.no_grad()
     def _score_without_grad(self, model, inputs: dict[str, Any]) -> torch.Tensor:
