@@ -236,3 +236,12 @@ def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor, sampled_t
         if played.any():
             metrics[f"episodes/reward_turn_{turn}/mean"] = turn_rewards[played, turn].float().mean().item()
     return metrics
+
+
+def print_completions(samples: list[dict], limit: int | None, step: int) -> None:
+    print(f"--- completions at step {step} ---")
+    for sample in samples[: limit or len(samples)]:
+        prompt = sample["prompt"]
+        if isinstance(prompt, list):
+            prompt = prompt[-1]["content"]
+        print(f"[reward {sample['reward']:+.3f} | advantage {sample['advantage']:+.3f}] {prompt!r} -> {sample['completion']!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
@@ -26,6 +26,9 @@ from transformers.utils import logging
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
 from . import decoding
+
+if TYPE_CHECKING:  # environments import this module
+    from .environments.episodes import EpisodeBatch
 
 logger = logging.get_logger(__name__)
 
@@ -61,6 +64,16 @@ class Rollout:
             "completion_ids": self.completion_ids,
             "completion_mask": self.sampled_mask,
         }
+
+
+@dataclass
+class SampledRollout:
+    """A rollout before it is scored: the completions (or episodes) and the prompts they answer."""
+
+    rollout: Rollout
+    prompts: list
+    episodes: EpisodeBatch | None = None  # multi-turn episodes (`environments.episodes`)
+    behaviour_logps: torch.Tensor | None = None  # (N, C) under the sampling weights, where those will be gone
 
 
 class RolloutBackend(ABC):

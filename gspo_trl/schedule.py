@@ -10,13 +10,16 @@ that sampled the rollout. While no optimizer step has happened since sampling, t
 micro-batch that is also trained after an optimizer step needs π_old computed before that step.
 
 Owns that rule (`micro_batches_needing_old_logprobs`) and the micro-step position a resumed run
-continues from (`micro_steps_into_epoch`), as pure functions. What it does not own: running the
+continues from (`micro_steps_into_epoch`), and the cut of a rollout into micro-batches of whole groups
+(`split_into_micro_batches`), as pure functions. What it does not own: running the
 forwards (the trainer) and the objective (`loss`).
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 
 def micro_batches_needing_old_logprobs(
@@ -64,3 +67,21 @@ def micro_steps_into_epoch(global_step: int, steps_in_epoch: int, gradient_accum
     """
     updates_per_epoch = max(math.ceil(steps_in_epoch / gradient_accumulation_steps), 1)
     return (global_step % updates_per_epoch) * gradient_accumulation_steps
+
+
+def split_into_micro_batches(
+    batch: dict, num_slices: int, group_size: int, generator: torch.Generator
+) -> list[dict]:
+    """Cut a rollout batch into `num_slices` micro-batches made of whole groups, in shuffled order.
+
+    Rows arrive group by group (`group_size` completions of one prompt in a row). Shuffling groups
+    rather than rows keeps each micro-batch a set of complete groups (as verl does), so the packed
+    forward processes each prompt once per micro-batch and every step sees whole groups.
+    """
+    size = batch["input_ids"].shape[0]
+    blocks = list(torch.arange(size).split(group_size))
+    order = torch.cat([blocks[i] for i in torch.randperm(len(blocks), generator=generator).tolist()])
+    slices = []
+    for part in order.chunk(num_slices):
+        slices.append({key: None if value is None else value[part.to(value.device)] for key, value in batch.items()})
+    return slices

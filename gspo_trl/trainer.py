@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,14 @@ from .distributed import (
 )
 from .entropy_control import EntropyCoefficient
 from .environments import EpisodeRunner
-from .environments.episodes import END_REASONS, EpisodeBatch, end_codes
+from .environments.episodes import END_REASONS, end_codes
 from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprobs import completion_logprobs
 from .loss import Objective, masked_mean, policy_loss
 from .loss_masks import high_entropy_token_mask
 from .metrics import (
     MetricsBuffer,
+    print_completions,
     completion_length_metrics,
     loss_metrics,
     metric_counts,
@@ -64,24 +64,14 @@ from .models import (
 from .packing import packing_pays_on, padding_free_unsupported_reason
 from .precision import check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
-from .rollout import Rollout, create_rollout_backend, is_conversational_prompt, stream_keys
+from .rollout import SampledRollout, create_rollout_backend, is_conversational_prompt, stream_keys
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
-from .sampling_correction import sampling_correction
+from .sampling_correction import sampler_logprobs_as_old, sampling_correction
 from .scoring import score_rollout
-from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
+from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch, split_into_micro_batches
 
 
 logger = logging.get_logger(__name__)
-
-
-@dataclass
-class SampledRollout:
-    """A rollout before it is scored: the completions (or episodes) and the prompts they answer."""
-
-    rollout: Rollout
-    prompts: list
-    episodes: EpisodeBatch | None = None
-    behaviour_logps: torch.Tensor | None = None  # (N, C) under the sampling weights, where those will be gone
 
 
 def _keep_as_list(features: list[dict]) -> list[dict]:
@@ -290,7 +280,7 @@ class GSPOTrainer(Trainer):
                 if micro_batch["old_per_token_logps"] is not None:
                     continue  # sampled ahead by weights trained past since: their own log-probs (async_rollouts)
                 if args.use_vllm and args.vllm_logprobs_as_old:
-                    micro_batch["old_per_token_logps"] = _sampler_logprobs_as_old(micro_batch)
+                    micro_batch["old_per_token_logps"] = sampler_logprobs_as_old(micro_batch)
                 elif needed or args.always_compute_old_logprobs:
                     micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
             self._buffered_inputs = micro_batches
@@ -357,11 +347,11 @@ class GSPOTrainer(Trainer):
         """
         args, processes = self.args, self.accelerator.num_processes
         if processes == 1:
-            return _split_batch(rollout_batch, args.steps_per_generation, args.num_generations, self._rollout_generator)
+            return split_into_micro_batches(rollout_batch, args.steps_per_generation, args.num_generations, self._rollout_generator)
         local_rows = rollout_batch["input_ids"].shape[0] // args.steps_per_generation
         everything = gather_rollout(rollout_batch, self.accelerator, self.processing_class.pad_token_id)
         mine = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
-        global_micro_batches = _split_batch(
+        global_micro_batches = split_into_micro_batches(
             everything, args.steps_per_generation, args.num_generations, self._rollout_generator
         )
         return [{key: None if v is None else v[mine] for key, v in batch.items()} for batch in global_micro_batches]
@@ -678,7 +668,7 @@ class GSPOTrainer(Trainer):
         logs.update(metrics)
         super().log(logs, start_time)
         if self.args.log_completions and self._completion_samples and self.accelerator.is_main_process:
-            _print_completions(self._completion_samples, self.args.num_completions_to_print, self.state.global_step)
+            print_completions(self._completion_samples, self.args.num_completions_to_print, self.state.global_step)
             self._completion_samples = []
 
     def _save_checkpoint(self, model, trial):
@@ -753,42 +743,6 @@ def _check_prompt_dataset(dataset, name: str, needs_prompt: bool = True) -> None
         )
 
 
-def _split_batch(
-    batch: dict[str, Any], num_slices: int, group_size: int, generator: torch.Generator
-) -> list[dict[str, Any]]:
-    """Cut a rollout batch into `num_slices` micro-batches made of whole groups, in shuffled order.
-
-    Rows arrive group by group (`group_size` completions of one prompt in a row). Shuffling groups
-    rather than rows keeps each micro-batch a set of complete groups (as verl does), so the packed
-    forward processes each prompt once per micro-batch and every step sees whole groups.
-    """
-    size = batch["input_ids"].shape[0]
-    blocks = list(torch.arange(size).split(group_size))
-    order = torch.cat([blocks[i] for i in torch.randperm(len(blocks), generator=generator).tolist()])
-    slices = []
-    for part in order.chunk(num_slices):
-        slices.append({key: None if value is None else value[part.to(value.device)] for key, value in batch.items()})
-    return slices
-
-
 def _row_advantages(advantages: torch.Tensor) -> torch.Tensor:
     """(n,) one advantage per row for display: per-turn advantages show the first turn's."""
     return advantages if advantages.dim() == 1 else advantages[:, 0]
-
-
-def _sampler_logprobs_as_old(micro_batch: dict[str, Any]) -> torch.Tensor:
-    """π_old taken from the engine that sampled (GSPO paper §5.4), which must have scored every completion token."""
-    sampling = micro_batch["sampling_per_token_logps"]
-    if torch.isnan(sampling[micro_batch["completion_mask"].bool()]).any():
-        raise RuntimeError("vllm_logprobs_as_old=True, but the vLLM server returned no log-prob for some sampled "
-                           "tokens; set vllm_logprobs_as_old=False to compute π_old on the trainer.")
-    return sampling
-
-
-def _print_completions(samples: list[dict], limit: int | None, step: int) -> None:
-    print(f"--- completions at step {step} ---")
-    for sample in samples[: limit or len(samples)]:
-        prompt = sample["prompt"]
-        if isinstance(prompt, list):
-            prompt = prompt[-1]["content"]
-        print(f"[reward {sample['reward']:+.3f} | advantage {sample['advantage']:+.3f}] {prompt!r} -> {sample['completion']!r}")

@@ -5,7 +5,8 @@ in the middle of step 3, `+resume` resumes that run from its last complete check
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
 completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
 the top-half-entropy tokens with an entropy bonus (quantities that span every process), `+episodes` plays
-two-turn episodes of a text environment with turn-level ratios and advantages. Each rank writes
+two-turn episodes of a text environment with turn-level ratios and advantages, `+async` samples the second
+rollout in the background during the first one's training (async_rollouts). Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
@@ -91,6 +92,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         learning_rate=5e-3, epsilon=0.2,
         epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
         use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
+        async_rollouts="async" in options,
         bf16="bf16" in options,
         deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0, ds3_gather_for_generation="nogather" not in options,
@@ -115,7 +117,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         trainer.rollout_backend.generate = spy
     trainer.train(resume_from_checkpoint=True if "resume" in options else None)
     logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl", "entropy", "completions/mean_length",
-                                "episodes/turns/mean", "episodes/env_token_fraction") if k in e}
+                                "episodes/turns/mean", "episodes/env_token_fraction", "rollout/staleness") if k in e}
             for e in trainer.state.log_history if "loss" in e]
     model = trainer.accelerator.unwrap_model(trainer.model)
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]

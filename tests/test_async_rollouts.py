@@ -214,3 +214,20 @@ def test_episodes_are_sampled_ahead_in_their_own_environments_and_evaluation_wai
     assert [e["rollout/staleness"] for e in logs] == [0, 1, 2, 3]
     assert all(e["episodes/turns/mean"] >= 1 for e in logs if "episodes/turns/mean" in e)
     assert any("eval_reward" in entry for entry in trainer.state.log_history)
+
+
+def test_a_resumed_run_samples_the_lost_rollout_again_then_pipelines_in_step(tmp_path, tiny_model_dir):
+    args = small_config(tmp_path / "out", max_steps=6, steps_per_generation=2, async_rollouts=True,
+                        save_strategy="steps", save_steps=2)
+    first = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    first.train()
+    resumed = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    resumed.train(resume_from_checkpoint=f"{args.output_dir}/checkpoint-2")
+    first_logs = {e["step"]: e for e in first.state.log_history if "loss" in e}
+    logs = {e["step"]: e for e in resumed.state.log_history if "loss" in e}
+    # The rollout sampled ahead for step 2 was not saved: sampled again at step 2, without staleness.
+    assert [logs[step]["rollout/staleness"] for step in (3, 4, 5, 6)] == [0, 1, 2, 3]
+    # The one for step 4 was launched at step 2 in both runs, from the same weights (checkpoint-2) and streams, on
+    # the same prompts (the look-ahead reads the resumed data order): the same completions.
+    for key in ("reward", "completions/mean_length", "rewards/count_digits/std"):
+        assert logs[5][key] == first_logs[5][key], key

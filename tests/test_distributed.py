@@ -99,7 +99,7 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
 
 
 @pytest.mark.parametrize("mode", ["ddp+seeded", "ddp+seeded+family", "ddp+seeded+lora+beta", "zero3+seeded",
-                                  "ddp+seeded+episodes"])
+                                  "ddp+seeded+episodes", "ddp+seeded+async"])
 def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode):
     # 8 completions per micro-step: one process of 8, or two of 4, with layout-independent sampling. Both
     # sample the same rollouts and cut them into the same global micro-batches (each process its slice).
@@ -113,6 +113,8 @@ def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode
     assert one[0]["logs"][0]["completions/mean_length"] == two[0]["logs"][0]["completions/mean_length"]
     if "beta" in mode:  # the token-weighted KL mean over processes is one process's number
         assert any(e["kl"] > 0 for e in one[0]["logs"])
+    if "async" in mode:  # the second rollout was sampled two optimizer steps ahead of its training
+        assert [e["rollout/staleness"] for e in two[0]["logs"]] == [0, 1, 2]
     if "episodes" in mode:  # the same episodes, a second turn included, whatever the process layout
         assert one[0]["logs"][0]["episodes/turns/mean"] > 1
         assert one[0]["logs"][0]["episodes/env_token_fraction"] == two[0]["logs"][0]["episodes/env_token_fraction"]

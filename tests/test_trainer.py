@@ -324,11 +324,11 @@ def test_padding_free_training_keeps_the_padded_loss_and_gradient(tmp_path, tiny
 
 
 def test_micro_batches_hold_whole_groups():
-    from gspo_trl.trainer import _split_batch
+    from gspo_trl.schedule import split_into_micro_batches
 
     rows = torch.arange(16)
     batch = {"input_ids": rows.unsqueeze(1), "old_per_token_logps": None}
-    micro_batches = _split_batch(batch, num_slices=4, group_size=4, generator=torch.Generator().manual_seed(0))
+    micro_batches = split_into_micro_batches(batch, num_slices=4, group_size=4, generator=torch.Generator().manual_seed(0))
     groups = [sorted((mb["input_ids"].flatten() // 4).tolist()) for mb in micro_batches]
     assert all(len(set(g)) == 1 for g in groups) and sorted(g[0] for g in groups) == [0, 1, 2, 3]
     assert sorted(torch.cat([mb["input_ids"].flatten() for mb in micro_batches]).tolist()) == rows.tolist()

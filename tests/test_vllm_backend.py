@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -216,6 +217,26 @@ def test_server_logprobs_as_old_skip_the_old_forward(tmp_path, server, served_mo
     assert calls == []  # no π_old forward, even with always_compute_old_logprobs
     ratios = [entry for entry in trainer.state.log_history if "ratio/max" in entry]
     assert len(ratios) == 4 and any(entry["ratio/max"] != 1.0 for entry in ratios[1::2])  # off-policy steps moved
+
+
+def test_the_server_samples_the_next_rollout_ahead_with_the_weights_of_its_launch(tmp_path, server, served_model_dir):
+    args = vllm_config(tmp_path, server, max_steps=6, steps_per_generation=2, learning_rate=1e-2, async_rollouts=True,
+                       vllm_logprobs_as_old=True)
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    syncs, threads, scored = record_syncs(trainer), [], []
+    generate, score = trainer.rollout_backend.generate, trainer._score_without_grad
+    trainer.rollout_backend.generate = lambda *a: threads.append(threading.current_thread().name) or generate(*a)
+    trainer._score_without_grad = lambda *a: scored.append(1) or score(*a)
+    trainer.train()
+    # Rollouts for steps 0, 2 and 4 were launched at steps 0, 0 and 2: the server got the weights of steps 0 and 2.
+    assert [step for step, _, _ in syncs] == [0, 2] and threads == ["gspo-rollout_0"] * 3
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    assert scored == []  # π_old is the server's
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["rollout/staleness"] for entry in logs] == [0, 1, 2, 3, 2, 3]
+    with pytest.raises(ValueError, match="vllm_logprobs_as_old=True"):
+        vllm_config(tmp_path, server, async_rollouts=True)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
