@@ -22,9 +22,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+from transformers.utils import logging
 
 from .environments import EpisodeRunner
 from .rollout import HFGenerateBackend, RolloutBackend
+
+logger = logging.get_logger(__name__)
 
 
 def earliest_launch_step(rollout_start_step: int, steps_per_rollout: int, max_staleness: int) -> int:
@@ -38,9 +41,14 @@ def earliest_launch_step(rollout_start_step: int, steps_per_rollout: int, max_st
 
 
 def check_async_rollouts_supported(backend: RolloutBackend, accelerator) -> None:
-    """Sampling ahead on the trained model reads a whole copy of the weights, which sharded training has not got."""
+    """Sampling ahead on the trained model reads a whole copy of the weights, which sharded training has not got;
+    on a CPU it competes with training for the same cores."""
     if not backend.samples_with_training_model:
         return
+    if accelerator.device.type == "cpu":
+        logger.warning("async_rollouts=True on a CPU: sampling and training run side by side on the same cores, which "
+                       "measured no faster than async_rollouts=False (docs/async_rollouts.md). It pays with a vLLM "
+                       "server or on a GPU.")
     plugin = accelerator.state.deepspeed_plugin
     sharded = "DeepSpeed ZeRO-3" if plugin is not None and plugin.zero_stage == 3 else None
     if accelerator.distributed_type.name == "FSDP":
@@ -89,6 +97,8 @@ class WeightSnapshot:
         if self.model is None:
             self.model = copy.deepcopy(model)
             self.model.requires_grad_(False)
+            for parameter in self.model.parameters():
+                parameter.grad = None  # deepcopy copies gradients too
             self.trainable = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
             return self.model
         ours = dict(self.model.named_parameters())

@@ -85,12 +85,13 @@ def test_prefetcher_hands_over_the_rollout_of_its_step_and_raises_its_errors():
 
 
 def test_sharded_training_is_refused_for_sampling_on_the_trained_model():
-    backend = SimpleNamespace(samples_with_training_model=True)
-    zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)),
+    backend, gpu = SimpleNamespace(samples_with_training_model=True), torch.device("cuda")
+    zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)), device=gpu,
                             distributed_type=SimpleNamespace(name="DEEPSPEED"))
     with pytest.raises(ValueError, match="ZeRO-3.*use_vllm=True"):
         check_async_rollouts_supported(backend, zero3)
-    fsdp = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), distributed_type=SimpleNamespace(name="FSDP"))
+    fsdp = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), distributed_type=SimpleNamespace(name="FSDP"),
+                           device=gpu)
     with pytest.raises(ValueError, match="FSDP"):
         check_async_rollouts_supported(backend, fsdp)
     check_async_rollouts_supported(SimpleNamespace(samples_with_training_model=False), zero3)  # a server samples
@@ -129,6 +130,13 @@ def run(tmp_path, model_dir, record_samples=True, **overrides):
         trainer._sample = sample
     trainer.train()
     return trainer, samples, [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_sampling_ahead_on_a_cpu_warns_that_it_measured_no_faster(tmp_path, tiny_model_dir, caplog):
+    args = small_config(tmp_path / "out", async_rollouts=True)
+    with caplog.at_level("WARNING"):
+        GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    assert "same cores" in caplog.text
 
 
 def test_zero_staleness_is_the_synchronous_trainer_exactly(tmp_path, tiny_model_dir):

@@ -1,6 +1,6 @@
 """Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
-the GPU suite's CPU mode, with both libraries' workers, one ZeRO-3 cell of the distributed benchmark, and the
-decoding benchmark."""
+the GPU suite's CPU mode, with both libraries' workers, one ZeRO-3 cell of the distributed benchmark, the
+decoding benchmark and the async-rollouts benchmark."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,3 +51,17 @@ def test_decoding_benchmark_smoke_runs_both_loops(tmp_path, tiny_model_dir):
     summary = json.loads(out.read_text())["summary"]
     assert summary["gspo"]["median_s"] > 0 and summary["generate"]["median_s"] > 0
     assert 0 < summary["gspo"]["mean_length"] <= 4
+
+
+def test_async_rollouts_benchmark_smoke_runs_both_modes(tmp_path, tiny_model_dir):
+    out = tmp_path / "async.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "async_rollouts.py"), "--repeats", "1", "--rounds", "3",
+               "--max_completion_length", "4", "--model", tiny_model_dir, "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert [run["mode"] for run in record["runs"]] == ["sync", "async"]
+    assert record["median"]["sync"]["mean_staleness"] is None
+    # Steps 0-3 train on the first rollout (staleness 0-3), the two others were sampled 4 steps ahead (4-7).
+    assert record["median"]["async"]["mean_staleness"] == pytest.approx((0 + 1 + 2 + 3 + 2 * (4 + 5 + 6 + 7)) / 12)
+    assert all(run["seconds_per_round"] > 0 and len(run["rewards_per_rollout"]) == 3 for run in record["runs"])
