@@ -115,20 +115,27 @@ def test_config_resolves_max_staleness_to_the_steps_per_rollout(tmp_path):
 # --- the trainer -------------------------------------------------------------------------------------------------
 
 
-def run(tmp_path, model_dir, record_samples=True, **overrides):
-    """Six optimizer steps, two per rollout. Returns (trainer, [(thread, optimizer step, step it is for)], logs)."""
-    args = small_config(tmp_path / "out", max_steps=6, steps_per_generation=2, **overrides)
+def run(tmp_path, model_dir, **overrides):
+    """Six optimizer steps, two per rollout. Returns (trainer, [(thread, optimizer step when it was asked for, step it
+    is for)] per rollout, logs)."""
+    args = small_config(tmp_path / "out", **{"max_steps": 6, "steps_per_generation": 2, **overrides})
     trainer = GSPOTrainer(model_dir, count_digits, args=args, train_dataset=text_dataset())
-    samples = []
-    if record_samples:
-        original = trainer._sample
+    samples, launches = [], []
+    original_sample, original_launch = trainer._sample, trainer._launch_rollout
 
-        def sample(backend, runner, batch, mode, step, **kwargs):
-            samples.append((threading.current_thread().name, trainer.state.global_step, step))
-            return original(backend, runner, batch, mode, step, **kwargs)
+    def sample(backend, runner, batch, mode, step, **kwargs):
+        samples.append((threading.current_thread().name, step))
+        return original_sample(backend, runner, batch, mode, step, **kwargs)
 
-        trainer._sample = sample
+    def launch(batch, for_step):  # on the main thread, where the optimizer step is read safely
+        launches.append(trainer.state.global_step)
+        return original_launch(batch, for_step)
+
+    trainer._sample, trainer._launch_rollout = sample, launch
     trainer.train()
+    if not launches:  # synchronous: asked for when sampled
+        launches = [step for _, step in samples]
+    samples = [(name, asked, step) for (name, step), asked in zip(samples, launches, strict=True)]
     return trainer, samples, [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
@@ -150,14 +157,25 @@ def test_zero_staleness_is_the_synchronous_trainer_exactly(tmp_path, tiny_model_
         assert torch.equal(ours, theirs), name
 
 
-def test_unchanged_weights_give_the_synchronous_numbers_at_any_staleness(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("schedule, launches, staleness", [
+    # (step it was launched at, step it trains from) per rollout; staleness per optimizer step
+    (dict(), [(0, 0), (0, 2), (2, 4)], [0, 1, 2, 3, 2, 3]),
+    (dict(max_staleness=1), [(0, 0), (1, 2), (3, 4)], [0, 1, 1, 2, 1, 2]),
+    (dict(gradient_accumulation_steps=2, steps_per_generation=4, per_device_train_batch_size=2),
+     [(0, 0), (0, 2), (2, 4)], [0, 1, 2, 3, 2, 3]),
+    (dict(num_iterations=2, steps_per_generation=1, max_steps=6), [(0, 0), (0, 2), (2, 4)], [0, 1, 2, 3, 2, 3]),
+], ids=["full", "max_staleness=1", "accumulation", "iterations"])
+def test_unchanged_weights_give_the_synchronous_numbers_at_any_staleness(tmp_path, tiny_model_dir, schedule, launches,
+                                                                        staleness):
     # learning_rate=0: a rollout sampled ahead comes from the same weights, so only the plumbing can differ
     # (which prompts, which sampling streams, which π_old).
-    settings = dict(learning_rate=0.0, layout_independent_sampling=True)
-    _, sync_samples, sync_logs = run(tmp_path / "sync", tiny_model_dir, **settings)
+    settings = dict(learning_rate=0.0, layout_independent_sampling=True, **schedule)
+    _, sync_samples, sync_logs = run(tmp_path / "sync", tiny_model_dir,
+                                     **{k: v for k, v in settings.items() if k != "max_staleness"})
     _, samples, logs = run(tmp_path / "async", tiny_model_dir, async_rollouts=True, **settings)
-    assert [s[1:] for s in samples] == [(0, 0), (0, 2), (2, 4)]  # each next rollout launched a rollout early
-    assert [e["rollout/staleness"] for e in logs] == [0, 1, 2, 3, 2, 3]
+    assert [s[1:] for s in samples] == launches
+    assert [e["rollout/staleness"] for e in logs] == staleness
+    assert len(logs) == len(sync_logs) == 6
     for ours, theirs in zip(logs, sync_logs):
         for key in ("loss", "reward", "completions/mean_length", "ratio/mean", "entropy"):
             if key in theirs:

@@ -217,3 +217,37 @@ def test_a_template_with_tool_support_presents_the_tools_itself():
     env = tool_episode_factory(None, Calculator, tokenizer=plain)()
     observation, _ = env.reset(options={"answer": "5"})
     assert "<tool_call>" in observation and env.template_tools is None
+
+
+def test_construction_builds_one_environment_to_check(tmp_path, tiny_model_dir):
+    from datasets import Dataset
+
+    from gspo_trl import GSPOTrainer
+    from helpers import small_config
+
+    built = []
+
+    class CountedCalculator(Calculator):
+        def __init__(self):
+            built.append(self)
+
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "What is 1 + 3?"}]] * 8, "answer": ["4"] * 8})
+    args = small_config(tmp_path / "out", max_completion_length=24)
+    trainer = GSPOTrainer(tiny_model_dir, None, args=args, train_dataset=data, environment_factory=CountedCalculator)
+    assert len(built) == 1  # checked once; the reward function is found on the class
+    assert [f.name for f in trainer.reward_funcs] == ["CountedCalculator"]
+
+    gym_built = []
+
+    class OneTurn:
+        def __init__(self):
+            gym_built.append(self)
+
+        def reset(self, seed=None, options=None):
+            return "", {}
+
+        def step(self, action):
+            return "", 0.0, True, False, {}
+
+    trainer = GSPOTrainer(tiny_model_dir, None, args=args, train_dataset=data, env_factory=OneTurn)
+    assert len(gym_built) == 1 and len(trainer.episode_runner.pool) == 1  # the checked one is kept for use

@@ -80,9 +80,8 @@ class EpisodeRunner:
         self.tokenizer = tokenizer
         self.args = args
         self.max_turns = args.max_turns if max_turns is None else max_turns
-        self.pool: list = []
         self._encoders: dict[bool, ObservationEncoder] = {}
-        text_env.make_environment(env_factory)  # fail at construction, not at the first rollout
+        self.pool: list = [text_env.make_environment(env_factory)]  # fail at construction, not at the first rollout
 
     def _environments(self, count: int) -> list:
         while len(self.pool) < count:

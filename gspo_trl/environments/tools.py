@@ -204,7 +204,7 @@ def environment_reward_functions(environment_factory) -> list[Callable]:
         [] if environment_factory is None else [environment_factory])
     functions, seen = [], set()
     for factory in factories:
-        environment_type = type(factory())
+        environment_type = factory if isinstance(factory, type) else type(factory())  # a class needs no instance
         if environment_type in seen or not callable(getattr(environment_type, "get_reward", None)):
             continue
         seen.add(environment_type)
