@@ -4,7 +4,7 @@
 (`padding_free=True`) and padded, each length in a fresh process (peak RSS is per process).
 
     python benchmarks/train_length.py                          # 256, 1024, 2048, 4096 tokens; SmolLM2-135M, CPU
-    python benchmarks/train_length.py --lengths 256 1024 --completions 4
+    python benchmarks/train_length.py --lengths 256 1024 --completions 4 --layouts packed
 
 Completions are random token ids of exactly the given length (the cost does not depend on their values), after a
 60-token prompt; the timed pass is the second of two. Results go to `--out` (JSON) and a table on stdout.
@@ -30,7 +30,8 @@ PROMPT_TOKENS = 60
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
-    parser.add_argument("--completions", type=int, default=2, help="completions of the prompt per micro-batch")
+    parser.add_argument("--completions", type=int, default=1, help="completions of the prompt per micro-batch")
+    parser.add_argument("--layouts", nargs="+", choices=("packed", "padded"), default=["packed", "padded"])
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     parser.add_argument("--out", default=str(HERE / "results" / "train_length.json"))
     parser.add_argument("--worker", nargs=2, metavar=("LENGTH", "LAYOUT"), help=argparse.SUPPRESS)
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
         return
     rows = []
     for length in args.lengths:
-        for layout in ("packed", "padded"):
+        for layout in args.layouts:
             command = [sys.executable, __file__, "--worker", str(length), layout, "--completions", str(args.completions)]
             if args.model:
                 command += ["--model", args.model]

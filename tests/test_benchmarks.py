@@ -1,6 +1,6 @@
 """Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
 the GPU suite's CPU mode, with both libraries' workers, one ZeRO-3 cell of the distributed benchmark, the
-decoding benchmark and the async-rollouts benchmark."""
+decoding, async-rollouts and training-length benchmarks."""
 
 from __future__ import annotations
 
@@ -65,3 +65,14 @@ def test_async_rollouts_benchmark_smoke_runs_both_modes(tmp_path, tiny_model_dir
     # Steps 0-3 train on the first rollout (staleness 0-3), the two others were sampled 4 steps ahead (4-7).
     assert record["median"]["async"]["mean_staleness"] == pytest.approx((0 + 1 + 2 + 3 + 2 * (4 + 5 + 6 + 7)) / 12)
     assert all(run["seconds_per_round"] > 0 and len(run["rewards_per_rollout"]) == 3 for run in record["runs"])
+
+
+def test_train_length_benchmark_smoke_runs_both_layouts(tmp_path, tiny_model_dir):
+    out = tmp_path / "train_length.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "train_length.py"), "--lengths", "8", "16",
+               "--completions", "2", "--model", tiny_model_dir, "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["length"], r["layout"]) for r in rows] == [(8, "packed"), (8, "padded"), (16, "packed"), (16, "padded")]
+    assert all(r["seconds"] > 0 and r["tokens"] == 2 * r["length"] for r in rows)

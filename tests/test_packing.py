@@ -85,10 +85,21 @@ def test_nothing_scored_gives_none():
 
 
 def test_float_mask_is_additive_bias():
-    ids = torch.tensor([[5, 6]])
-    packed = pack_shared_prefix(ids, torch.ones_like(ids), torch.tensor([[7, 8]]), torch.tensor([[1, 1]]))
+    ids = torch.tensor([[5, 6]] * 2)
+    packed = pack_shared_prefix(ids, torch.ones_like(ids), torch.tensor([[7, 8], [9, 10]]), torch.ones(2, 2))
     bias = packed.float_attention_mask(torch.float32)[0, 0]
     assert bias[1, 0] == 0 and bias[0, 1] == torch.finfo(torch.float32).min
+
+
+def test_rows_of_one_completion_need_no_mask_and_count_positions_through_their_padding():
+    prompt_ids = torch.tensor([[1, 2, 3]] * 2)
+    completion_ids = torch.arange(10, 20).reshape(2, 5)
+    completion_mask = torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])
+    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
+                                max_row_tokens=1, pad_token_id=PAD)
+    assert packed.attention_mask is None and packed.float_attention_mask(torch.float32) is None
+    assert packed.input_ids.tolist() == [[1, 2, 3, 10, 11, 12, 13], [1, 2, 3, 15, PAD, PAD, PAD]]
+    assert packed.position_ids.tolist() == [list(range(7))] * 2  # one sequence per row, as the model reads it
 
 
 def group_batch(vocab_size, groups=3, group_size=4, completion_length=9, seed=0):
@@ -124,7 +135,8 @@ def logps_and_grads(model, inputs, **kwargs):
     return logps.detach(), entropy, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("max_row_tokens", [1024, 12])  # one row for everything / groups spread over rows
+# One row for everything / groups spread over rows / one completion per row (no mask: causal attention).
+@pytest.mark.parametrize("max_row_tokens", [1024, 12, 1])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_packed_forward_matches_padded_rows(tiny_model, max_row_tokens, attention):
     tiny_model.config._attn_implementation = attention
