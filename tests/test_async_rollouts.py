@@ -257,3 +257,25 @@ def test_a_resumed_run_samples_the_lost_rollout_again_then_pipelines_in_step(tmp
     # the same prompts (the look-ahead reads the resumed data order): the same completions.
     for key in ("reward", "completions/mean_length", "rewards/count_digits/std"):
         assert logs[5][key] == first_logs[5][key], key
+
+
+def test_sampling_ahead_under_the_gpu_recipe_bf16_lora_and_kl(tmp_path, tiny_model_dir):
+    # bf16 autocast on CPU (per thread: the pipeline's thread enters it itself), a LoRA adapter (the snapshot copies
+    # only the adapter after the first launch), and beta > 0 (the reference is the live model's disabled adapter).
+    from peft import LoraConfig
+
+    args = small_config(tmp_path / "out", max_steps=4, steps_per_generation=2, async_rollouts=True, bf16=True,
+                        beta=0.04, learning_rate=5e-3)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset(),
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [e["rollout/staleness"] for e in logs] == [0, 1, 2, 3]
+    assert all(torch.isfinite(torch.tensor([e["loss"], e["kl"]])).all() for e in logs)
+    assert logs[2]["ratio/mean"] != 1.0  # the rollout sampled ahead trains off-policy from its first step
+    snapshot = trainer.rollout_pipeline.snapshot
+    assert all("lora" in name for name in snapshot.trainable)
+    live = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
+    frozen = dict(snapshot.model.named_parameters())
+    moved = [name for name in snapshot.trainable if not torch.equal(frozen[name], live[name])]
+    assert moved  # the snapshot holds the weights of its last launch (step 2), not the live ones
