@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-_RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 
 
 class RewardFunction:
@@ -247,7 +247,7 @@ def _check_batch(prompts: list, completions: list, completion_ids: list, columns
             f"prompts ({len(prompts)}), completions ({len(completions)}) and completion_ids ({len(completion_ids)}) "
             "must have the same length"
         )
-    reserved = sorted(set(columns) & set(_RESERVED_KWARGS))
+    reserved = sorted(set(columns) & set(RESERVED_REWARD_KWARGS))
     if reserved:
         raise ValueError(f"columns must not contain the reserved keyword(s) {reserved}")
 

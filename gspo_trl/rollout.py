@@ -11,7 +11,7 @@ log-probabilities.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +56,9 @@ class Rollout:
         """(N, C) 1 on the tokens the model sampled: the completion without an environment's observations."""
         return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
 
+    def to(self, device) -> Rollout:
+        return Rollout(**{name: None if value is None else value.to(device) for name, value in vars(self).items()})
+
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The log-prob inputs of these completions: prompt + completion ids and attention, the sampled tokens scored."""
         return {
@@ -74,6 +77,7 @@ class SampledRollout:
     prompts: list
     episodes: EpisodeBatch | None = None  # multi-turn episodes (`environments.episodes`)
     behaviour_logps: torch.Tensor | None = None  # (N, C) under the sampling weights, where those will be gone
+    reward_columns: dict[str, list] = field(default_factory=dict)  # extra reward kwargs (`rollout_func`'s keys)
 
 
 class RolloutBackend(ABC):

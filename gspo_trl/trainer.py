@@ -66,6 +66,7 @@ from .precision import check_precision, precision_context
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import SampledRollout, create_rollout_backend, is_conversational_prompt, stream_keys
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
+from .rollout_func import check_rollout_func, sample_with_rollout_func
 from .sampling_correction import sampler_logprobs_as_old, sampling_correction
 from .scoring import score_rollout
 from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch, split_into_micro_batches
@@ -96,9 +97,10 @@ class GSPOTrainer(Trainer):
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
-        env_factory=None,
         tools=None,
+        rollout_func=None,
         environment_factory=None,
+        env_factory=None,
         tool_call_parser=None,
     ):
         if args is None:
@@ -110,6 +112,7 @@ class GSPOTrainer(Trainer):
                 "gspo_trl.GSPOConfig (same field names)."
             )
         episodes = env_factory is not None or tools is not None or environment_factory is not None
+        check_rollout_func(rollout_func, args, episodes)
         _check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
         _check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
         _check_enough_prompts(train_dataset, args)
@@ -179,6 +182,7 @@ class GSPOTrainer(Trainer):
             self.episode_runner = EpisodeRunner(tool_episodes, tokenizer, args, max_turns=max_turns)
         else:
             self.episode_runner = None if env_factory is None else EpisodeRunner(env_factory, tokenizer, args)
+        self.rollout_func = rollout_func
         self.rollout_pipeline = None
         if args.async_rollouts:
             check_async_rollouts_supported(self.rollout_backend, self.accelerator)
@@ -409,6 +413,8 @@ class GSPOTrainer(Trainer):
     def _sample(self, backend, runner, batch: list[dict], mode: str, step: int, keyed: bool = False) -> SampledRollout:
         """Completions (or episodes) for `batch`, with the sampling streams and seeds of optimizer step `step`
         (`keyed`: per-completion streams even without layout_independent_sampling)."""
+        if self.rollout_func is not None:
+            return sample_with_rollout_func(self.rollout_func, self, [row["prompt"] for row in batch])
         keys = self._stream_keys(len(batch), mode, step, keyed)
         if runner is None:
             rollout = backend.generate([row["prompt"] for row in batch], keys)
@@ -423,6 +429,7 @@ class GSPOTrainer(Trainer):
         sampled_mask = rollout.sampled_mask
         completion_texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
+        columns.update(sampled.reward_columns)
         if episodes is not None:
             completions, completion_ids = episodes.completions, episodes.completion_ids
             columns["environments"] = episodes.environments
@@ -431,7 +438,8 @@ class GSPOTrainer(Trainer):
                 completions = [[{"role": "assistant", "content": text}] for text in completion_texts]
             else:
                 completions = completion_texts
-            completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, sampled_mask)]
+            completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids,
+                                                                              rollout.completion_mask)]
 
         extra_columns: dict[str, list] = {}
         local_rewards = compute_rewards(

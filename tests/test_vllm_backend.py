@@ -239,6 +239,31 @@ def test_the_server_samples_the_next_rollout_ahead_with_the_weights_of_its_launc
         vllm_config(tmp_path, server, async_rollouts=True)
 
 
+def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_the_ratio(tmp_path, server,
+                                                                                       served_model_dir):
+    """TRL's rollout_func with use_vllm: the server gets the new weights before every rollout (as for built-in
+    sampling), and the function's "logprobs" are the sampling engine's for the sampling correction."""
+    def rollout_func(prompts, trainer):
+        tokenizer = trainer.processing_class
+        prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+        rollout = trainer.rollout_backend.generate_from_ids(prompt_ids, max_new_tokens=8)
+        sampled = rollout.completion_mask.bool()
+        return {"prompt_ids": prompt_ids,
+                "completion_ids": [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, sampled)],
+                "logprobs": [logps[mask].tolist() for logps, mask in zip(rollout.sampling_logps, sampled)]}
+
+    args = vllm_config(tmp_path, server, max_steps=4, steps_per_generation=2, learning_rate=1e-2)
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset(),
+                          rollout_func=rollout_func)
+    syncs = record_syncs(trainer)
+    trainer.train()
+    assert [step for step, _, _ in syncs] == [0, 2]
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    logged = [entry for entry in trainer.state.log_history if "sampling/mismatch_kl" in entry]
+    assert len(logged) == 4 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
+
+
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
 def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
     import json
