@@ -251,3 +251,56 @@ def test_construction_builds_one_environment_to_check(tmp_path, tiny_model_dir):
 
     trainer = GSPOTrainer(tiny_model_dir, None, args=args, train_dataset=data, env_factory=OneTurn)
     assert len(gym_built) == 1 and len(trainer.episode_runner.pool) == 1  # the checked one is kept for use
+
+
+def response_template_tokenizer(template: str, eos_token: str | None = None):
+    from trl.chat_template_utils import add_response_schema
+
+    from conftest import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = template
+    if eos_token is not None:  # the template's end of turn must be the token sampling stops at
+        tokenizer.add_special_tokens({"eos_token": eos_token})
+    return add_response_schema(tokenizer)  # TRL's response template for known chat templates
+
+
+@pytest.mark.parametrize("template_name, eos_token, call_text", [
+    # Llama 3's JSON call, which the Hermes parser cannot read.
+    ("llama3_2_chat_template", "<|eot_id|>", '{"name": "add", "parameters": {"a": "2", "b": 3}}'),
+    ("qwen3_chat_template", None, '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": 3}}\n</tool_call>'),
+])
+def test_a_tokenizers_response_template_reads_the_tool_calls(template_name, eos_token, call_text):
+    """With a response template (TRL's add_response_schema), tool calls are read by it from the turn's token ids
+    after the conversation so far, and the arguments are typed by the tool's schema ("2" -> 2), as in TRL."""
+    import trl.chat_template_utils as templates
+
+    from gspo_trl.environments.tools import ResponseTemplateParser
+
+    tok = response_template_tokenizer(getattr(templates, template_name), eos_token)
+    eos = tok.eos_token_id
+    call = tok.encode(call_text, add_special_tokens=False) + [eos]
+    answer = tok.encode("5", add_special_tokens=False) + [eos]
+    factory = tool_episode_factory(None, Calculator, tokenizer=tok)
+    assert isinstance(factory().parser, ResponseTemplateParser)
+    runner = EpisodeRunner(factory, tok, episode_args(max_completion_length=400))
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}]
+    batch = runner.run(ScriptedSampler([[call], [answer]], eos, tok.pad_token_id), rows, seeds=[0])
+    assert batch.completions[0][1] == {"role": "tool", "name": "add", "content": "5"}  # 2 + 3, not "2" + 3
+    assert batch.tool_calls.tolist() == [1] and batch.tool_failures.tolist() == [0]
+    assert batch.ends == ["terminated"]
+    # A user's tool_call_parser still wins over the template.
+    assert tool_episode_factory(None, Calculator, parse_hermes_tool_calls, tokenizer=tok)().parser is \
+        parse_hermes_tool_calls
+
+
+def test_a_turn_the_response_template_cannot_parse_is_plain_text():
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from gspo_trl.environments.tools import ResponseTemplateParser
+
+    parser = ResponseTemplateParser(response_template_tokenizer(qwen3_chat_template))
+    assert parser("The answer is 5.") == []
+    assert parser('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>') == [
+        {"name": "add", "arguments": {"a": 1, "b": 2}}]  # plain text (no token ids): tokenized
+    assert parser('<tool_call>\n{"name": "add", "arguments": {"a": 1,\n</tool_call>') == []  # TRL: plain text

@@ -147,10 +147,11 @@ class EpisodeRunner:
                 logps = ([0.0] * length if rollout.sampling_logps is None
                          else rollout.sampling_logps[row, :length].tolist())
                 ended = not bool(rollout.is_truncated[row]) and length <= space
+                history = episode.prompt_ids + episode.completion_ids
                 episode.add_turn(ids[:space], logps[:space], turn)
                 text = tokenizer.decode(ids[:space], skip_special_tokens=True)
                 episode.messages.append({"role": "assistant", "content": text})
-                actions.append(text)
+                actions.append(text_env.TurnText(text, ids[:space], history))
                 finished_turn.append(ended)
             results = text_env.step_all([episode.env for episode in live], actions)
             for episode, result, ended in zip(live, results, finished_turn):

@@ -22,6 +22,20 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class TurnText(str):
+    """An action: the text of an assistant turn, which also carries the token ids it was decoded from
+    (`token_ids`) and those of the conversation before it (`prefix_ids`), for tool-call parsers that read tokens
+    (a tokenizer's response template). To an environment it is just the string."""
+
+    token_ids: list[int]
+    prefix_ids: list[int]
+
+    def __new__(cls, text: str, token_ids: list[int], prefix_ids: list[int]):
+        turn = super().__new__(cls, text)
+        turn.token_ids, turn.prefix_ids = token_ids, prefix_ids
+        return turn
+
+
 @dataclass
 class StepResult:
     observation: str | list[dict]

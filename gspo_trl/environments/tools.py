@@ -8,8 +8,10 @@ the next observation; a turn without a tool call ends the episode. Tools are the
 environment's public methods (not ``reset``/``get_reward``); their JSON schemas come from type hints and
 docstrings (`transformers.utils.get_json_schema`).
 
-Tool calls are read by a parser, text -> [{"name": ..., "arguments": {...}}]. The default, `parse_hermes_tool_calls`,
-reads ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks (the Hermes/Qwen format). A chat template
+Tool calls are read by a parser, text -> [{"name": ..., "arguments": {...}}]: the user's `tool_call_parser`, else the
+tokenizer's response template when it has one (`ResponseTemplateParser`, TRL's `parse_response`), else
+`parse_hermes_tool_calls`, which reads ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks (the
+Hermes/Qwen format). A chat template
 with tool support (TRL's `supports_tool_calling`, e.g. Qwen's) presents the tools itself, as TRL renders them; for
 any other template (SmolLM2's has no tool support) the tools are described in the user message in that format.
 """
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transformers.utils import get_json_schema
-from trl.chat_template_utils import supports_tool_calling
+from trl.chat_template_utils import parse_response, supports_tool_calling
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", flags=re.DOTALL)
 MALFORMED = "__malformed__"  # the name given to a tool call that could not be read
@@ -47,6 +49,41 @@ def parse_hermes_tool_calls(text: str) -> list[dict]:
             continue
         calls.append({"name": name, "arguments": arguments})
     return calls
+
+
+class ResponseTemplateParser:
+    """Tool calls read by the tokenizer's own response template (TRL's `parse_response`, as TRL reads them): from
+    the turn's token ids after the conversation so far, with arguments typed by the tools' JSON schemas. The
+    default for a tokenizer with a `response_template` (or `response_schema`), e.g. after TRL's
+    `add_response_schema`, which covers formats the Hermes parser cannot read (Llama 3's JSON, GPT-OSS). A turn
+    the template cannot parse is plain text (no call), as in TRL."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, action: str, tools: list[dict] | None = None) -> list[dict]:
+        token_ids = getattr(action, "token_ids", None)
+        if token_ids is None:  # not from the episode loop: the text is all there is
+            token_ids = self.tokenizer(action, add_special_tokens=False)["input_ids"]
+        message = parse_response(self.tokenizer, token_ids, prefix=getattr(action, "prefix_ids", []), tools=tools)
+        calls = []
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call)
+            name, arguments = function.get("name"), function.get("arguments", {})
+            try:
+                if isinstance(arguments, str):
+                    arguments = json.loads(arguments)
+                if not isinstance(name, str) or not isinstance(arguments, dict):
+                    raise TypeError
+            except (ValueError, TypeError):
+                calls.append({"name": MALFORMED, "arguments": {"text": json.dumps(function, default=str)}})
+                continue
+            calls.append({"name": name, "arguments": arguments})
+        return calls
+
+
+def has_response_template(tokenizer) -> bool:
+    return any(getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema"))
 
 
 def tool_schema(tool: Callable) -> dict:
@@ -87,6 +124,7 @@ class ToolEnvironment:
                  tool_call_parser: Callable[[str], list[dict]] = parse_hermes_tool_calls, template_presents_tools=False):
         self.standalone_tools = list(tools)
         self.template_presents_tools = template_presents_tools
+        self.schemas: list[dict] = []  # the JSON schemas of this episode's tools
         self.template_tools: list[dict] | None = None  # the schemas the chat template renders, when it can
         self.environment_factory = environment_factory
         self.parser = tool_call_parser
@@ -130,15 +168,18 @@ class ToolEnvironment:
         self.tools = {tool.__name__: tool for tool in self.standalone_tools}
         if self.environment is not None:
             self.tools.update({tool.__name__: tool for tool in public_methods(self.environment)})
-        schemas = [tool_schema(tool) for tool in self.tools.values()]
+        self.schemas = [tool_schema(tool) for tool in self.tools.values()]
         if self.template_presents_tools:
-            self.template_tools = schemas or None
-        elif schemas:
-            observation += describe_tools(schemas)
+            self.template_tools = self.schemas or None
+        elif self.schemas:
+            observation += describe_tools(self.schemas)
         return observation, {}
 
     async def step(self, action: str):
-        calls = self.parser(action)
+        if isinstance(self.parser, ResponseTemplateParser):
+            calls = self.parser(action, self.schemas)
+        else:
+            calls = self.parser(action)
         if not calls:
             return "", 0.0, True, False, {}  # an answer without a tool call ends the episode
         results = await asyncio.gather(*(self._call(call) for call in calls))
@@ -187,7 +228,12 @@ def tool_episode_factory(tools, environment_factory, tool_call_parser=None, env_
                             "reset(**row) -> optional text for the prompt.")
         for method in public_methods(environment):
             tool_schema(method)
-    parser = tool_call_parser or parse_hermes_tool_calls
+    if tool_call_parser is not None:
+        parser = tool_call_parser
+    elif tokenizer is not None and has_response_template(tokenizer):
+        parser = ResponseTemplateParser(tokenizer)
+    else:
+        parser = parse_hermes_tool_calls
     native = tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None and \
         supports_tool_calling(tokenizer)
 
