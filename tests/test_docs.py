@@ -246,3 +246,14 @@ def test_agents_page_shows_the_measured_retry_run():
         assert row in text, row
     assert f"+{record['summary']['reward_gain']:.3f}" in text
     assert record["command"].split("train ", 1)[1].split()[:2] == ["--env", "retry"]
+
+
+def test_agents_page_shows_the_measured_calculator_run():
+    """docs/agents.md's calculator table is what benchmarks/results/calculator_agent.json holds."""
+    text = (DOCS / "agents.md").read_text(encoding="utf-8")
+    record = json.loads((ROOT / "benchmarks" / "results" / "calculator_agent.json").read_text())
+    for rollout in record["rollouts"]:
+        row = (f"| {rollout['step']} | {rollout['reward']:.3f} | {rollout['tools/call_frequency']:.2f} | "
+               f"{rollout['tools/failure_frequency']:.2f} |")
+        assert row in text, row
+    assert f"warm-up {record['warm_up_seconds']:.0f} s" in text and f"in {record['gspo_seconds']:.0f} s" in text
