@@ -3,7 +3,8 @@
 
 Only the text between `<!-- results:NAME -->` and `<!-- /results:NAME -->` markers is replaced; the
 prose around the tables is written by hand. NAME is `main` (full fine-tuning and LoRA side by side,
-from `results/step_time_full.json` and `results/step_time_lora.json`) or `scaling` (from
+from `results/step_time_full.json` and `results/step_time_lora.json`), `decode_loop` (full fine-tuning
+again with the decoding loop, from `results/step_time_full_decode_loop.json`) or `scaling` (from
 `results/scaling/scaling.json`).
 
     python benchmarks/report.py            # rewrite docs/benchmarks.md in place
@@ -82,10 +83,15 @@ def _normalized_row(columns) -> str:
 
 
 def main_table() -> str:
-    columns = []
-    for name, label in (("full", "full fine-tune"), ("lora", "LoRA r=16")):
-        path = RESULTS / f"step_time_{name}.json"
-        columns.append((label, json.loads(path.read_text())))
+    return step_time_table((("step_time_full.json", "full fine-tune"), ("step_time_lora.json", "LoRA r=16")))
+
+
+def decode_loop_table() -> str:
+    return step_time_table((("step_time_full_decode_loop.json", "full fine-tune"),))
+
+
+def step_time_table(files) -> str:
+    columns = [(label, json.loads((RESULTS / name).read_text())) for name, label in files]
     header = "| median over runs |"
     rule = "|---|"
     for label, data in columns:
@@ -129,7 +135,7 @@ def scaling_table() -> str:
 
 
 def render(text: str) -> str:
-    for name, build in (("main", main_table), ("scaling", scaling_table)):
+    for name, build in (("main", main_table), ("decode_loop", decode_loop_table), ("scaling", scaling_table)):
         pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"report.py: no <!-- results:{name} --> markers in {DOC}")
