@@ -6,7 +6,9 @@ reward function that raises on rank 1 only, `+seeded` samples with layout-indepe
 completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
 the top-half-entropy tokens with an entropy bonus (quantities that span every process), `+episodes` plays
 two-turn episodes of a text environment with turn-level ratios and advantages, `+async` samples the second
-rollout in the background during the first one's training (async_rollouts). Each rank writes
+rollout in the background during the first one's training (async_rollouts), `+scripted` gets its completions from
+a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
+completions per micro-step over however many processes run. Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
@@ -72,6 +74,21 @@ class MoreDigits:
         return " More.", digits / max(len(action), 1), digits >= 2, False, {}
 
 
+def scripted_rollout(prompts, trainer):
+    """A rollout_func whose completions depend on the prompt and its copy number alone."""
+    tokenizer, copies = trainer.processing_class, {}
+    output = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": []}
+    for prompt in prompts:
+        copy = copies[prompt] = copies.get(prompt, -1) + 1
+        answer = tokenizer(f" {copy} {len(prompt) * copy}", add_special_tokens=False)["input_ids"]
+        reply = tokenizer(" ok", add_special_tokens=False)["input_ids"]
+        retry = tokenizer(" ab" * copy + " 7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        output["prompt_ids"].append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        output["completion_ids"].append(answer + reply + retry)
+        output["env_mask"].append([1] * len(answer) + [0] * len(reply) + [1] * len(retry))
+    return output
+
+
 def main(model_dir: str, mode: str, out: str) -> None:
     mode, *options = mode.split("+")
     resume_options = {"kill", "resume", "checkpoints"} & set(options)
@@ -86,6 +103,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
                         save_steps=1)
     if "seeded" in options:  # 8 completions per micro-step over all processes, each with its own random stream
         schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]), layout_independent_sampling=True)
+    if "scripted" in options:  # 8 completions per micro-step over all processes, from the rollout_func
+        schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]))
     config = GSPOConfig(
         output_dir=f"{out}.output", **{"per_device_train_batch_size": 4, **schedule}, num_generations=4,
         max_completion_length=16 if "episodes" in options else 6,
@@ -105,7 +124,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
     trainer = GSPOTrainer(model_dir, rewards, args=config, train_dataset=dataset,
                           peft_config=peft_config, callbacks=[KillRank1MidWindow()] if "kill" in options else None,
-                          env_factory=MoreDigits if "episodes" in options else None)
+                          env_factory=MoreDigits if "episodes" in options else None,
+                          rollout_func=scripted_rollout if "scripted" in options else None)
     generate, whole_at_generation = trainer.rollout_backend.generate, []
 
     def spy(prompts, *rest):  # under ZeRO-3, were the weights gathered for the whole rollout?
