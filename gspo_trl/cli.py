@@ -52,6 +52,18 @@ ENV_DEFAULTS = {
         "importance_sampling_level": "turn",
         "advantage_granularity": "turn",
     },
+    # A calculator tool (environments/calculator.py), after a supervised warm-up: one call, then the answer;
+    # the schedule of examples/train_calculator_agent.py.
+    "calculator": {
+        "max_tool_calling_iterations": 1,
+        "max_completion_length": 96,
+        "learning_rate": 1e-5,
+        "lr_scheduler_type": "linear",
+        "max_steps": 12,
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "dataset_size": 256,
+    },
 }
 
 
@@ -81,8 +93,14 @@ class RunArguments:
         default=None,
         metadata={
             "help": "Train on multi-turn episodes: 'retry' (the reasoning-gym task's question; a wrong reply gets "
-            "feedback and another try, up to max_turns; docs/agents.md)."
+            "feedback and another try, up to max_turns) or 'calculator' (products with a calculator tool, after "
+            "--warm_up_steps supervised steps); docs/agents.md."
         },
+    )
+    warm_up_steps: int = field(
+        default=3,
+        metadata={"help": "--env calculator: supervised warm-up steps (TRL's SFTTrainer, 8 tool-call transcripts "
+                  "each) before GSPO; 0 skips it (SmolLM2 then makes no tool calls)."},
     )
     dataset_size: int = field(default=2000, metadata={"help": "Number of reasoning-gym prompts to generate."})
     reward_funcs: list[str] = field(
@@ -148,6 +166,12 @@ def build_run(run_args: RunArguments):
         if not reward_funcs:
             raise ValueError("--dataset_name needs --reward_funcs module:function (a dataset carries no verifier).")
         return model, _load_local_dataset(run_args.dataset_name), reward_funcs, None
+    if run_args.env == "calculator":
+        from .environments.calculator import Calculator, correct_answer, questions
+
+        if run_args.task is not None:
+            raise ValueError("--env calculator asks its own questions (products); it cannot take --task.")
+        return model, questions(run_args.dataset_size, seed=0), reward_funcs or [correct_answer], Calculator
     if run_args.task is None and run_args.task_kwargs is not None:
         raise ValueError("--task_kwargs needs --task (the reasoning-gym task they configure).")
     task_kwargs = json.loads(run_args.task_kwargs) if run_args.task_kwargs else {}
@@ -196,6 +220,14 @@ def train(argv: list[str]) -> dict:
 
     run_args, config = parse_train_args(argv)
     model, dataset, reward_funcs, env_factory = build_run(run_args)
+    tool_kwargs = {}
+    if run_args.env == "calculator":  # a TRL environment_factory (tools), not a gym-style env_factory
+        tool_kwargs, env_factory = {"environment_factory": env_factory}, None
+        if run_args.warm_up_steps > 0:
+            from .environments.calculator import warm_up
+
+            model, tool_kwargs["processing_class"] = warm_up(model, run_args.warm_up_steps,
+                                                       os.path.join(config.output_dir, "warm-up"))
     peft_config = None
     if run_args.use_peft:
         from peft import LoraConfig
@@ -207,7 +239,7 @@ def train(argv: list[str]) -> dict:
             task_type="CAUSAL_LM",
         )
     trainer = GSPOTrainer(model, reward_funcs, args=config, train_dataset=dataset, peft_config=peft_config,
-                          env_factory=env_factory)
+                          env_factory=env_factory, **tool_kwargs)
     trainer.train()
     trainer.save_model()
     trainer.create_model_card()

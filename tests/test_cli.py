@@ -99,3 +99,18 @@ def test_train_command_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
 
 def test_unknown_command_fails():
     assert main(["fly"]) == 2
+
+
+def test_env_calculator_sets_its_schedule_and_builds_the_tool_task():
+    from gspo_trl.cli import build_run
+    from gspo_trl.environments.calculator import Calculator, correct_answer
+
+    run_args, config = parse_train_args(["--env", "calculator", "--model_name_or_path", "some/model"])
+    assert (config.max_tool_calling_iterations, config.max_completion_length, config.max_steps) == (1, 96, 12)
+    assert (config.per_device_train_batch_size, config.num_generations, run_args.dataset_size) == (8, 4, 256)
+    assert run_args.warm_up_steps == 3
+    model, dataset, rewards, factory = build_run(run_args)
+    assert model == "some/model" and factory is Calculator and rewards == [correct_answer]
+    assert len(dataset) == 256 and dataset[0]["prompt"][0]["content"].startswith("What is ")
+    with pytest.raises(ValueError, match="cannot take --task"):
+        build_run(parse_train_args(["--env", "calculator", "--task", "basic_arithmetic"])[0])

@@ -306,21 +306,16 @@ def test_a_turn_the_response_template_cannot_parse_is_plain_text():
     assert parser('<tool_call>\n{"name": "add", "arguments": {"a": 1,\n</tool_call>') == []  # TRL: plain text
 
 
-def test_the_calculator_examples_warm_up_shows_what_the_episodes_render(tiny_tokenizer):
-    """examples/train_calculator_agent.py: its supervised transcripts have the episode's first prompt (the tools
-    described after the question) and its tool result message, so the warm-up teaches the format GSPO samples in."""
-    import importlib.util
-    from pathlib import Path
-
+def test_the_calculator_warm_up_shows_what_the_episodes_render(tiny_tokenizer):
+    """environments/calculator.py (examples/train_calculator_agent.py, `--env calculator`): its supervised transcripts
+    have the episode's first prompt (the tools described after the question) and its tool result message, so the
+    warm-up teaches the format GSPO samples in."""
+    from gspo_trl.environments import calculator
     from gspo_trl.environments.chat import ObservationEncoder
 
-    path = Path(__file__).parents[1] / "examples" / "train_calculator_agent.py"
-    spec = importlib.util.spec_from_file_location("train_calculator_agent", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    transcript = example.warm_up_transcripts(size=1, seed=3)[0]
-    row = example.questions(size=1, seed=3)[0]
-    environment = tool_episode_factory(None, example.Calculator, tokenizer=tiny_tokenizer)()
+    transcript = calculator.warm_up_transcripts(size=1, seed=3)[0]
+    row = calculator.questions(size=1, seed=3)[0]
+    environment = tool_episode_factory(None, calculator.Calculator, tokenizer=tiny_tokenizer)()
     observation, _ = environment.reset(options=row)
     assert transcript["prompt"][0]["content"] == row["prompt"][0]["content"] + observation
     call, result, answer = transcript["completion"]
@@ -329,5 +324,5 @@ def test_the_calculator_examples_warm_up_shows_what_the_episodes_render(tiny_tok
     messages, *_ = asyncio_run(environment.step(call["content"]))
     encoder = ObservationEncoder(tiny_tokenizer, True, [tiny_tokenizer.eos_token_id])
     assert encoder(messages) == encoder([result])  # the tool result as the episode shows it
-    assert example.correct_answer([[answer]], [row["answer"]]) == [1.0]
-    assert example.correct_answer([[{"role": "assistant", "content": "It is 12."}]], [row["answer"]]) == [0.0]
+    assert calculator.correct_answer([[answer]], [row["answer"]]) == [1.0]
+    assert calculator.correct_answer([[{"role": "assistant", "content": "It is 12."}]], [row["answer"]]) == [0.0]
