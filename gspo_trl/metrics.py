@@ -213,12 +213,13 @@ def format_health(health: dict) -> str:
     return "\n".join(lines)
 
 
-def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor, sampled_tokens: torch.Tensor,
+def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor | None, sampled_tokens: torch.Tensor,
                     env_tokens: torch.Tensor, end_codes: torch.Tensor, end_reasons: tuple[str, ...],
                     tool_calls: torch.Tensor | None = None, tool_failures: torch.Tensor | None = None) -> dict[str, float]:
     """What a batch of multi-turn episodes did (all tensors over every process): turns per episode, the share of
     completion tokens that came from the environment, how episodes ended (`end_codes` index `end_reasons`), the
-    mean step reward at each turn index over the episodes that reached it, and with tools TRL's
+    mean step reward at each turn index over the episodes that reached it (`turn_rewards` None: tool episodes, which
+    have no step rewards), and with tools TRL's
     ``tools/call_frequency`` (calls per episode) and ``tools/failure_frequency`` (failed calls per call)."""
     metrics = {
         "episodes/turns/mean": reached.sum(dim=1).float().mean().item(),
@@ -231,7 +232,7 @@ def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor, sampled_t
         calls = tool_calls.sum()
         metrics["tools/call_frequency"] = (calls / max(tool_calls.numel(), 1)).item()
         metrics["tools/failure_frequency"] = (tool_failures.sum() / calls).item() if calls > 0 else 0.0
-    for turn in range(reached.shape[1]):
+    for turn in range(reached.shape[1] if turn_rewards is not None else 0):
         played = reached[:, turn]
         if played.any():
             metrics[f"episodes/reward_turn_{turn}/mean"] = turn_rewards[played, turn].float().mean().item()

@@ -246,11 +246,10 @@ class HFGenerateBackend(RolloutBackend):
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
 
     def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
-        uniforms = decoding.random_uniforms
-        if keys is not None:  # one uniform per row and position, from the row's own stream
-            def uniforms(rows, position):
-                return keyed_uniform(keys[rows], position, 1).squeeze(1)
+        def keyed_uniforms(rows, position):  # one uniform per row and position, from the row's own stream
+            return keyed_uniform(keys[rows], position, 1).squeeze(1)
 
+        uniforms = decoding.random_uniforms if keys is None else keyed_uniforms
         return decoding.sample(
             model, prompt_ids, prompt_mask,
             max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,

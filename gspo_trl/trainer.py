@@ -529,7 +529,12 @@ class GSPOTrainer(Trainer):
     def _record_rollout_metrics(self, mode, rollout, sampled_mask, rewards_per_func, advantage_stats, episodes) -> None:
         metrics, gather = self._metrics, self.accelerator.gather
         names = [f.name for f in self.reward_funcs]
-        metrics.add_many(mode, reward_function_metrics(rewards_per_func, names if episodes is None else ["env"] + names))
+        table = rewards_per_func
+        if episodes is not None and self.uses_tools:
+            table = table[:, 1:]  # the environment's column: tool episodes have no step rewards
+        elif episodes is not None:
+            names = ["env"] + names  # the environment's return is the table's first column
+        metrics.add_many(mode, reward_function_metrics(table, names))
         for name in ("reward", "reward_std", "frac_reward_zero_std"):
             metrics.add(mode, name, advantage_stats[name])
         sampled_tokens = sampled_mask.sum(1, keepdim=True)  # (n, 1) model tokens, as TRL counts with tools
@@ -540,7 +545,7 @@ class GSPOTrainer(Trainer):
             env_tokens = rollout.completion_mask.sum(1, keepdim=True) - sampled_tokens
             metrics.add_many(mode, episode_metrics(
                 gather(self.accelerator.pad_across_processes(episodes.reached.to(device), dim=1)),
-                gather(self.accelerator.pad_across_processes(episodes.turn_rewards.to(device), dim=1)),
+                None if self.uses_tools else gather(self.accelerator.pad_across_processes(episodes.turn_rewards.to(device), dim=1)),
                 gather(sampled_tokens), gather(env_tokens), gather(end_codes(episodes.ends).to(device)), END_REASONS,
                 gather(episodes.tool_calls.to(device)) if self.uses_tools else None,
                 gather(episodes.tool_failures.to(device)) if self.uses_tools else None,

@@ -15,7 +15,6 @@ from gspo_trl import default_model
 from gspo_trl.default_model import (
     BUILD_INFO_FILENAME,
     DEFAULT_MODEL_NAME,
-    INSTALL_HINT,
     cache_root,
     default_model_path,
     is_complete_checkpoint,

@@ -192,6 +192,9 @@ def test_side_by_side_with_trl_grpo_trainer(tmp_path):
     ours.train()
     names = {"rewards/accuracy/mean", "rewards/Calculator/mean", "tools/call_frequency", "tools/failure_frequency"}
     assert names <= set(trl.state.log_history[0]) and names <= set(ours.state.log_history[0])
+    reward_names = {name for name in ours.state.log_history[0] if name.startswith("rewards/")}
+    assert reward_names == {name for name in trl.state.log_history[0] if name.startswith("rewards/")}
+    assert not any(name.startswith("episodes/reward_turn") for name in ours.state.log_history[0])
 
     tool_message = [{"role": "tool", "name": "add", "content": "5"}]
     encoder = ObservationEncoder(tokenizer, True, [tokenizer.eos_token_id])
