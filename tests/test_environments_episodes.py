@@ -246,30 +246,3 @@ def test_later_turns_reuse_the_turn_cache_or_shared_prefixes_and_play_the_same_e
     # With it, a later turn runs only the tokens after the cache: the turn's EOS and the reply ("Again.").
     reply = len(ObservationEncoder(tok, True, [tok.eos_token_id])("Again."))
     assert all(length <= 1 + reply for _, length in cached_prefills[1:])
-
-
-@pytest.mark.parametrize("precision", ["bf16 weights", "bf16 autocast"])
-def test_the_turn_cache_in_bf16(tiny_model, tiny_tokenizer, precision):
-    # The GPU recipes: bf16 weights, or fp32 weights under bf16 autocast (the cache then holds bf16 keys/values).
-    from transformers import LogitsProcessorList
-
-    from gspo_trl.rollout import stream_keys
-    from tests.test_decoding import FavourEos
-
-    tok = tiny_tokenizer
-    model = tiny_model.to(torch.bfloat16) if precision == "bf16 weights" else tiny_model
-    args = episode_args(max_completion_length=60, max_turns=3)
-    backend = HFGenerateBackend(lambda: model, tok, args)
-    backend.processors = LogitsProcessorList([FavourEos(tok.eos_token_id)] * 2 + list(backend.processors))
-    prefills = []
-    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: prefills.append(o.shape[1]) if o.shape[1] > 1 else None)
-    context = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16 autocast" else torch.no_grad()
-    try:
-        with context:
-            batch = EpisodeRunner(Forever, tok, args).run(backend, [{"prompt": [{"role": "user", "content": "Hi"}]}] * 4,
-                                                          seeds=[1] * 4, keys=stream_keys(5, torch.arange(4)))
-    finally:
-        hook.remove()
-    assert batch.reached[:, 1:].sum() >= 2  # later turns were played ...
-    reply = len(ObservationEncoder(tok, True, [tok.eos_token_id])("Again."))
-    assert len(prefills) >= 2 and all(length <= reply for length in prefills[1:])  # ... from the turn cache

@@ -61,18 +61,15 @@ def test_the_shared_prefix_cache_continues_each_row_as_a_plain_forward_would(tin
         prompt_b + [25],
         prompt_a + [7, 8, 9],
     ]
-    assert_continues_each_row_as_a_plain_forward(tiny_model, rows, *prefill_shared_prefixes(tiny_model, rows, 0))
-
-
-def assert_continues_each_row_as_a_plain_forward(model, rows, ids, mask, cache):
-    for row, expected in enumerate(rows):  # each row is its own tokens once the gaps are dropped
+    ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad_token_id=0)
+    for row, expected in zip(range(len(rows)), rows):  # each row is its own tokens once the gaps are dropped
         assert ids[row][mask[row].bool()].tolist() == expected
     assert cache.get_seq_length() == ids.shape[1] - 1
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    logits = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
-                   past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = tiny_model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
+                        past_key_values=cache, use_cache=True).logits[:, -1]
     for row, tokens in enumerate(rows):
-        plain = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+        plain = tiny_model(input_ids=torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(logits[row], plain, atol=1e-5, rtol=1e-5)
 
 
@@ -117,4 +114,12 @@ def test_rows_continue_from_the_states_the_decoding_loop_kept(tiny_model, tiny_t
         rows.append(history + [11, 12, 13][: 1 + row])  # the environment's reply
         kept.append(state)
     assert len(rows) >= 2
-    assert_continues_each_row_as_a_plain_forward(tiny_model, rows, *prefill_after_states(tiny_model, rows, kept, pad))
+    ids, mask, cache = prefill_after_states(tiny_model, rows, kept, pad)
+    for row, expected in enumerate(rows):
+        assert ids[row][mask[row].bool()].tolist() == expected
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    logits = tiny_model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
+                        past_key_values=cache, use_cache=True).logits[:, -1]
+    for row, tokens in enumerate(rows):
+        plain = tiny_model(input_ids=torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(logits[row], plain, atol=1e-5, rtol=1e-5)
