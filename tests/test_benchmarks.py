@@ -1,5 +1,5 @@
 """Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
-the GPU suite's CPU mode, with both libraries' workers, one ZeRO-3 cell of the distributed benchmark, the
+the GPU suite's CPU mode, with both libraries' workers, the static-decoding agreement check, one ZeRO-3 cell of the distributed benchmark, the
 decoding, async-rollouts and training-length benchmarks."""
 
 from __future__ import annotations
@@ -26,6 +26,18 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
         assert figures["round_s"] > figures["generate_s"] > 0 and figures["train_s"] > 0
         assert figures["completion_tokens"] == 64 * 8  # random weights: every completion runs to the cap
     assert "| tiny, 8 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_static_decoding_benchmark_smoke_runs_on_cpu(tmp_path):
+    out = tmp_path / "static.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "static_decoding_gpu.py"), "--device", "cpu", "--smoke",
+               "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    agreement = json.loads(out.read_text())["agreement"]
+    assert set(agreement) == {"fp32", "bf16 weights", "fp32 weights, bf16 autocast"}
+    assert all(cell["graphs_equal_eager_static"] for cell in agreement.values())  # no graphs on CPU: same loop
+    assert agreement["fp32"]["token_agreement_with_dynamic"] == 1.0
 
 
 def test_distributed_benchmark_smoke_runs_one_zero3_cell(tmp_path, tiny_model_dir):

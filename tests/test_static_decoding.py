@@ -1,0 +1,95 @@
+"""gspo_trl.static_decoding: the static-cache loop samples what `decoding.sample` and a one-row no-cache reference
+sample (windows growing, finished rows compacted away), and says when it cannot run. The CUDA-graph replay
+itself needs a GPU: `benchmarks/static_decoding_gpu.py` checks it there (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decoding import SETTINGS, FavourEos, reference_decode
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+
+from gspo_trl import decoding, static_decoding
+from gspo_trl.rollout import keyed_uniform, prefill_shared_prompts, stream_keys
+
+PROMPTS = ["What is 2 + 3?"] * 4 + ["Hi there"] * 4 + ["Solve: 7 - 4"] * 4
+
+
+def encode(tokenizer, prompts=PROMPTS):
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    return encoded.input_ids, encoded.attention_mask
+
+
+@pytest.mark.parametrize("window_block, check_every", [(4, 2), (256, 8), (3, 1)])
+def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
+        tiny_model, tiny_tokenizer, window_block, check_every):
+    # Windows of 4 and 3 positions grow every few steps; checks every 1 or 2 steps compact the batch.
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    ids, mask = encode(tiny_tokenizer)
+    keys = stream_keys(3, torch.arange(len(PROMPTS)))
+    processors = LogitsProcessorList([FavourEos(eos), *decoding.logits_processors(
+        GenerationConfig(do_sample=True, **SETTINGS))])
+
+    def uniforms(rows, t):
+        return keyed_uniform(keys[rows], t, 1).squeeze(1)
+
+    batch_sizes = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_sizes.append(o.shape[0]))
+    try:
+        static = static_decoding.sample(
+            tiny_model, ids, mask, max_new_tokens=12, eos_token_ids=[eos], pad_token_id=pad, processors=processors,
+            cache=static_decoding.prefill(tiny_model, ids, mask), uniforms=uniforms, graphs=False,
+            window_block=window_block, check_every=check_every)
+    finally:
+        hook.remove()
+    dynamic = decoding.sample(tiny_model, ids, mask, max_new_tokens=12, eos_token_ids=[eos], pad_token_id=pad,
+                              processors=processors, uniforms=uniforms)
+    assert torch.equal(static, dynamic)
+    lengths = []
+    for row, prompt in enumerate(PROMPTS):
+        expected = reference_decode(tiny_model, torch.tensor(tiny_tokenizer(prompt).input_ids), processors,
+                                    keys[row], 12, eos)
+        assert static[row, : len(expected)].tolist() == expected, row
+        assert (static[row, len(expected):] == pad).all()
+        lengths.append(len(expected))
+    assert static.shape[1] == max(lengths) and len(set(lengths)) > 2
+    # The batch shrank once at most half the rows were live, at a check: never before a row had finished.
+    steps = batch_sizes[1:]  # after the prefill
+    assert steps[0] == len(PROMPTS) and (check_every > 2 or min(steps) < len(PROMPTS))
+    for t, size in enumerate(steps):
+        assert size >= sum(length > t for length in lengths)
+
+
+def test_static_loop_runs_under_bf16_weights_and_autocast(tiny_model_dir, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    ids, mask = encode(tiny_tokenizer)
+    keys = stream_keys(5, torch.arange(len(PROMPTS)))
+    kwargs = dict(max_new_tokens=8, eos_token_ids=[eos], pad_token_id=pad,
+                  processors=LogitsProcessorList([FavourEos(eos)]),
+                  uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        static = static_decoding.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask),
+                                        graphs=False, window_block=4, check_every=1, **kwargs)
+        dynamic = decoding.sample(model, ids, mask, **kwargs)
+    assert static.shape == dynamic.shape
+    # bf16 sums over windows of different sizes may round differently: nearly every token agrees.
+    assert (static == dynamic).float().mean() > 0.9
+
+
+def test_unsupported_reason_names_what_the_static_loop_needs(tiny_model, tiny_tokenizer):
+    ids, mask = encode(tiny_tokenizer)
+    cache = static_decoding.prefill(tiny_model, ids, mask)
+    assert static_decoding.unsupported_reason(tiny_model, cache) is None
+    assert "no prefilled prompt cache" in static_decoding.unsupported_reason(tiny_model, None)
+    assert "full attention" in static_decoding.unsupported_reason(tiny_model, DynamicCache(config=tiny_model.config))
+    tiny_model.config._attn_implementation = "flex_attention"
+    assert "flex_attention" in static_decoding.unsupported_reason(tiny_model, cache)
+
+
+def test_prefill_refuses_rows_with_a_single_prompt_token(tiny_model, tiny_tokenizer):
+    ids, mask = encode(tiny_tokenizer, ["Hi there", "x"])
+    assert int(mask.sum(1).min()) == 1
+    assert static_decoding.prefill(tiny_model, ids, mask) is None
