@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
 from transformers.utils import logging
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
-from . import decoding
+from . import decoding, static_decoding
 
 if TYPE_CHECKING:  # environments import this module
     from .environments.episodes import EpisodeBatch
@@ -210,6 +210,8 @@ class HFGenerateBackend(RolloutBackend):
                            "or cache_implementation): sampling uses transformers' generate instead, which decodes "
                            "finished completions to the longest one's length.")
         self.processors = decoding.logits_processors(self.generation_config)
+        self.cuda_graphs = args.decode_cuda_graphs
+        self._static_refusal_logged = False
 
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return tokenize_prompts(prompts, self.tokenizer, self.max_prompt_length, self.chat_template_kwargs)
@@ -250,12 +252,19 @@ class HFGenerateBackend(RolloutBackend):
             return keyed_uniform(keys[rows], position, 1).squeeze(1)
 
         uniforms = decoding.random_uniforms if keys is None else keyed_uniforms
-        return decoding.sample(
-            model, prompt_ids, prompt_mask,
-            max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
-            pad_token_id=self.tokenizer.pad_token_id, processors=self.processors, uniforms=uniforms,
-            cache=prefill_shared_prompts(model, prompt_ids, prompt_mask),
-        )
+        sampling = dict(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
+                        pad_token_id=self.tokenizer.pad_token_id, processors=self.processors, uniforms=uniforms)
+        cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)
+        if self.cuda_graphs and prompt_ids.device.type == "cuda":
+            if cache is None:
+                cache = static_decoding.prefill(model, prompt_ids, prompt_mask)
+            reason = static_decoding.unsupported_reason(model, cache)
+            if reason is None:
+                return static_decoding.sample(model, prompt_ids, prompt_mask, cache=cache, **sampling)
+            if not self._static_refusal_logged:
+                logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
+                self._static_refusal_logged = True
+        return decoding.sample(model, prompt_ids, prompt_mask, cache=cache, **sampling)
 
     def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
         generation_config, processors = self.generation_config, None
