@@ -15,7 +15,7 @@ from gspo_trl.rollout import HFGenerateBackend, Rollout, RolloutBackend, complet
 def episode_args(**overrides):
     values = dict(max_prompt_length=None, chat_template_kwargs=None, max_completion_length=40, max_turns=None,
                   temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, cache_implementation=None,
-                  generation_kwargs=None, decode_loop="gspo")
+                  generation_kwargs=None, decode_loop="gspo", decode_cuda_graphs=True)
     values.update(overrides)
     return SimpleNamespace(**values)
 
