@@ -4,8 +4,8 @@ Owns what happens at each decoding step: one forward of the newest token over th
 processors `generate` would apply for the same sampling settings (HF's own classes, in HF's order), exact
 sampling by inverse CDF (one uniform per row instead of `torch.multinomial` over the whole vocabulary),
 and dropping the rows that have emitted EOS from the batch and the cache, so the remaining steps cost what
-the unfinished rows need. What it does not own: prompt rendering, prefix sharing and the EOS/truncation
-masks of the result (`rollout.py`).
+the unfinished rows need. What it does not own: prompt rendering and the EOS/truncation masks of the result
+(`rollout.py`), the prefill of shared prefixes (`prefix_sharing.py`).
 
 The uniforms come from the caller: `torch.rand` for ordinary sampling, or a pure function of each row's key
 and position (`rollout.keyed_uniform`) for sampling that does not depend on the batch layout.
@@ -14,6 +14,7 @@ and position (`rollout.keyed_uniform`) for sampling that does not depend on the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
@@ -166,25 +167,33 @@ def sample(
     processors: LogitsProcessorList,
     uniforms: UniformSource = random_uniforms,
     cache: DynamicCache | None = None,
-) -> torch.Tensor:
+    history: torch.Tensor | None = None,
+    keep_states: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, list[RowState | None]]:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt row; returns (N, C) completion ids,
     `pad_token_id` after a row's first EOS, C the longest completion.
 
-    `cache`, when given, holds every prompt token but the last (`rollout.prefill_shared_prompts`); otherwise
-    the first step prefills the prompts. Each step runs the model on the unfinished rows only: a row that
-    samples an EOS leaves the batch, its KV cache rows with it.
+    `cache`, when given, holds every prompt token but the last (`prefix_sharing`); otherwise the first step
+    prefills the prompts. The prompt rows may have gaps (mask 0) anywhere: position ids follow the mask.
+    `history`: the token ids the logits processors see before the completion (default `prompt_ids`; the
+    left-padded prompts when `prompt_ids` has gaps). Each step runs the model on the unfinished rows only: a row
+    that samples an EOS leaves the batch, its KV cache rows with it. With `keep_states`, the cache of each row
+    that ended with an EOS is kept as its `RowState` (its prompt and completion, the EOS excepted: the EOS is
+    sampled, never run through the model) and returned with the completions, None for rows without an EOS.
     """
     n, prompt_length = prompt_ids.shape
     device = prompt_ids.device
     completions = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     eos = torch.tensor(eos_token_ids, device=device)
     rows = torch.arange(n, device=device)  # the original row of each live batch row
-    sequences, attention = prompt_ids, prompt_mask  # (n, P + t): what processors and attention see
+    sequences = prompt_ids if history is None else history  # (n, P' + t): what the processors see
+    attention = prompt_mask  # (n, P + t)
     positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)  # as generate derives them
     if cache is None:
         cache, step_ids, step_positions = DynamicCache(config=model.config), prompt_ids, positions
     else:
         step_ids, step_positions = prompt_ids[:, -1:], positions[:, -1:]
+    states: list[RowState | None] = [None] * n
     length = 0
     for t in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
@@ -200,10 +209,42 @@ def sample(
         step_ids, step_positions = tokens.unsqueeze(1), step_positions[:, -1:] + 1
         finished = torch.isin(tokens, eos)  # (n,)
         if bool(finished.any()):
+            if keep_states and keeps_states(cache.layers):
+                ended = finished.nonzero().squeeze(1)
+                for row, state in zip(rows[ended].tolist(), row_states(cache, ended, attention[:, :-1])):
+                    states[row] = state
             if bool(finished.all()):
                 break
             keep = (~finished).nonzero().squeeze(1)
             cache.reorder_cache(keep)
             rows, sequences, attention = rows[keep], sequences[keep], attention[keep]
             step_ids, step_positions = step_ids[keep], step_positions[keep]
-    return completions[:, :length]
+    return (completions[:, :length], states) if keep_states else completions[:, :length]
+
+
+@dataclass
+class RowState:
+    """The KV cache of one row's tokens, gaps dropped: each layer's (keys, values), (heads, length, head_dim).
+    Positions are the row's own (0, 1, ...), so a later prefill can continue the row from it."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[1]
+
+
+def keeps_states(layers) -> bool:
+    """Whether every cache layer is a plain full-attention one whose rows can be kept and put back."""
+    return bool(layers) and all(type(layer) in (DynamicLayer, PreallocatedLayer) for layer in layers)
+
+
+def row_states(cache: DynamicCache, batch_rows: torch.Tensor, mask: torch.Tensor) -> list[RowState]:
+    """The `RowState` of each of `batch_rows` (indices into the cache's batch); `mask` (n, L) marks the
+    cache columns that hold tokens."""
+    states = []
+    for row in batch_rows.tolist():
+        columns = mask[row].bool()
+        states.append(RowState([(layer.keys[row][:, columns], layer.values[row][:, columns])
+                                for layer in cache.layers]))
+    return states

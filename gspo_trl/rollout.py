@@ -1,8 +1,8 @@
 """Rollout backends: prompts in, sampled completion ids and masks out.
 
 Owns prompt rendering (chat template for conversational prompts), tokenization with left padding,
-the choice of decoding loop (`decoding.sample`, or transformers' `generate`), prefix sharing (each distinct
-prompt prefilled once), per-row random streams, and the EOS/truncation bookkeeping of the result.
+the choice of decoding loop (`decoding.sample`, or transformers' `generate`) and of prefix sharing
+(`prefix_sharing.py`), per-row random streams, and the EOS/truncation bookkeeping of the result.
 The trainer only sees the `Rollout` record, so another backend (a vLLM server, vLLM colocated)
 plugs in by implementing `RolloutBackend.generate`. What it does not own: rewards, advantages and
 log-probabilities.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -26,6 +26,8 @@ from transformers.utils import logging
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
 from . import decoding, static_decoding
+from .packing import padding_free_unsupported_reason
+from .prefix_sharing import prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
 
 if TYPE_CHECKING:  # environments import this module
     from .environments.episodes import EpisodeBatch
@@ -50,6 +52,9 @@ class Rollout:
     # None for single-turn rollouts, where every completion token is sampled and there is one turn.
     env_mask: torch.Tensor | None = None
     turn_ids: torch.Tensor | None = None
+    # From `generate_from_ids`: per row, what the backend kept to continue the row in its next call (the KV cache
+    # of the decoding loop, `decoding.RowState`), None where nothing was kept; None for backends that keep nothing.
+    states: list | None = None
 
     @property
     def sampled_mask(self) -> torch.Tensor:
@@ -57,7 +62,8 @@ class Rollout:
         return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
 
     def to(self, device) -> Rollout:
-        return Rollout(**{name: None if value is None else value.to(device) for name, value in vars(self).items()})
+        return Rollout(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
+                          for name, value in vars(self).items()})
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The log-prob inputs of these completions: prompt + completion ids and attention, the sampled tokens scored."""
@@ -101,10 +107,13 @@ class RolloutBackend(ABC):
         """
 
     def generate_from_ids(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None
+        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None,
+        states: list | None = None,
     ) -> Rollout:
         """Sample one completion of at most `max_new_tokens` after each token-id prompt: the next assistant turn of
-        a multi-turn episode, whose history is kept as token ids (never re-tokenized)."""
+        a multi-turn episode, whose history is kept as token ids (never re-tokenized). `states`: for each row that
+        continues a row of an earlier call, that call's `Rollout.states` entry (None elsewhere); a backend may
+        use them to skip recomputing what it computed then."""
         raise NotImplementedError(f"{type(self).__name__} cannot continue token-id prompts (multi-turn episodes).")
 
 
@@ -212,6 +221,10 @@ class HFGenerateBackend(RolloutBackend):
         self.processors = decoding.logits_processors(self.generation_config)
         self.cuda_graphs = args.decode_cuda_graphs
         self._static_refusal_logged = False
+        # Prefill each prefix that rows share once (False: identical rows only), and continue an episode's row from
+        # the KV cache of its previous turn (False: prefill it again); switches for benchmarks/episode_rollout.py.
+        self.share_prefixes = True
+        self.reuse_turn_cache = True
 
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return tokenize_prompts(prompts, self.tokenizer, self.max_prompt_length, self.chat_template_kwargs)
@@ -221,13 +234,15 @@ class HFGenerateBackend(RolloutBackend):
         return self._sample(prompt_ids, prompt_mask, stream_keys, self.generation_config.max_new_tokens)
 
     def generate_from_ids(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None
+        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None,
+        states: list | None = None,
     ) -> Rollout:
         ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id)
-        return self._sample(ids, mask, stream_keys, max_new_tokens)
+        return self._sample(ids, mask, stream_keys, max_new_tokens, states, keep_states=self.reuse_turn_cache)
 
     @torch.no_grad()
-    def _sample(self, prompt_ids, prompt_mask, stream_keys, max_new_tokens: int) -> Rollout:
+    def _sample(self, prompt_ids, prompt_mask, stream_keys, max_new_tokens: int, states=None,
+                keep_states: bool = False) -> Rollout:
         model = self.model_getter()
         prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
         keys = None if stream_keys is None else stream_keys.to(model.device)
@@ -237,34 +252,51 @@ class HFGenerateBackend(RolloutBackend):
         model.eval()
         try:
             if self.use_decode_loop:
-                completion_ids = self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens)
+                completion_ids, states = self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens,
+                                                                states, keep_states)
             else:
+                states = None
                 completion_ids = self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens)
         finally:
             model.train(was_training)
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated,
+                       states=states if keep_states else None)
 
-    def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
+    def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states,
+                          keep_states) -> tuple[torch.Tensor, list | None]:
         def keyed_uniforms(rows, position):  # one uniform per row and position, from the row's own stream
             return keyed_uniform(keys[rows], position, 1).squeeze(1)
 
         uniforms = decoding.random_uniforms if keys is None else keyed_uniforms
-        sampling = dict(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
-                        pad_token_id=self.tokenizer.pad_token_id, processors=self.processors, uniforms=uniforms)
-        cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)
-        if self.cuda_graphs and prompt_ids.device.type == "cuda":
+        shared, pad = None, self.tokenizer.pad_token_id
+        if _takes_gapped_rows(model):  # what rows share with others, or with their own last turn, runs once
+            rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+            if self.reuse_turn_cache and states is not None and all(state is not None for state in states):
+                shared = prefill_after_states(model, rows, states, pad)
+            if shared is None and self.share_prefixes:
+                shared = prefill_shared_prefixes(model, rows, pad)
+        else:
+            keep_states = False  # the cache cannot be put back in another layout
+        if shared is None:
+            ids, mask, cache = prompt_ids, prompt_mask, prefill_shared_prompts(model, prompt_ids, prompt_mask)
+        else:
+            ids, mask, cache = shared
+        sampling = dict(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids, pad_token_id=pad,
+                        processors=self.processors, uniforms=uniforms, history=prompt_ids)
+        if self.cuda_graphs and not keep_states and ids.device.type == "cuda":
             if cache is None:
-                cache = static_decoding.prefill(model, prompt_ids, prompt_mask)
+                cache = static_decoding.prefill(model, ids, mask)
             reason = static_decoding.unsupported_reason(model, cache)
             if reason is None:
-                return static_decoding.sample(model, prompt_ids, prompt_mask, cache=cache, **sampling)
+                return static_decoding.sample(model, ids, mask, cache=cache, **sampling), None
             if not self._static_refusal_logged:
                 logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
                 self._static_refusal_logged = True
-        return decoding.sample(model, prompt_ids, prompt_mask, cache=cache, **sampling)
+        result = decoding.sample(model, ids, mask, cache=cache, keep_states=keep_states, **sampling)
+        return result if keep_states else (result, None)
 
     def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
         generation_config, processors = self.generation_config, None
@@ -294,32 +326,10 @@ class HFGenerateBackend(RolloutBackend):
         return sequences[:, prompt_ids.shape[1] :]
 
 
-def prefill_shared_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> DynamicCache | None:
-    """KV cache of every prompt row but its last token, computed once per distinct prompt.
-
-    The rows of a rollout repeat each prompt num_generations times; prefilling the distinct ones
-    and copying their cache rows (`reorder_cache`) saves (G - 1)/G of the prefill. `generate` then
-    starts from the last prompt token, exactly as after its own prefill. Returns None (plain
-    `generate`) when no prompt repeats or a prompt is too short to leave a token for `generate`.
-    """
-    rows = torch.cat([prompt_ids, prompt_mask], dim=1)
-    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    if distinct.shape[0] == rows.shape[0] or int(prompt_mask.sum(1).min()) < 2:
-        return None
-    ids, mask = distinct[:, : prompt_ids.shape[1]], distinct[:, prompt_ids.shape[1] :]
-    # Position ids as `generate` derives them from a left-padded mask.
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    cache = DynamicCache(config=model.config)
-    model(
-        input_ids=ids[:, :-1],
-        attention_mask=mask[:, :-1],
-        position_ids=positions[:, :-1],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache.reorder_cache(inverse.to(prompt_ids.device))
-    return cache
+def _takes_gapped_rows(model) -> bool:
+    """Whether `model` reads position ids and a mask with gaps exactly (what packed training needs too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return padding_free_unsupported_reason(base) is None
 
 
 _GOLDEN = 0x9E3779B97F4A7C15

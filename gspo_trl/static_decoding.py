@@ -172,13 +172,16 @@ def sample(
     processors: LogitsProcessorList,
     cache: DynamicCache | None = None,
     uniforms: UniformSource = random_uniforms,
+    history: torch.Tensor | None = None,
     graphs: bool = True,
     window_block: int = WINDOW_BLOCK,
     check_every: int = CHECK_EVERY,
 ) -> torch.Tensor:
     """`decoding.sample` on a static cache: (N, C) completion ids after each left-padded prompt row, the
     `pad_token_id` after a row's first EOS, C the longest completion. `cache` holds every prompt token but the
-    last (`prefill` or `rollout.prefill_shared_prompts`; prefilled here when None) and becomes the static cache."""
+    last (`prefill` or `prefix_sharing`; prefilled here when None) and becomes the static cache. The prompt rows
+    may have gaps (mask 0): position ids follow the mask. `history`: the token ids the logits processors see
+    before the completion (default `prompt_ids`), as in `decoding.sample`."""
     if cache is None and (cache := prefill(model, prompt_ids, prompt_mask)) is None:
         raise ValueError("static_decoding.sample needs at least two tokens in every prompt row; use decoding.sample.")
     n, prompt_length = prompt_ids.shape
@@ -189,14 +192,15 @@ def sample(
     eos = torch.tensor(eos_token_ids, device=device)
     rows = torch.arange(n, device=device)  # the original row of each batch row
     live = torch.ones(n, dtype=torch.bool, device=device)
-    sequences = torch.cat([prompt_ids, completions], dim=1)  # what the processors see: sequences[:, :P + t]
+    history = prompt_ids if history is None else history
+    sequences = torch.cat([history, completions], dim=1)  # what the processors see: sequences[:, :H + t]
     step_ids, positions = prompt_ids[:, -1:], prompt_mask.sum(-1, keepdim=True) - 1
     for t in range(max_new_tokens):
         logits = decoder.logits(step_ids, positions, t)
-        scores = processors(sequences[:, : prompt_length + t], logits.float())
+        scores = processors(sequences[:, : history.shape[1] + t], logits.float())
         tokens = inverse_cdf_sample(scores, uniforms(rows, t)).masked_fill(~live, pad_token_id)
         completions[rows, t] = tokens
-        sequences[:, prompt_length + t] = tokens
+        sequences[:, history.shape[1] + t] = tokens
         finished = live & torch.isin(tokens, eos)
         lengths[rows] = torch.where(finished, t + 1, lengths[rows])
         live = live & ~finished

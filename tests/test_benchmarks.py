@@ -65,6 +65,17 @@ def test_decoding_benchmark_smoke_runs_both_loops(tmp_path, tiny_model_dir):
     assert 0 < summary["gspo"]["mean_length"] <= 4
 
 
+def test_episode_rollout_benchmark_smoke_runs_the_three_ways(tmp_path, tiny_model_dir):
+    out = tmp_path / "episodes.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "episode_rollout.py"), "--env", "retry", "--repeats", "1",
+               "--prompts", "1", "--max_completion_length", "24", "--model", tiny_model_dir, "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"turn cache", "shared prefixes", "identical rows"}
+    assert all(row["seconds_median"] > 0 and row["turns_per_episode"] >= 1 for row in summary.values())
+
+
 def test_async_rollouts_benchmark_smoke_runs_both_modes(tmp_path, tiny_model_dir):
     out = tmp_path / "async.json"
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "async_rollouts.py"), "--repeats", "1", "--rounds", "3",

@@ -9,7 +9,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from gspo_trl import GSPOConfig
 from gspo_trl.decoding import inverse_cdf_sample, logits_processors, sample, supports, unsupported_settings
-from gspo_trl.rollout import HFGenerateBackend, keyed_uniform, prefill_shared_prompts, stream_keys
+from gspo_trl.prefix_sharing import prefill_shared_prefixes, prefill_shared_prompts
+from gspo_trl.rollout import HFGenerateBackend, keyed_uniform, stream_keys
 
 SETTINGS = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
 
@@ -133,21 +134,32 @@ def reference_decode(model, prompt_ids, processors, key, max_new_tokens, eos):
     return out
 
 
-@pytest.mark.parametrize("shared_prefill", [True, False])
-def test_loop_samples_what_a_one_row_reference_samples(tiny_model, tiny_tokenizer, shared_prefill):
+@pytest.mark.parametrize("prefill", ["shared prompts", "shared prefixes", "none"])
+def test_loop_samples_what_a_one_row_reference_samples(tiny_model, tiny_tokenizer, prefill):
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
     prompts = ["What is 2 + 3?"] * 4 + ["Hi there"] * 4 + ["Solve: 7 - 4"] * 4
+    if prefill == "shared prefixes":  # later turns of episodes: a group's prompt, then each row's own tokens
+        prompts = [prompt + " ok" * (row % 3) + " Again?" * (row % 2) for row, prompt in enumerate(prompts)]
     encoded = tiny_tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     keys = stream_keys(3, torch.arange(len(prompts)))
     processors = LogitsProcessorList([FavourEos(eos), *logits_processors(GenerationConfig(do_sample=True, **SETTINGS))])
 
     batch_sizes = []
     hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_sizes.append(o.shape[0]))
-    cache = prefill_shared_prompts(tiny_model, encoded.input_ids, encoded.attention_mask) if shared_prefill else None
+    ids, mask, cache = encoded.input_ids, encoded.attention_mask, None
     try:
-        completions = sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=10,
+        if prefill == "shared prompts":
+            cache = prefill_shared_prompts(tiny_model, ids, mask)
+        elif prefill == "shared prefixes":  # a layout with gaps between each row's prefix and its tail
+            rows = [row_ids[row_mask.bool()].tolist() for row_ids, row_mask in zip(ids, mask)]
+            ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
+            assert (mask[:, :-1].diff(dim=1) < 0).any()
+            assert batch_sizes == [3, len(prompts)]  # each question's prefix once, then every row's tail
+            batch_sizes = batch_sizes[1:]  # the tails' forward stays first, as the prefill
+        completions = sample(tiny_model, ids, mask, max_new_tokens=10,
                              eos_token_ids=[eos], pad_token_id=pad, processors=processors,
-                             uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1), cache=cache)
+                             uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1), cache=cache,
+                             history=encoded.input_ids)
     finally:
         hook.remove()
     lengths = []
@@ -160,7 +172,7 @@ def test_loop_samples_what_a_one_row_reference_samples(tiny_model, tiny_tokenize
         lengths.append(len(expected))
     assert completions.shape[1] == max(lengths)
     assert len(set(lengths)) > 2  # rows finished at different steps ...
-    decode_steps = batch_sizes[1:] if shared_prefill else batch_sizes
+    decode_steps = batch_sizes if prefill == "none" else batch_sizes[1:]
     assert decode_steps[0] == len(prompts)
     # ... and each decoding step ran only the rows still unfinished.
     assert decode_steps == [sum(length > t for length in lengths) for t in range(max(lengths))]

@@ -30,7 +30,7 @@ class ScriptedSampler(RolloutBackend):
     def generate(self, prompts, stream_keys=None):
         raise AssertionError("episodes sample from token ids")
 
-    def generate_from_ids(self, prompt_ids, max_new_tokens, stream_keys=None):
+    def generate_from_ids(self, prompt_ids, max_new_tokens, stream_keys=None, states=None):
         self.calls.append(([list(p) for p in prompt_ids], max_new_tokens))
         answers = [ids[:max_new_tokens] for ids in self.turns.pop(0)]
         assert len(answers) == len(prompt_ids)
@@ -197,3 +197,79 @@ def test_the_examples_retry_environment_rewards_an_early_right_answer():
     assert (reward, terminated, truncated) == (0.0, False, False) and "Try again" in observation
     _, reward, terminated, _, _ = env.step("3 + 4 = 7")
     assert reward == pytest.approx(0.7) and terminated
+
+
+def test_later_turns_reuse_the_turn_cache_or_shared_prefixes_and_play_the_same_episodes(tiny_model, tiny_tokenizer):
+    # From the second turn on, an episode's row is its previous row, the end of its turn and the environment's
+    # reply. Continuing from the KV cache the decoding loop kept (`Rollout.states`) prefills only the new tokens;
+    # without it, the group's shared prompt is prefilled once (prefix_sharing). With the same sampling streams,
+    # both play the episodes of a backend that prefills every row whole.
+    from transformers import LogitsProcessorList
+
+    from gspo_trl.rollout import stream_keys
+    from tests.test_decoding import FavourEos
+
+    tok = tiny_tokenizer
+    args = episode_args(max_completion_length=60, max_turns=3)
+    backend = HFGenerateBackend(lambda: tiny_model, tok, args)
+    assert backend.use_decode_loop
+    # The random model seldom ends a turn by itself: favour its end-of-turn token so that episodes have turns.
+    backend.processors = LogitsProcessorList([FavourEos(tok.eos_token_id)] * 2 + list(backend.processors))
+    runner = EpisodeRunner(Forever, tok, args)
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3? Answer in one line."}]}] * 3 + \
+           [{"prompt": [{"role": "user", "content": "Name a colour, please."}]}] * 3
+    keys = stream_keys(5, torch.arange(len(rows)))
+
+    def play(reuse_turn_cache, share_prefixes):
+        backend.reuse_turn_cache, backend.share_prefixes = reuse_turn_cache, share_prefixes
+        forwards = []
+        hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: forwards.append(tuple(o.shape[:2])))
+        try:
+            batch = runner.run(backend, rows, seeds=[1] * 6, keys=keys)
+        finally:
+            hook.remove()
+        return batch, [shape for shape in forwards if shape[1] > 1]  # the prefills
+
+    cached, cached_prefills = play(True, True)
+    shared, shared_prefills = play(False, True)
+    whole, whole_prefills = play(False, False)
+    assert whole.reached[:, 1].sum() >= 4  # episodes had later turns
+    for batch in (cached, shared):
+        assert torch.equal(batch.rollout.completion_ids, whole.rollout.completion_ids)
+        assert torch.equal(batch.rollout.completion_mask, whole.rollout.completion_mask)
+    positions = lambda prefills: sum(rows * length for rows, length in prefills)  # noqa: E731
+    assert positions(cached_prefills) < positions(shared_prefills) < positions(whole_prefills)
+    # Without the turn cache, the second turn starts with one forward of the groups' shared prefixes (their
+    # prompts and more): fewer rows than the episodes that played it, longer than the first turn's prompts.
+    first_turn, second_turn = shared_prefills[:2]
+    assert second_turn[0] < int(shared.reached[:, 1].sum()) and second_turn[1] > first_turn[1]
+    # With it, a later turn runs only the tokens after the cache: the turn's EOS and the reply ("Again.").
+    reply = len(ObservationEncoder(tok, True, [tok.eos_token_id])("Again."))
+    assert all(length <= 1 + reply for _, length in cached_prefills[1:])
+
+
+@pytest.mark.parametrize("precision", ["bf16 weights", "bf16 autocast"])
+def test_the_turn_cache_in_bf16(tiny_model, tiny_tokenizer, precision):
+    # The GPU recipes: bf16 weights, or fp32 weights under bf16 autocast (the cache then holds bf16 keys/values).
+    from transformers import LogitsProcessorList
+
+    from gspo_trl.rollout import stream_keys
+    from tests.test_decoding import FavourEos
+
+    tok = tiny_tokenizer
+    model = tiny_model.to(torch.bfloat16) if precision == "bf16 weights" else tiny_model
+    args = episode_args(max_completion_length=60, max_turns=3)
+    backend = HFGenerateBackend(lambda: model, tok, args)
+    backend.processors = LogitsProcessorList([FavourEos(tok.eos_token_id)] * 2 + list(backend.processors))
+    prefills = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: prefills.append(o.shape[1]) if o.shape[1] > 1 else None)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16 autocast" else torch.no_grad()
+    try:
+        with context:
+            batch = EpisodeRunner(Forever, tok, args).run(backend, [{"prompt": [{"role": "user", "content": "Hi"}]}] * 4,
+                                                          seeds=[1] * 4, keys=stream_keys(5, torch.arange(4)))
+    finally:
+        hook.remove()
+    assert batch.reached[:, 1:].sum() >= 2  # later turns were played ...
+    reply = len(ObservationEncoder(tok, True, [tok.eos_token_id])("Again."))
+    assert len(prefills) >= 2 and all(length <= reply for length in prefills[1:])  # ... from the turn cache

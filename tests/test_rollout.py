@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from gspo_trl import GSPOConfig
-from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, prefill_shared_prompts, render_prompts
+from gspo_trl.prefix_sharing import prefill_shared_prompts
+from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, render_prompts
 
 
 def test_completion_mask_keeps_tokens_through_first_eos():

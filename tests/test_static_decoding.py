@@ -93,3 +93,36 @@ def test_prefill_refuses_rows_with_a_single_prompt_token(tiny_model, tiny_tokeni
     ids, mask = encode(tiny_tokenizer, ["Hi there", "x"])
     assert int(mask.sum(1).min()) == 1
     assert static_decoding.prefill(tiny_model, ids, mask) is None
+
+
+def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenizer):
+    # Later turns of episodes: rows share a prompt, then differ; `prefill_shared_prefixes` lays them out
+    # [prefix | gap | tail | last token]. The processors (repetition penalty here) see the left-padded rows.
+    from gspo_trl.prefix_sharing import prefill_shared_prefixes
+    from gspo_trl.rollout import left_pad
+
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    torch.manual_seed(0)
+    prompt = torch.randint(5, 200, (30,)).tolist()
+    rows = [prompt + [7, 8, 9], prompt + [12], prompt + [14, 15, 16, 17, 18], prompt + [22, 23]]
+    keys = stream_keys(11, torch.arange(len(rows)))
+    processors = LogitsProcessorList([FavourEos(eos), *decoding.logits_processors(
+        GenerationConfig(do_sample=True, **SETTINGS))])
+    history, _ = left_pad(rows, pad)
+    seen = []
+    processors.append(lambda input_ids, scores: seen.append(input_ids.clone()) or scores)
+    kwargs = dict(max_new_tokens=10, eos_token_ids=[eos], pad_token_id=pad, processors=processors, history=history,
+                  uniforms=lambda r, t: keyed_uniform(keys[r], t, 1).squeeze(1))
+    ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
+    assert not bool(mask.cumprod(1).eq(mask).all())  # there are gaps after the first token of some row
+    static = static_decoding.sample(tiny_model, ids, mask, cache=cache, graphs=False, window_block=4,
+                                    check_every=100, **kwargs)
+    assert torch.equal(seen[0], history)  # the processors see the left-padded rows, not the gapped layout
+    assert torch.equal(seen[static.shape[1]], torch.cat([history, static], dim=1))
+    seen.clear()
+    ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
+    dynamic = decoding.sample(tiny_model, ids, mask, cache=cache, **kwargs)
+    assert torch.equal(static, dynamic)
+    for row, tokens in enumerate(rows):
+        expected = reference_decode(tiny_model, torch.tensor(tokens), processors, keys[row], 10, eos)
+        assert static[row, : len(expected)].tolist() == expected, row

@@ -40,6 +40,7 @@ class Episode:
     rewards: list[float] = field(default_factory=list)  # one per assistant turn
     messages: list[dict] = field(default_factory=list)  # the conversation after the prompt
     end: str | None = None
+    state: Any = None  # what the backend kept after the last turn to continue from (`Rollout.states`)
 
     def add_turn(self, ids: list[int], logps: list[float], turn: int) -> None:
         self.completion_ids += ids
@@ -138,10 +139,12 @@ class EpisodeRunner:
             room = [budget - len(episode.completion_ids) for episode in live]
             turn_keys = None if keys is None else stream_keys(turn, keys[torch.tensor(live_rows)])
             rollout = backend.generate_from_ids(
-                [episode.prompt_ids + episode.completion_ids for episode in live], max(room), turn_keys
+                [episode.prompt_ids + episode.completion_ids for episode in live], max(room), turn_keys,
+                [episode.state for episode in live],
             )
             actions, finished_turn = [], []
             for row, (episode, space) in enumerate(zip(live, room)):
+                episode.state = None if rollout.states is None else rollout.states[row]
                 length = int(rollout.completion_mask[row].sum())
                 ids = rollout.completion_ids[row, :length].tolist()
                 logps = ([0.0] * length if rollout.sampling_logps is None
@@ -175,6 +178,8 @@ class EpisodeRunner:
                             episode.messages.append({"role": "user", "content": result.observation})
                         else:
                             episode.messages.extend(result.observation)
+                if episode.end is not None:
+                    episode.state = None  # nothing to continue: free it now
             turn += 1
         return _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer,
                       rollout.sampling_logps is not None)

@@ -214,9 +214,11 @@ class VLLMServerBackend(RolloutBackend):
         return self._rollout(prompt_ids, prompt_mask, samples)
 
     def generate_from_ids(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None
+        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None,
+        states: list | None = None,
     ) -> Rollout:
-        # Each episode has its own history: one sample per prompt, in one request.
+        # Each episode has its own history: one sample per prompt, in one request (the server's prefix cache, not
+        # `states`, saves recomputing earlier turns).
         answers = self.client.complete(prompt_ids, 1, {**self.sampling, "max_tokens": max_new_tokens})
         ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id)
         return self._rollout(ids, mask, [samples[0] for samples in answers])
