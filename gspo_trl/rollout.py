@@ -286,12 +286,13 @@ class HFGenerateBackend(RolloutBackend):
             ids, mask, cache = shared
         sampling = dict(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids, pad_token_id=pad,
                         processors=self.processors, uniforms=uniforms, history=prompt_ids)
-        if self.cuda_graphs and not keep_states and ids.device.type == "cuda":
+        if self.cuda_graphs and ids.device.type == "cuda":
             if cache is None:
                 cache = static_decoding.prefill(model, ids, mask)
             reason = static_decoding.unsupported_reason(model, cache)
             if reason is None:
-                return static_decoding.sample(model, ids, mask, cache=cache, **sampling), None
+                result = static_decoding.sample(model, ids, mask, cache=cache, keep_states=keep_states, **sampling)
+                return result if keep_states else (result, None)
             if not self._static_refusal_logged:
                 logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
                 self._static_refusal_logged = True

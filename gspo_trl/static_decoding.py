@@ -7,7 +7,9 @@ every row's keys and values live in buffers sized for the whole rollout (`Static
 window of them through a 4-D mask, and the forward of one step is captured once per window size (a multiple
 of `WINDOW_BLOCK` positions) as a CUDA graph, then replayed (`StaticDecoder`). Sampling and the logits
 processors are `decoding`'s, run between replays. A finished row stays in the batch, its tokens discarded,
-until at most half the rows are live; then the batch is compacted and the graphs are captured again.
+until at most half the rows are live; then the batch is compacted and the graphs are captured again. With
+`keep_states`, the cache of each row that ended with an EOS is copied out as its `decoding.RowState` (for the
+next turn of an episode) before compaction drops the row.
 
 Without graphs (a CPU, or `graphs=False`) the same static steps run eagerly: that is what the CPU tests compare
 with `decoding.sample`, token for token.
@@ -20,7 +22,7 @@ from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging
 
-from gspo_trl.decoding import UniformSource, inverse_cdf_sample, random_uniforms
+from gspo_trl.decoding import RowState, UniformSource, inverse_cdf_sample, random_uniforms
 
 logger = logging.get_logger(__name__)
 
@@ -152,6 +154,18 @@ class StaticDecoder:
         self.pool = graph.pool()
         self.captured[window] = (graph, output)
 
+    def row_states(self, batch_rows: list[int], lengths: list[int]) -> list[RowState]:
+        """The `RowState` of each of `batch_rows` whose completion has `lengths` tokens, its EOS the last: the
+        prompt's cache columns and those of the completion but the EOS (sampled, never run through the model)."""
+        states = []
+        for row, length in zip(batch_rows, lengths):
+            columns = torch.cat([self.mask[row, 0, 0, : self.prompt_length].nonzero().squeeze(1),
+                                 torch.arange(self.prompt_length, self.prompt_length + length - 1,
+                                              device=self.mask.device)])
+            states.append(RowState([(layer.key_buffer[row][:, columns], layer.value_buffer[row][:, columns])
+                                    for layer in self.cache.layers]))
+        return states
+
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (the live ones); graphs are captured again for the new batch size."""
         self.cache.reorder_cache(rows)
@@ -176,12 +190,14 @@ def sample(
     graphs: bool = True,
     window_block: int = WINDOW_BLOCK,
     check_every: int = CHECK_EVERY,
-) -> torch.Tensor:
+    keep_states: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, list[RowState | None]]:
     """`decoding.sample` on a static cache: (N, C) completion ids after each left-padded prompt row, the
     `pad_token_id` after a row's first EOS, C the longest completion. `cache` holds every prompt token but the
     last (`prefill` or `prefix_sharing`; prefilled here when None) and becomes the static cache. The prompt rows
     may have gaps (mask 0): position ids follow the mask. `history`: the token ids the logits processors see
-    before the completion (default `prompt_ids`), as in `decoding.sample`."""
+    before the completion (default `prompt_ids`), as in `decoding.sample`. With `keep_states`, also the
+    `RowState` of each row that ended with an EOS (None for the others), as `decoding.sample` returns them."""
     if cache is None and (cache := prefill(model, prompt_ids, prompt_mask)) is None:
         raise ValueError("static_decoding.sample needs at least two tokens in every prompt row; use decoding.sample.")
     n, prompt_length = prompt_ids.shape
@@ -192,6 +208,16 @@ def sample(
     eos = torch.tensor(eos_token_ids, device=device)
     rows = torch.arange(n, device=device)  # the original row of each batch row
     live = torch.ones(n, dtype=torch.bool, device=device)
+    states: list[RowState | None] = [None] * n
+    kept = torch.zeros(n, dtype=torch.bool, device=device)  # batch rows whose state has been copied out
+
+    def copy_out_states():  # rows that ended with an EOS since the last look, before compaction drops them
+        ended = (~live & ~kept).nonzero().squeeze(1)
+        if keep_states and len(ended):
+            originals = rows[ended].tolist()
+            for row, state in zip(originals, decoder.row_states(ended.tolist(), lengths[originals].tolist())):
+                states[row] = state
+        kept.logical_or_(~live)
     history = prompt_ids if history is None else history
     sequences = torch.cat([history, completions], dim=1)  # what the processors see: sequences[:, :H + t]
     step_ids, positions = prompt_ids[:, -1:], prompt_mask.sum(-1, keepdim=True) - 1
@@ -206,12 +232,15 @@ def sample(
         live = live & ~finished
         step_ids, positions = tokens.unsqueeze(1), positions + 1
         if (t + 1) % check_every == 0:
+            copy_out_states()
             still = int(live.sum())
             if still == 0:
                 break
             if still <= live.shape[0] // 2:
                 keep = live.nonzero().squeeze(1)
                 decoder.keep(keep)
-                rows, live, sequences = rows[keep], live[keep], sequences[keep]
+                rows, live, sequences, kept = rows[keep], live[keep], sequences[keep], kept[keep]
                 step_ids, positions = step_ids[keep], positions[keep]
-    return completions[:, : int(lengths.max())]
+    copy_out_states()
+    completions = completions[:, : int(lengths.max())]
+    return (completions, states) if keep_states else completions

@@ -126,3 +126,29 @@ def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenize
     for row, tokens in enumerate(rows):
         expected = reference_decode(tiny_model, torch.tensor(tokens), processors, keys[row], 10, eos)
         assert static[row, : len(expected)].tolist() == expected, row
+
+
+@pytest.mark.parametrize("check_every", [1, 3, 100])
+def test_static_loop_keeps_the_states_the_dynamic_loop_keeps(tiny_model, tiny_tokenizer, check_every):
+    # The turn cache of episodes: each row that ended with an EOS leaves its KV cache (prompt and completion, the
+    # EOS excepted), copied out before compaction drops the row; None for rows cut at the length cap.
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    ids, mask = encode(tiny_tokenizer)
+    keys = stream_keys(13, torch.arange(len(PROMPTS)))
+    kwargs = dict(max_new_tokens=6, eos_token_ids=[eos], pad_token_id=pad,
+                  processors=LogitsProcessorList([FavourEos(eos)]),
+                  uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1), keep_states=True)
+    static, static_states = static_decoding.sample(tiny_model, ids, mask, graphs=False, window_block=4,
+                                                   check_every=check_every, **kwargs)
+    dynamic, dynamic_states = decoding.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask),
+                                              **kwargs)
+    assert torch.equal(static, dynamic)
+    ended = [eos in row for row in static.tolist()]
+    assert 0 < sum(ended) < len(PROMPTS)  # some rows ended with an EOS, some were cut at 6 tokens
+    for row, (a, b) in enumerate(zip(static_states, dynamic_states)):
+        assert (a is None) == (b is None) == (not ended[row]), row
+        if a is not None:
+            assert a.length == b.length == int(mask[row].sum()) + static[row].tolist().index(eos)
+            for (keys_a, values_a), (keys_b, values_b) in zip(a.layers, b.layers):
+                torch.testing.assert_close(keys_a, keys_b, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(values_a, values_b, rtol=1e-5, atol=1e-5)
