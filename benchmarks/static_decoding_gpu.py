@@ -31,6 +31,7 @@ from architectures import build_random_model, smollm2_tokenizer_dir  # noqa: E40
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessorList  # noqa: E402
 
 from gspo_trl import decoding, static_decoding  # noqa: E402
+from gspo_trl.prefix_sharing import prefill  # noqa: E402
 from gspo_trl.rollout import keyed_uniform, stream_keys  # noqa: E402
 
 
@@ -99,7 +100,7 @@ def timing(model_dir, tokenizer, device, rows: int, new_tokens: int) -> dict:
             "generate_ms_per_step": clock(lambda: model.generate(input_ids=ids, attention_mask=mask,
                                                                  generation_config=config)),
             "dynamic_loop_ms_per_step": clock(lambda: decoding.sample(
-                model, ids, mask, cache=static_decoding.prefill(model, ids, mask), **kwargs)),
+                model, ids, mask, cache=prefill(model, ids, mask), **kwargs)),
             "static_graphs_ms_per_step": clock(lambda: static_decoding.sample(
                 model, ids, mask, graphs=device.type == "cuda",
                 **kwargs)),

@@ -5,6 +5,7 @@ their group's prompt followed by what each episode did since. Owns which rows sh
 (`shared_prefix_groups`, pure), and the KV cache that holds, for every row, all of its prompt but the last
 token, ready for a decoding loop to continue from it:
 
+- `prefill`: every row once (what the others build on).
 - `prefill_shared_prompts`: rows that are identical (turn 1): one prefill per distinct row, copied to its rows.
 - `prefill_shared_prefixes`: rows that share a prefix and then differ: one prefill per shared prefix, copied to
   its rows, then each row's own tail on top. The rows are laid out as [prefix | gap | tail | last token]: the
@@ -159,6 +160,20 @@ def _continue_rows(model, cache, prefix_ids, prefix_mask, rows, prefix_lengths, 
 
 
 @torch.no_grad()
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> DynamicCache | None:
+    """KV cache of every left-padded prompt row but its last token (None when a row has fewer than two prompt
+    tokens: nothing would be left to prefill)."""
+    if prompt_ids.shape[1] < 2 or int(prompt_mask.sum(1).min()) < 2:
+        return None
+    # Position ids as `generate` derives them from a left-padded mask.
+    positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[:, :-1],
+          past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+@torch.no_grad()
 def prefill_shared_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> DynamicCache | None:
     """KV cache of every prompt row but its last token, computed once per distinct prompt.
 
@@ -169,19 +184,9 @@ def prefill_shared_prompts(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     """
     rows = torch.cat([prompt_ids, prompt_mask], dim=1)
     distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    if distinct.shape[0] == rows.shape[0] or int(prompt_mask.sum(1).min()) < 2:
+    if distinct.shape[0] == rows.shape[0]:
         return None
-    ids, mask = distinct[:, : prompt_ids.shape[1]], distinct[:, prompt_ids.shape[1] :]
-    # Position ids as `generate` derives them from a left-padded mask.
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    cache = DynamicCache(config=model.config)
-    model(
-        input_ids=ids[:, :-1],
-        attention_mask=mask[:, :-1],
-        position_ids=positions[:, :-1],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache.reorder_cache(inverse.to(prompt_ids.device))
+    cache = prefill(model, distinct[:, : prompt_ids.shape[1]], distinct[:, prompt_ids.shape[1] :])
+    if cache is not None:
+        cache.reorder_cache(inverse.to(prompt_ids.device))
     return cache

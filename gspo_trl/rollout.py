@@ -27,7 +27,7 @@ from trl.data_utils import is_conversational, maybe_apply_chat_template
 
 from . import decoding, static_decoding
 from .packing import padding_free_unsupported_reason
-from .prefix_sharing import prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
+from .prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
 
 if TYPE_CHECKING:  # environments import this module
     from .environments.episodes import EpisodeBatch
@@ -273,7 +273,8 @@ class HFGenerateBackend(RolloutBackend):
         uniforms = decoding.random_uniforms if keys is None else keyed_uniforms
         shared, pad = None, self.tokenizer.pad_token_id
         if _takes_gapped_rows(model):  # what rows share with others, or with their own last turn, runs once
-            rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+            rows = [[token for token, keep in zip(ids, mask) if keep]  # one device-to-host copy, not one per row
+                    for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
             if self.reuse_turn_cache and states is not None and all(state is not None for state in states):
                 shared = prefill_after_states(model, rows, states, pad)
             if shared is None and self.share_prefixes:
@@ -288,7 +289,7 @@ class HFGenerateBackend(RolloutBackend):
                         processors=self.processors, uniforms=uniforms, history=prompt_ids)
         if self.cuda_graphs and ids.device.type == "cuda":
             if cache is None:
-                cache = static_decoding.prefill(model, ids, mask)
+                cache = prefill(model, ids, mask)
             reason = static_decoding.unsupported_reason(model, cache)
             if reason is None:
                 result = static_decoding.sample(model, ids, mask, cache=cache, keep_states=keep_states, **sampling)

@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging
 
 from gspo_trl.decoding import RowState, UniformSource, inverse_cdf_sample, random_uniforms
+from gspo_trl.prefix_sharing import prefill
 
 logger = logging.get_logger(__name__)
 
@@ -44,18 +45,6 @@ def unsupported_reason(model, cache: DynamicCache | None) -> str | None:
     if any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in model.parameters()):
         return "sharded parameters (DeepSpeed ZeRO-3 or FSDP)"
     return None
-
-
-def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> DynamicCache | None:
-    """KV cache of every prompt token but the last (None when a row has fewer than two prompt tokens: a row
-    whose prefill would be all padding)."""
-    if prompt_ids.shape[1] < 2 or int(prompt_mask.sum(1).min()) < 2:
-        return None
-    positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[:, :-1],
-          past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache
 
 
 class StaticKVLayer(DynamicLayer):
@@ -194,7 +183,7 @@ def sample(
 ) -> torch.Tensor | tuple[torch.Tensor, list[RowState | None]]:
     """`decoding.sample` on a static cache: (N, C) completion ids after each left-padded prompt row, the
     `pad_token_id` after a row's first EOS, C the longest completion. `cache` holds every prompt token but the
-    last (`prefill` or `prefix_sharing`; prefilled here when None) and becomes the static cache. The prompt rows
+    last (`prefix_sharing`; prefilled here when None) and becomes the static cache. The prompt rows
     may have gaps (mask 0): position ids follow the mask. `history`: the token ids the logits processors see
     before the completion (default `prompt_ids`), as in `decoding.sample`. With `keep_states`, also the
     `RowState` of each row that ended with an EOS (None for the others), as `decoding.sample` returns them."""

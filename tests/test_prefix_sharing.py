@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from gspo_trl.prefix_sharing import prefill_shared_prefixes, shared_prefix_groups
+from gspo_trl.prefix_sharing import prefill, prefill_shared_prefixes, prefill_shared_prompts, shared_prefix_groups
 
 
 def as_sets(groups):
@@ -118,3 +118,10 @@ def test_rows_continue_from_the_states_the_decoding_loop_kept(tiny_model, tiny_t
         kept.append(state)
     assert len(rows) >= 2
     assert_continues_each_row_as_a_plain_forward(tiny_model, rows, *prefill_after_states(tiny_model, rows, kept, pad))
+
+
+def test_prefill_refuses_rows_with_a_single_prompt_token(tiny_model, tiny_tokenizer):
+    encoded = tiny_tokenizer(["Hi there", "x", "x"], return_tensors="pt", padding=True, padding_side="left")
+    assert int(encoded.attention_mask.sum(1).min()) == 1
+    assert prefill(tiny_model, encoded.input_ids, encoded.attention_mask) is None
+    assert prefill_shared_prompts(tiny_model, encoded.input_ids, encoded.attention_mask) is None  # "x" repeats

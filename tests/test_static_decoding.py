@@ -10,7 +10,8 @@ from test_decoding import SETTINGS, FavourEos, reference_decode
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 
 from gspo_trl import decoding, static_decoding
-from gspo_trl.rollout import keyed_uniform, prefill_shared_prompts, stream_keys
+from gspo_trl.prefix_sharing import prefill, prefill_shared_prompts
+from gspo_trl.rollout import keyed_uniform, stream_keys
 
 PROMPTS = ["What is 2 + 3?"] * 4 + ["Hi there"] * 4 + ["Solve: 7 - 4"] * 4
 
@@ -38,7 +39,7 @@ def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
     try:
         static = static_decoding.sample(
             tiny_model, ids, mask, max_new_tokens=12, eos_token_ids=[eos], pad_token_id=pad, processors=processors,
-            cache=static_decoding.prefill(tiny_model, ids, mask), uniforms=uniforms, graphs=False,
+            cache=prefill(tiny_model, ids, mask), uniforms=uniforms, graphs=False,
             window_block=window_block, check_every=check_every)
     finally:
         hook.remove()
@@ -81,18 +82,16 @@ def test_static_loop_runs_under_bf16_weights_and_autocast(tiny_model_dir, tiny_t
 
 def test_unsupported_reason_names_what_the_static_loop_needs(tiny_model, tiny_tokenizer):
     ids, mask = encode(tiny_tokenizer)
-    cache = static_decoding.prefill(tiny_model, ids, mask)
+    cache = prefill(tiny_model, ids, mask)
     assert static_decoding.unsupported_reason(tiny_model, cache) is None
+    short_ids, short_mask = encode(tiny_tokenizer, ["Hi there", "x"])  # a row of one token: nothing to prefill
+    with pytest.raises(ValueError, match="at least two tokens"):
+        static_decoding.sample(tiny_model, short_ids, short_mask, max_new_tokens=2, eos_token_ids=[0],
+                               pad_token_id=0, processors=LogitsProcessorList())
     assert "no prefilled prompt cache" in static_decoding.unsupported_reason(tiny_model, None)
     assert "full attention" in static_decoding.unsupported_reason(tiny_model, DynamicCache(config=tiny_model.config))
     tiny_model.config._attn_implementation = "flex_attention"
     assert "flex_attention" in static_decoding.unsupported_reason(tiny_model, cache)
-
-
-def test_prefill_refuses_rows_with_a_single_prompt_token(tiny_model, tiny_tokenizer):
-    ids, mask = encode(tiny_tokenizer, ["Hi there", "x"])
-    assert int(mask.sum(1).min()) == 1
-    assert static_decoding.prefill(tiny_model, ids, mask) is None
 
 
 def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenizer):
