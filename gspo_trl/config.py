@@ -211,6 +211,17 @@ class GSPOConfig(TrainingArguments):
             "decode without graphs. No effect on CPU."
         },
     )
+    decode_max_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "The most completions the trained model decodes at once (use_vllm=False): a rollout with more "
+            "rows is decoded in slices of this many, one after another, each slice's KV cache freed before the next. "
+            "None: on a CUDA device, all rows when their KV cache (rows × (prompt + max_completion_length) positions "
+            "× layers × 2 × KV heads × head dim × bytes) fits in 80% of the free memory, else the fewest even slices "
+            "that fit (logged once); on CPU, all rows. Slices sample the same distribution; with "
+            "layout_independent_sampling, the same completions."
+        },
+    )
     cache_implementation: str | None = field(
         default=None,
         metadata={"help": "KV cache implementation for `generate` (e.g. 'static'); None uses the model's default."},
@@ -668,6 +679,8 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
         if self.decode_loop not in DECODE_LOOPS:
             raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {self.decode_loop!r}.")
+        if self.decode_max_rows is not None and self.decode_max_rows < 1:
+            raise ValueError(f"decode_max_rows must be >= 1 or None (automatic), got {self.decode_max_rows}.")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}.")
         if not self.repetition_penalty > 0:

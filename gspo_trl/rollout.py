@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -25,7 +26,7 @@ from transformers.generation.logits_process import (
 from transformers.utils import logging
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
-from . import decoding, static_decoding
+from . import decode_memory, decoding, static_decoding
 from .packing import padding_free_unsupported_reason
 from .prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
 
@@ -221,6 +222,8 @@ class HFGenerateBackend(RolloutBackend):
         self.processors = decoding.logits_processors(self.generation_config)
         self.cuda_graphs = args.decode_cuda_graphs
         self._static_refusal_logged = False
+        self.max_decode_rows = args.decode_max_rows
+        self._slicing_logged = False
         # Prefill each prefix that rows share once (False: identical rows only), and continue an episode's row from
         # the KV cache of its previous turn (False: prefill it again); switches for benchmarks/episode_rollout.py.
         self.share_prefixes = True
@@ -246,24 +249,57 @@ class HFGenerateBackend(RolloutBackend):
         model = self.model_getter()
         prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
         keys = None if stream_keys is None else stream_keys.to(model.device)
+        rows = prompt_ids.shape[0]
+        step = self._rows_per_slice(model, rows, prompt_ids.shape[1] + max_new_tokens, keep_states)
         was_training = model.training
         # Eval mode: with gradient checkpointing in training mode, transformers turns the KV cache off
         # (about 7x slower sampling).
         model.eval()
         try:
-            if self.use_decode_loop:
-                completion_ids, states = self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens,
-                                                                states, keep_states)
-            else:
-                states = None
-                completion_ids = self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens)
+            parts = [
+                self._sample_rows(model, prompt_ids[part], prompt_mask[part], None if keys is None else keys[part],
+                                  max_new_tokens, None if states is None else states[part], keep_states)
+                for part in (slice(start, start + step) for start in range(0, rows, step))
+            ]
         finally:
             model.train(was_training)
+        pad = self.tokenizer.pad_token_id
+        width = max(ids.shape[1] for ids, _ in parts)
+        completion_ids = torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=pad) for ids, _ in parts])
+        kept = None if any(part_states is None for _, part_states in parts) else sum((s for _, s in parts), [])
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated,
-                       states=states if keep_states else None)
+                       states=kept if keep_states else None)
+
+    def _rows_per_slice(self, model, rows: int, positions: int, keep_states: bool) -> int:
+        """How many rows to decode at once: `decode_max_rows`, or on a GPU as many as the free memory holds."""
+        if self.max_decode_rows is not None:
+            return min(rows, self.max_decode_rows)
+        free = decode_memory.free_device_bytes(model.device)
+        per_position = decode_memory.kv_bytes_per_position(model.config, model.dtype)
+        if free is None or per_position is None:
+            return rows
+        per_row = positions * per_position
+        # Kept turn caches (episodes) stay on the device until the next turn: at most a full row each.
+        budget = int(free * decode_memory.KV_CACHE_MEMORY_FRACTION) - (rows * per_row if keep_states else 0)
+        step = decode_memory.rows_per_slice(rows, per_row, budget)
+        if step < rows and not self._slicing_logged:
+            logger.warning(
+                f"The KV cache of {rows} rows × {positions} positions ({rows * per_row / 2**30:.1f} GiB) does not "
+                f"fit {decode_memory.KV_CACHE_MEMORY_FRACTION:.0%} of the free device memory ({free / 2**30:.1f} "
+                f"GiB): decoding in slices of {step} rows. Set decode_max_rows to choose."
+            )
+            self._slicing_logged = True
+        return step
+
+    def _sample_rows(self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states,
+                     keep_states) -> tuple[torch.Tensor, list | None]:
+        """(completion ids, kept states or None) of one slice of rows, decoded together."""
+        if self.use_decode_loop:
+            return self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states)
+        return self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens), None
 
     def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states,
                           keep_states) -> tuple[torch.Tensor, list | None]:

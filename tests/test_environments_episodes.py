@@ -15,7 +15,8 @@ from gspo_trl.rollout import HFGenerateBackend, Rollout, RolloutBackend, complet
 def episode_args(**overrides):
     values = dict(max_prompt_length=None, chat_template_kwargs=None, max_completion_length=40, max_turns=None,
                   temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, cache_implementation=None,
-                  generation_kwargs=None, decode_loop="gspo", decode_cuda_graphs=True)
+                  generation_kwargs=None, decode_loop="gspo", decode_cuda_graphs=True,
+                  decode_max_rows=None)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -233,8 +234,10 @@ def test_later_turns_reuse_the_turn_cache_or_shared_prefixes_and_play_the_same_e
     cached, cached_prefills = play(True, True)
     shared, shared_prefills = play(False, True)
     whole, whole_prefills = play(False, False)
+    backend.max_decode_rows = 4  # decode_max_rows: each turn in slices of at most 4 rows, the turn cache kept
+    sliced, _ = play(True, True)
     assert whole.reached[:, 1].sum() >= 4  # episodes had later turns
-    for batch in (cached, shared):
+    for batch in (cached, shared, sliced):
         assert torch.equal(batch.rollout.completion_ids, whole.rollout.completion_ids)
         assert torch.equal(batch.rollout.completion_mask, whole.rollout.completion_mask)
     positions = lambda prefills: sum(rows * length for rows, length in prefills)  # noqa: E731

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gspo_trl import GSPOConfig
@@ -117,3 +118,77 @@ def test_keyed_gumbel_sampler_draws_from_the_warped_distribution():
     frequencies = torch.bincount(picks, minlength=5).double() / rows
     expected = torch.tensor([0.25, 0.04, 0, 0, 0], dtype=torch.float64) / 0.29
     torch.testing.assert_close(frequencies, expected, atol=0.01, rtol=0)
+
+
+@pytest.mark.parametrize("decode_loop", ["gspo", "generate"])
+def test_decode_max_rows_decodes_in_slices_that_sample_the_same_completions(tmp_path, tiny_model, tiny_tokenizer,
+                                                                             decode_loop):
+    # A rollout decoded a few rows at a time (each slice's KV cache gone before the next) samples, with per-row
+    # streams, the completions, masks and truncation flags of all rows decoded together.
+    from transformers import LogitsProcessorList
+
+    from gspo_trl.rollout import stream_keys
+    from tests.test_decoding import FavourEos
+
+    def backend_with(max_rows):
+        args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=2,
+                          max_completion_length=16, use_cpu=True, temperature=0.9, decode_loop=decode_loop,
+                          decode_max_rows=max_rows)
+        backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
+        if decode_loop == "gspo":  # rows end at different steps, so slices end at different widths
+            backend.processors = LogitsProcessorList([FavourEos(tiny_tokenizer.eos_token_id)] * 2 + list(backend.processors))
+        return backend
+
+    prompts = ["What is 1 + 1?"] * 3 + ["Hi"] * 3 + ["one two three"] * 2
+    keys = stream_keys(0, 3, torch.arange(len(prompts)))
+    whole = backend_with(None).generate(prompts, keys)
+    batch_rows = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_rows.append(o.shape[0]))
+    try:
+        sliced = backend_with(3).generate(prompts, keys)
+    finally:
+        hook.remove()
+    assert max(batch_rows) == 3  # never more than 3 rows in a forward (8 rows: slices of 3, 3, 2)
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_truncated"):
+        assert torch.equal(getattr(sliced, name), getattr(whole, name)), name
+    if decode_loop == "gspo":
+        lengths = whole.completion_mask.sum(1)
+        assert len(set(lengths.tolist())) > 2 and not whole.is_truncated.all()
+
+
+def test_on_a_gpu_the_rows_that_fit_the_free_memory_are_decoded_together(tmp_path, tiny_model, tiny_tokenizer,
+                                                                          monkeypatch, caplog):
+    # decode_max_rows=None: the KV cache of all rows is measured against the device's free memory (only CUDA has
+    # a figure; faked here at the one query). Rows × (prompt + completion) positions × 2·layers·KV heads·head dim.
+    from gspo_trl import decode_memory
+    from gspo_trl.rollout import stream_keys
+
+    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=2,
+                      max_completion_length=10, use_cpu=True)
+    backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
+    prompts = ["What is 1 + 1?"] * 4 + ["Hi"] * 4
+    keys = stream_keys(0, 4, torch.arange(len(prompts)))
+    whole = backend.generate(prompts, keys)  # on CPU: all rows at once
+    prompt_length = whole.prompt_ids.shape[1]
+    per_row = (prompt_length + 10) * 2 * 2 * 2 * 16 * 4  # 2 layers, 2 KV heads of 16 dims, fp32
+    # Room for 5 rows: two even slices of 4.
+    monkeypatch.setattr(decode_memory, "free_device_bytes", lambda device: int(5.5 * per_row / 0.8))
+    batch_rows = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_rows.append(o.shape[0]))
+    try:
+        with caplog.at_level("WARNING"):
+            sliced = backend.generate(prompts, keys)
+    finally:
+        hook.remove()
+    assert max(batch_rows) == 4 and batch_rows.count(4) >= 2
+    assert "decoding in slices of 4 rows" in caplog.text and "decode_max_rows" in caplog.text
+    assert torch.equal(sliced.completion_ids, whole.completion_ids)
+    # Room for every row: nothing sliced.
+    monkeypatch.setattr(decode_memory, "free_device_bytes", lambda device: int(9 * per_row / 0.8))
+    batch_rows.clear()
+    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_rows.append(o.shape[0]))
+    try:
+        backend.generate(prompts, keys)
+    finally:
+        hook.remove()
+    assert max(batch_rows) == 8

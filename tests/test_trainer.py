@@ -323,6 +323,45 @@ def test_padding_free_training_keeps_the_padded_loss_and_gradient(tmp_path, tiny
         torch.testing.assert_close(packed, padded, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16 autocast"])
+@pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
+def test_activation_checkpointing_keeps_the_loss_and_gradient(tmp_path, tiny_model_dir, padding_free, bf16):
+    # Long completions train with activation checkpointing (each layer recomputed in the backward pass): on the
+    # packed layout (position ids and block mask through the checkpointed layers) and on padded rows, in fp32 and
+    # under bf16 autocast, the same loss and gradient as keeping every activation.
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path, bf16=bf16),
+                          train_dataset=text_dataset())
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.activation_checkpointing_enable()  # what Trainer.train does for activation_checkpointing=True
+    trainer.padding_free = padding_free
+    trainer.model.train()
+    batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
+    batch["advantages"] = torch.linspace(-1, 1, 8)
+    batch["old_per_token_logps"] = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
+    layer_calls = []
+    # A pre-hook inside the layer: its forward is what is checkpointed (hooks on the layer itself stay outside),
+    # and the recomputation stops once it has what the backward pass needs.
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(lambda *args: layer_calls.append(1))
+
+    def loss_and_grads():
+        layer_calls.clear()
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()], len(layer_calls)
+
+    try:
+        checkpointed_loss, checkpointed_grads, checkpointed_calls = loss_and_grads()
+        model.activation_checkpointing_disable()
+        plain_loss, plain_grads, plain_calls = loss_and_grads()
+    finally:
+        hook.remove()
+    assert checkpointed_calls == 2 * plain_calls  # the layer ran again in the backward pass
+    torch.testing.assert_close(checkpointed_loss, plain_loss, atol=1e-6, rtol=1e-5)
+    for checkpointed, plain in zip(checkpointed_grads, plain_grads):
+        torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=1e-4)
+
+
 def test_micro_batches_hold_whole_groups():
     from gspo_trl.schedule import split_into_micro_batches
 
