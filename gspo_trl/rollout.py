@@ -250,7 +250,7 @@ class HFGenerateBackend(RolloutBackend):
         prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
         keys = None if stream_keys is None else stream_keys.to(model.device)
         rows = prompt_ids.shape[0]
-        step = self._rows_per_slice(model, rows, prompt_ids.shape[1] + max_new_tokens, keep_states)
+        step = self._rows_per_slice(model, rows, prompt_ids.shape[1] + max_new_tokens)
         was_training = model.training
         # Eval mode: with gradient checkpointing in training mode, transformers turns the KV cache off
         # (about 7x slower sampling).
@@ -273,7 +273,7 @@ class HFGenerateBackend(RolloutBackend):
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated,
                        states=kept if keep_states else None)
 
-    def _rows_per_slice(self, model, rows: int, positions: int, keep_states: bool) -> int:
+    def _rows_per_slice(self, model, rows: int, positions: int) -> int:
         """How many rows to decode at once: `decode_max_rows`, or on a GPU as many as the free memory holds."""
         if self.max_decode_rows is not None:
             return min(rows, self.max_decode_rows)
@@ -282,9 +282,8 @@ class HFGenerateBackend(RolloutBackend):
         if free is None or per_position is None:
             return rows
         per_row = positions * per_position
-        # Kept turn caches (episodes) stay on the device until the next turn: at most a full row each.
-        budget = int(free * decode_memory.KV_CACHE_MEMORY_FRACTION) - (rows * per_row if keep_states else 0)
-        step = decode_memory.rows_per_slice(rows, per_row, budget)
+        # The turn caches episodes keep between turns are counted through the free memory measured at every turn.
+        step = decode_memory.rows_per_slice(rows, per_row, int(free * decode_memory.KV_CACHE_MEMORY_FRACTION))
         if step < rows and not self._slicing_logged:
             logger.warning(
                 f"The KV cache of {rows} rows × {positions} positions ({rows * per_row / 2**30:.1f} GiB) does not "
