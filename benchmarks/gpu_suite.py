@@ -9,6 +9,8 @@ steps), generation, the training phase, its MFU, and peak GPU memory.
 
     python benchmarks/gpu_suite.py --tokenizer .bench/smollm2-tokenizer          # on the GPU machine
     python benchmarks/gpu_suite.py --device cpu --smoke                           # CPU, seconds: it runs
+    python benchmarks/gpu_suite.py --tokenizer ... --architectures smollm2-1.7b --lengths 256,4096 \
+        --gradient_checkpointing                                                  # the long-completion cells
 
 Lengths whose run fails (out of memory, say) are reported as failed for that library, not dropped.
 """
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=None, help="Seconds before one worker is killed.")
     parser.add_argument("--smoke", action="store_true", help="A tiny model, 8 tokens, no warm-up: checks that "
                         "every part runs (figures meaningless).")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="Activation checkpointing in both "
+                        "libraries (the 1.7B architecture at 4,096 tokens needs it on an 80 GB GPU).")
+    parser.add_argument("--impls", default="ours,trl", help="Which libraries run, e.g. 'ours' where TRL cannot.")
     parser.add_argument("--python", default=sys.executable)
     return parser
 
@@ -55,8 +60,10 @@ def cell_command(args, architecture: str, length: int, out: Path) -> list[str]:
         "--max_completion_length", str(length), "--repeats", str(args.repeats), "--out", str(out),
         # The issue's work: 16 completions per optimizer step, 4 optimizer steps per generation round.
         "--per_device_train_batch_size", "16", "--steps_per_generation", "4", "--num_generations", "8",
-        "--dataset_size", "64",
+        "--dataset_size", "64", "--impls", args.impls,
     ]
+    if args.gradient_checkpointing:
+        command.append("--gradient_checkpointing")
     if args.smoke:
         command += ["--warmup_rounds", "0", "--rounds", "1"]
     if args.tokenizer:
@@ -74,22 +81,25 @@ def cell_summary(result_path: Path) -> dict:
         per_impl = {impl: summary["per_impl"].get(impl, {}).get(key, {}).get("median") for impl in ("ours", "trl")}
         row[key] = {**per_impl, "ratio": summary["ratio_ours_over_trl"].get(key, {}).get("median")}
     row["failed"] = [f"{r['impl']} ({r['error']})" for r in data["runs"] if "error" in r]
+    row["impls"] = sorted({r["impl"] for r in data["runs"]})
     return row
 
 
 def format_summary(rows: dict) -> str:
-    def cell(values, key):
-        if values["ratio"] is None:
-            return "failed" if values["ours"] is None or values["trl"] is None else "-"
+    def cell(values, key, impls):
         unit = {"round_s": " s", "generate_s": " s", "train_s": " s", "peak_gpu_mem_gib": " GiB"}.get(key, "")
         scale = 100 if key == "mfu" else 1
         unit = "%" if key == "mfu" else unit
+        if "trl" not in impls:  # ours alone (--impls ours)
+            return "failed" if values["ours"] is None else f"ours {values['ours'] * scale:.3g}{unit}"
+        if values["ratio"] is None:
+            return "failed" if values["ours"] is None or values["trl"] is None else "-"
         return f"{values['ratio']:.2f} ({values['ours'] * scale:.3g} vs {values['trl'] * scale:.3g}{unit})"
 
     lines = ["| model, completion length | " + " | ".join(f"{label} ours/TRL" for _, label in SUMMARY) + " |"]
     lines.append("|---" * (len(SUMMARY) + 1) + "|")
     for (architecture, length), row in rows.items():
-        cells = [cell(row[key], key) for key, _ in SUMMARY]
+        cells = [cell(row[key], key, row["impls"]) for key, _ in SUMMARY]
         lines.append(f"| {architecture}, {length} | " + " | ".join(cells) + " |")
         if row["failed"]:
             lines.append(f"| (failed: {', '.join(row['failed'])}) |" + " |" * len(SUMMARY))

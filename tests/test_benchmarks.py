@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_suite.py"), "--device", "cpu", "--smoke",
-               "--out_dir", str(tmp_path)]
+               "--gradient_checkpointing", "--out_dir", str(tmp_path)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     data = json.loads((tmp_path / "tiny_8.json").read_text())
@@ -25,7 +25,24 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
     for figures in finished.values():
         assert figures["round_s"] > figures["generate_s"] > 0 and figures["train_s"] > 0
         assert figures["completion_tokens"] == 64 * 8  # random weights: every completion runs to the cap
+    # --gradient_checkpointing reached both trainers' training phase
+    assert all(run["result"]["checkpointing_during_training"] for run in data["runs"] if "result" in run)
     assert "| tiny, 8 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_gpu_suite_summary_of_a_cell_run_by_one_library():
+    # --impls ours (a cell TRL cannot run): our figures alone, not "failed".
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    row = {key: {"ours": 2.0, "trl": None, "ratio": None} for key, _ in gpu_suite.SUMMARY}
+    row["mfu"]["ours"] = 0.25
+    table = gpu_suite.format_summary({("smollm2-1.7b", 4096): {**row, "failed": [], "impls": ["ours"]}})
+    assert "| smollm2-1.7b, 4096 | ours 2 s | ours 2 s | ours 2 s | ours 25% | ours 2 GiB |" in table
+    both = gpu_suite.format_summary({("tiny", 8): {**row, "failed": [], "impls": ["ours", "trl"]}})
+    assert "| tiny, 8 | failed | failed |" in both  # TRL was to run and gave nothing
 
 
 def test_static_decoding_benchmark_smoke_runs_on_cpu(tmp_path):
