@@ -12,6 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # trackio fixes its folder when first imported (TRL imports it): keep test runs out of the user's cache.
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="gspo-trl-tests-trackio-"))
+# Under pytest-xdist (`-n N`), the cores are shared: each worker's torch gets its share of the threads, since
+# OpenMP threads that outnumber the cores spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

