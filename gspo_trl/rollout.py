@@ -259,7 +259,7 @@ class HFGenerateBackend(RolloutBackend):
             parts = [
                 self._sample_rows(model, prompt_ids[part], prompt_mask[part], None if keys is None else keys[part],
                                   max_new_tokens, None if states is None else states[part], keep_states)
-                for part in (slice(start, start + step) for start in range(0, rows, step))
+                for part in (slice(start, start + step) for start in range(0, max(rows, 1), step))
             ]
         finally:
             model.train(was_training)
@@ -276,11 +276,11 @@ class HFGenerateBackend(RolloutBackend):
     def _rows_per_slice(self, model, rows: int, positions: int) -> int:
         """How many rows to decode at once: `decode_max_rows`, or on a GPU as many as the free memory holds."""
         if self.max_decode_rows is not None:
-            return min(rows, self.max_decode_rows)
+            return max(1, min(rows, self.max_decode_rows))
         free = decode_memory.free_device_bytes(model.device)
         per_position = decode_memory.kv_bytes_per_position(model.config, model.dtype)
-        if free is None or per_position is None:
-            return rows
+        if free is None or per_position is None or rows <= 1:
+            return max(rows, 1)
         per_row = positions * per_position
         # The turn caches episodes keep between turns are counted through the free memory measured at every turn.
         step = decode_memory.rows_per_slice(rows, per_row, int(free * decode_memory.KV_CACHE_MEMORY_FRACTION))
