@@ -27,6 +27,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .kv_cache import cache_kwargs
+
 # GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram
 # bans, bad words, a minimum length, ...) is `generate`'s job: `supports` says so and the backend falls back.
 HANDLED_FIELDS = frozenset({
@@ -110,7 +112,8 @@ class PreallocatedLayer(DynamicLayer):
     @classmethod
     def from_layer(cls, layer: DynamicLayer, capacity: int) -> PreallocatedLayer:
         new = cls()
-        new.dtype, new.device, new.is_initialized = layer.dtype, layer.device, True
+        # The dtype from the keys: transformers 5.24 dropped `DynamicLayer.dtype`.
+        new.dtype, new.device, new.is_initialized = layer.keys.dtype, layer.keys.device, True
         n, heads, length, dim = layer.keys.shape
         new.key_buffer = layer.keys.new_empty((n, heads, max(capacity, length), dim))
         new.value_buffer = layer.values.new_empty((n, heads, max(capacity, length), layer.values.shape[-1]))
@@ -197,7 +200,7 @@ def sample(
     length = 0
     for t in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
-                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (n, V)
+                       **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (n, V)
         if t == 0:  # the cache now holds every prompt token: give it room for the completions
             preallocate(cache, prompt_length + max_new_tokens)
         scores = processors(sequences, logits.float())

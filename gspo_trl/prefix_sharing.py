@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from .kv_cache import cache_kwargs
+
 
 # The least share of the prefill positions that sharing must save to be used: it costs a second forward.
 MIN_SAVING = 0.125
@@ -111,7 +113,7 @@ def prefill_shared_prefixes(model, rows: list[list[int]], pad_token_id: int):
     prefix_positions = (prefix_mask.cumsum(-1) - 1).masked_fill(prefix_mask == 0, 1)
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device),
-          position_ids=prefix_positions.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+          position_ids=prefix_positions.to(device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     group_of_row = torch.tensor(group_of)
     cache.reorder_cache(group_of_row.to(device))
     return _continue_rows(model, cache, prefix_ids[group_of_row], prefix_mask[group_of_row], rows, prefix_length,
@@ -155,7 +157,7 @@ def _continue_rows(model, cache, prefix_ids, prefix_mask, rows, prefix_lengths, 
         prefix_width = prefix_ids.shape[1]
         columns = slice(prefix_width, prefix_width + tail_width)
         model(input_ids=ids[:, columns], attention_mask=mask[:, : prefix_width + tail_width],
-              position_ids=positions[:, columns], past_key_values=cache, use_cache=True, logits_to_keep=1)
+              position_ids=positions[:, columns], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     return ids, mask, cache
 
 
@@ -169,7 +171,7 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Dynam
     positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
     cache = DynamicCache(config=model.config)
     model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[:, :-1],
-          past_key_values=cache, use_cache=True, logits_to_keep=1)
+          **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     return cache
 
 

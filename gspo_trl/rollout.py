@@ -27,6 +27,7 @@ from transformers.utils import logging
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
 from . import decode_memory, decoding, static_decoding
+from .kv_cache import cache_kwargs
 from .packing import padding_free_unsupported_reason
 from .prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
 
@@ -356,7 +357,7 @@ class HFGenerateBackend(RolloutBackend):
         sequences = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             generation_config=generation_config,
             logits_processor=processors,
         )

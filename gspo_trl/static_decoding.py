@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging
 
 from gspo_trl.decoding import RowState, UniformSource, inverse_cdf_sample, random_uniforms
+from gspo_trl.kv_cache import cache_kwargs
 from gspo_trl.prefix_sharing import prefill
 
 logger = logging.get_logger(__name__)
@@ -108,7 +109,7 @@ class StaticDecoder:
         for layer in self.cache.layers:
             layer.set_window(window)
         out = self.model(input_ids=self.step_ids, attention_mask=self.mask[:, :, :, :window],
-                         position_ids=self.positions, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                         position_ids=self.positions, **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
     def logits(self, step_ids: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from gspo_trl.kv_cache import cache_kwargs
 from gspo_trl.prefix_sharing import prefill, prefill_shared_prefixes, prefill_shared_prompts, shared_prefix_groups
 
 
@@ -70,7 +71,7 @@ def assert_continues_each_row_as_a_plain_forward(model, rows, ids, mask, cache):
     assert cache.get_seq_length() == ids.shape[1] - 1
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     logits = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
-                   past_key_values=cache, use_cache=True).logits[:, -1]
+                   **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     for row, tokens in enumerate(rows):
         plain = model(input_ids=torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(logits[row], plain, atol=1e-5, rtol=1e-5)
