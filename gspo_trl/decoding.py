@@ -104,23 +104,38 @@ def inverse_cdf_sample(scores: torch.Tensor, uniforms: torch.Tensor, block: int 
     return (chosen * block + offset).squeeze(1)
 
 
+# Positions a preallocated layer has room for beyond the prompt before its first growth.
+INITIAL_ROOM = 64
+
+
 class PreallocatedLayer(DynamicLayer):
-    """A dynamic KV-cache layer whose keys and values live in buffers sized for the whole rollout: each step
-    writes its token in place instead of concatenating (copying) the whole cache, as `DynamicLayer` does.
-    `keys`/`values` are views of the filled part, so attention sees exactly what a `DynamicLayer` holds."""
+    """A dynamic KV-cache layer whose keys and values live in buffers with room ahead: each step writes its
+    token in place instead of concatenating (copying) the whole cache, as `DynamicLayer` does. A full buffer
+    doubles, up to `capacity` (the rollout's longest possible row), so a rollout whose completions end early
+    never holds the cache of the longest one it could have sampled: the buffers stay within twice what is filled
+    and the growth copies cost O(1) per token, amortised. `keys`/`values` are views of the filled part, so
+    attention sees exactly what a `DynamicLayer` holds."""
 
     @classmethod
     def from_layer(cls, layer: DynamicLayer, capacity: int) -> PreallocatedLayer:
         new = cls()
         # The dtype from the keys: transformers 5.24 dropped `DynamicLayer.dtype`.
         new.dtype, new.device, new.is_initialized = layer.keys.dtype, layer.keys.device, True
-        n, heads, length, dim = layer.keys.shape
-        new.key_buffer = layer.keys.new_empty((n, heads, max(capacity, length), dim))
-        new.value_buffer = layer.values.new_empty((n, heads, max(capacity, length), layer.values.shape[-1]))
-        new.key_buffer[:, :, :length] = layer.keys
-        new.value_buffer[:, :, :length] = layer.values
-        new._expose(length)
+        length = layer.keys.shape[-2]
+        new.capacity = max(capacity, length)
+        new.key_buffer, new.value_buffer = layer.keys, layer.values
+        new.length = length
+        new._grow(min(new.capacity, length + INITIAL_ROOM))
         return new
+
+    def _grow(self, size: int) -> None:
+        n, heads, _, dim = self.key_buffer.shape
+        keys = self.key_buffer.new_empty((n, heads, size, dim))
+        values = self.value_buffer.new_empty((n, heads, size, self.value_buffer.shape[-1]))
+        keys[:, :, : self.length] = self.key_buffer[:, :, : self.length]
+        values[:, :, : self.length] = self.value_buffer[:, :, : self.length]
+        self.key_buffer, self.value_buffer = keys, values
+        self._expose(self.length)
 
     def _expose(self, length: int) -> None:
         self.length = length
@@ -128,12 +143,10 @@ class PreallocatedLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         end = self.length + key_states.shape[-2]
-        if end > self.key_buffer.shape[-2]:  # more than planned: grow like DynamicLayer would
-            self.key_buffer = torch.cat([self.key_buffer[:, :, : self.length], key_states], dim=-2)
-            self.value_buffer = torch.cat([self.value_buffer[:, :, : self.length], value_states], dim=-2)
-        else:
-            self.key_buffer[:, :, self.length:end] = key_states
-            self.value_buffer[:, :, self.length:end] = value_states
+        if end > self.key_buffer.shape[-2]:  # beyond `capacity` too if asked: grow like DynamicLayer would
+            self._grow(max(end, min(self.capacity, 2 * self.key_buffer.shape[-2])))
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
         self._expose(end)
         return self.keys, self.values
 
@@ -144,7 +157,7 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocate(cache: DynamicCache, capacity: int) -> None:
-    """Swap every plain `DynamicLayer` of `cache` (filled) for a `PreallocatedLayer` of `capacity` positions.
+    """Swap every plain `DynamicLayer` of `cache` (filled) for a `PreallocatedLayer` of up to `capacity` positions.
     Other layer types (sliding windows, linear attention, ...) keep their own update."""
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():

@@ -6,9 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
 
 from gspo_trl import GSPOConfig
-from gspo_trl.decoding import inverse_cdf_sample, logits_processors, sample, supports, unsupported_settings
+from gspo_trl import decoding
+from gspo_trl.decoding import (
+    PreallocatedLayer,
+    inverse_cdf_sample,
+    logits_processors,
+    sample,
+    supports,
+    unsupported_settings,
+)
 from gspo_trl.prefix_sharing import prefill_shared_prefixes, prefill_shared_prompts
 from gspo_trl.rollout import HFGenerateBackend, keyed_uniform, stream_keys
 
@@ -176,3 +185,44 @@ def test_loop_samples_what_a_one_row_reference_samples(tiny_model, tiny_tokenize
     assert decode_steps[0] == len(prompts)
     # ... and each decoding step ran only the rows still unfinished.
     assert decode_steps == [sum(length > t for length in lengths) for t in range(max(lengths))]
+
+
+def test_preallocated_layer_holds_what_a_dynamic_layer_holds_and_grows_by_doubling(monkeypatch):
+    monkeypatch.setattr(decoding, "INITIAL_ROOM", 2)
+    torch.manual_seed(0)
+    keys, values = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)  # (rows, heads, prompt positions, dim)
+    dynamic, seed = DynamicLayer(), DynamicLayer()
+    dynamic.update(keys, values)
+    seed.update(keys, values)
+    layer = PreallocatedLayer.from_layer(seed, capacity=20)
+    sizes = [layer.key_buffer.shape[-2]]
+    for step in range(20):
+        new_keys, new_values = torch.randn(len(layer.keys), 2, 1, 4), torch.randn(len(layer.keys), 2, 1, 4)
+        expected, got = dynamic.update(new_keys, new_values), layer.update(new_keys, new_values)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        sizes.append(layer.key_buffer.shape[-2])
+        if step == 8:  # a row finishes and leaves the batch
+            kept = torch.tensor([2, 0])
+            dynamic.keys, dynamic.values = dynamic.keys[kept], dynamic.values[kept]
+            layer.reorder_cache(kept)
+            assert torch.equal(layer.keys, dynamic.keys) and torch.equal(layer.values, dynamic.values)
+    assert layer.keys.shape == (2, 2, 25, 4)
+    # 5 prompt positions + 2 of room, then doubling up to the capacity of 20, then one at a time past it.
+    assert sorted(set(sizes)) == [7, 14, 20, 21, 22, 23, 24, 25]
+
+
+def test_loop_samples_the_same_whatever_room_the_cache_starts_with(tiny_model, tiny_tokenizer, monkeypatch):
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there"] * 3, return_tensors="pt", padding=True,
+                             padding_side="left")
+    keys = stream_keys(5, torch.arange(6))
+    processors = LogitsProcessorList([FavourEos(eos), *logits_processors(GenerationConfig(do_sample=True, **SETTINGS))])
+
+    def run():
+        return sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=24,
+                      eos_token_ids=[eos], pad_token_id=pad, processors=processors,
+                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+
+    roomy = run()
+    monkeypatch.setattr(decoding, "INITIAL_ROOM", 1)  # a growth at the first step and then at every doubling
+    assert torch.equal(run(), roomy)
