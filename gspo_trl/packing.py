@@ -174,7 +174,8 @@ def _assign_rows(
     the fewest that can hold it, completions go longest first to the row they lengthen least (a row
     that already holds their prompt saves the prompt), and the cheapest candidate wins, counting a
     row of L positions as L + attention_pair_cost × L² (attention inside a row is dense). Rows stay
-    within `max_row_tokens` unless a single prompt + completion is longer.
+    within `max_row_tokens`, or within the longest prompt + completion where that is longer: every
+    row is padded to the longest anyway, so filling the others up to it costs no positions.
     """
     prompts: dict[tuple[int, ...], torch.Tensor] = {}
     items: list[tuple[int, tuple[int, ...], torch.Tensor]] = []
@@ -197,10 +198,12 @@ def _assign_rows(
     items.sort(key=lambda item: (-item[2].numel(), item[0]))
     total = sum(c.numel() for _, _, c in items) + sum(p.numel() for p in prompts.values())
     longest = max(prompts[key].numel() + c.numel() for _, key, c in items)
-    if total <= max_row_tokens:
+    # Every row is padded to the longest, so a prompt + completion longer than max_row_tokens makes room in the others.
+    capacity = max(max_row_tokens, longest)
+    if total <= capacity:
         candidates = range(1, 2)  # everything fits one row: no padding at all
     else:
-        fewest = min(len(items), math.ceil(total / max_row_tokens))
+        fewest = min(len(items), math.ceil(total / capacity))
         candidates = range(fewest, min(len(items), fewest + 3) + 1)
     best = None
     for num_rows in candidates:
@@ -214,7 +217,7 @@ def _assign_rows(
             unit.completions.append(completion)
             lengths[r] = grown[r]
         length = max(lengths)
-        rank = (length > max(max_row_tokens, longest), num_rows * length * (1 + attention_pair_cost * length))
+        rank = (length > capacity, num_rows * length * (1 + attention_pair_cost * length))
         if best is None or rank < best[0]:
             best = (rank, [list(units.values()) for units in rows if units])
     return best[1]

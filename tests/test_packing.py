@@ -79,6 +79,21 @@ def test_rows_are_balanced_longest_completion_first():
     assert packed.input_ids.shape == (2, 10) and packed.num_padding_tokens == 0
 
 
+def test_a_completion_longer_than_the_row_cap_makes_room_in_every_row():
+    # Completion inputs of 12, 2, 2 and 2 tokens after a 2-token prompt, rows capped at 6: the long one needs a row of
+    # 14 positions and every row is padded to 14, so the short ones share a second row (not three rows of their own).
+    prompt_ids = torch.tensor([[1, 2]] * 4)
+    completion_ids = torch.arange(10, 62).reshape(4, 13)
+    completion_mask = torch.tensor([[1] * 13] + [[1] * 3 + [0] * 10] * 3)
+    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
+                                max_row_tokens=6, pad_token_id=PAD)
+    assert packed.input_ids.tolist() == [
+        [1, 2] + list(range(10, 22)),
+        [1, 2, 23, 24, 36, 37, 49, 50] + [PAD] * 6,
+    ]
+    assert packed.num_padding_tokens == 6 and packed.attention_mask is not None
+
+
 def test_nothing_scored_gives_none():
     ids = torch.ones(2, 3, dtype=torch.long)
     assert pack_shared_prefix(ids, ids, ids, torch.zeros_like(ids)) is None
@@ -135,7 +150,7 @@ def logps_and_grads(model, inputs, **kwargs):
     return logps.detach(), entropy, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-# One row for everything / groups spread over rows / one completion per row (no mask: causal attention).
+# One row for everything / groups spread over rows / rows as long as the longest prompt + completion.
 @pytest.mark.parametrize("max_row_tokens", [1024, 12, 1])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_packed_forward_matches_padded_rows(tiny_model, max_row_tokens, attention):
@@ -149,6 +164,26 @@ def test_packed_forward_matches_padded_rows(tiny_model, max_row_tokens, attentio
     finally:
         tiny_model.config._attn_implementation = "sdpa"
     assert (padded_logps[inputs[3] == 1] != 0).all()
+    torch.testing.assert_close(packed_logps, padded_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rows_of_one_completion_match_padded_rows_without_a_mask(tiny_model):
+    # Completions of nearly the same length: each row holds one, so the model runs its causal kernel, no mask.
+    input_ids, attention_mask, completion_ids, _ = group_batch(tiny_model.config.vocab_size, groups=2, group_size=2)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, -1] = 0
+    attention_mask[:, -completion_ids.shape[1]:] = 1
+    inputs = (input_ids, attention_mask, completion_ids, completion_mask)
+    prompt_length = input_ids.shape[1] - completion_ids.shape[1]
+    packed = pack_shared_prefix(input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids,
+                                completion_mask, max_row_tokens=1)
+    assert packed.input_ids.shape[0] == 4 and packed.attention_mask is None
+    padded_logps, padded_entropy, padded_grads = logps_and_grads(tiny_model, inputs, chunk_size=5)
+    packed_logps, packed_entropy, packed_grads = logps_and_grads(tiny_model, inputs, chunk_size=5, padding_free=True,
+                                                                 max_row_tokens=1)
     torch.testing.assert_close(packed_logps, padded_logps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=1e-5)
     for name, grad in padded_grads.items():
