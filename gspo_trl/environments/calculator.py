@@ -98,7 +98,7 @@ def warm_up(model_path: str, steps: int, output_dir: str):
         train_dataset=warm_up_transcripts(size=8 * steps, seed=1),
         args=SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=8, learning_rate=5e-5,
                        lr_scheduler_type="constant", logging_steps=4, save_strategy="no", report_to="none",
-                       use_cpu=True, bf16=False, gradient_checkpointing=False, seed=0),  # fp32, as GSPO trains
+                       use_cpu=True, bf16=False, activation_checkpointing=False, seed=0),  # fp32, as GSPO trains
     )
     trainer.train()
     return trainer.model, tokenizer
