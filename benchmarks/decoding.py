@@ -8,6 +8,7 @@ loops alternate, `--repeats` times each after one untimed warm-up each, in one p
 
     python benchmarks/decoding.py                          # 64 new tokens, 3 repeats
     python benchmarks/decoding.py --max_completion_length 256 --layout_independent_sampling
+    python benchmarks/decoding.py --loops gspo,gspo_full_buffers --layout_independent_sampling  # KV buffers A/B
 
 `generate` here already shares each prompt's prefill (gspo-trl's backend); TRL's `generate` path does not.
 Each row of the output gives seconds per rollout (min / median), the mean completion length and the number
@@ -29,6 +30,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 LOOPS = ("gspo", "generate")
+# The gspo loop with its KV buffers sized for the longest possible row at the first step (as before 2026-11-24)
+# instead of growing: an A/B of the buffers alone (same tokens with --layout_independent_sampling).
+FULL_BUFFERS = "gspo_full_buffers"
 
 
 def parse_args(argv=None):
@@ -39,6 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--layout_independent_sampling", action="store_true")
+    parser.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, from {LOOPS + (FULL_BUFFERS,)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     parser.add_argument("--seed", type=int, default=0)
@@ -50,7 +55,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo_trl import GSPOConfig
+    from gspo_trl import GSPOConfig, decoding
     from gspo_trl.default_model import default_model_path
     from gspo_trl.rollout import HFGenerateBackend, stream_keys
     from gspo_trl.tasks import default_task_dataset
@@ -62,20 +67,23 @@ def main(argv=None) -> None:
     rows = args.prompts * args.num_generations
     prompts = [row["prompt"] for row in default_task_dataset(args.prompts, seed=args.seed)]
     prompts = [p for p in prompts for _ in range(args.num_generations)]
+    loops = args.loops.split(",")
     backends = {}
-    for loop in LOOPS:
+    for loop in loops:
         config = GSPOConfig(output_dir="/tmp/gspo-decoding-bench", per_device_train_batch_size=rows,
                             num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-                            temperature=args.temperature, decode_loop=loop, use_cpu=args.device == "cpu",
-                            bf16=args.device == "cuda", report_to="none")
+                            temperature=args.temperature, decode_loop="generate" if loop == "generate" else "gspo",
+                            use_cpu=args.device == "cpu", bf16=args.device == "cuda", report_to="none")
         backends[loop] = HFGenerateBackend(lambda: model, tokenizer, config)
-    assert backends["gspo"].use_decode_loop and not backends["generate"].use_decode_loop
+        assert backends[loop].use_decode_loop == (loop != "generate")
+    growing_room = decoding.INITIAL_ROOM
 
     def once(loop: str, repeat: int) -> dict:
         torch.manual_seed(args.seed + repeat)
         keys = stream_keys(args.seed, repeat, torch.arange(rows)) if args.layout_independent_sampling else None
         if args.device == "cuda":
             torch.cuda.synchronize()
+        decoding.INITIAL_ROOM = 1 << 40 if loop == FULL_BUFFERS else growing_room  # room capped at the longest row
         start = time.perf_counter()
         rollout = backends[loop].generate(prompts, keys)
         if args.device == "cuda":
@@ -84,11 +92,11 @@ def main(argv=None) -> None:
         lengths = rollout.completion_mask.sum(1).float()
         return {"seconds": seconds, "mean_length": lengths.mean().item(), "steps": rollout.completion_ids.shape[1]}
 
-    runs = {loop: [] for loop in LOOPS}
-    for loop in LOOPS:
+    runs = {loop: [] for loop in loops}
+    for loop in loops:
         once(loop, -1)  # warm-up
     for repeat in range(args.repeats):
-        for loop in LOOPS:
+        for loop in loops:
             runs[loop].append(once(loop, repeat))
             print(f"[decoding] {loop:8s} repeat {repeat}: {runs[loop][-1]}", flush=True)
 
@@ -98,7 +106,8 @@ def main(argv=None) -> None:
         summary[loop] = {"min_s": min(seconds), "median_s": statistics.median(seconds),
                          "mean_length": statistics.mean(r["mean_length"] for r in results),
                          "steps": statistics.mean(r["steps"] for r in results)}
-    summary["speedup_median"] = summary["generate"]["median_s"] / summary["gspo"]["median_s"]
+    if {"gspo", "generate"} <= summary.keys():
+        summary["speedup_median"] = summary["generate"]["median_s"] / summary["gspo"]["median_s"]
     record = {"date": _dt.date.today().isoformat(), "device": args.device, "cpus": os.cpu_count(),
               "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
               "runs": runs, "summary": summary}
@@ -111,7 +120,7 @@ def main(argv=None) -> None:
 def render_table(record: dict) -> str:
     s = record["summary"]
     lines = ["| loop | rollout (s), min | median | mean completion (tokens) | decoding steps |", "|---|---|---|---|---|"]
-    for loop in LOOPS:
+    for loop in record["runs"]:
         lines.append(f"| {loop} | {s[loop]['min_s']:.2f} | {s[loop]['median_s']:.2f} | {s[loop]['mean_length']:.1f} | "
                      f"{s[loop]['steps']:.1f} |")
     return "\n".join(lines)

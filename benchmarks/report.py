@@ -4,8 +4,8 @@
 Only the text between `<!-- results:NAME -->` and `<!-- /results:NAME -->` markers is replaced; the
 prose around the tables is written by hand. NAME is `main` (full fine-tuning and LoRA side by side,
 from `results/step_time_full.json` and `results/step_time_lora.json`), `decode_loop` (full fine-tuning
-again with the decoding loop, from `results/step_time_full_decode_loop.json`) or `scaling` (from
-`results/scaling/scaling.json`).
+again with the decoding loop, from `results/step_time_full_decode_loop.json`), `scaling` (from
+`results/scaling/scaling.json`) or `scaling_decode_loop` (from `results/scaling_decode_loop*/scaling.json`).
 
     python benchmarks/report.py            # rewrite docs/benchmarks.md in place
     python benchmarks/report.py --check    # exit 1 if the tables are not what the JSON files say
@@ -134,8 +134,35 @@ def scaling_table() -> str:
     return "\n".join(lines)
 
 
+def scaling_decode_loop_table() -> str:
+    """gspo-trl alone with the decoding loop: buffers sized for the longest row up front (before) or growing."""
+    lines = [
+        "| max completion length | KV buffers | mean completion (tokens) | s/step | generate per round (s) "
+        "| ms per completion token (round) | × the 256-token figure | peak RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for folder, label in (("scaling_decode_loop_full_buffers", "longest row up front"),
+                          ("scaling_decode_loop", "growing"),
+                          ("scaling_decode_loop_checkpointing", "growing, activation checkpointing")):
+        rows = [r for r in json.loads((RESULTS / folder / "scaling.json").read_text()) if r["impl"] == "ours"]
+        base = next((r for r in rows if r["max_completion_length"] == 256 and "error" not in r), None)
+        for row in sorted(rows, key=lambda r: r["max_completion_length"]):
+            if "error" in row:
+                lines.append(f"| {row['max_completion_length']} | {label} | failed ({row['error']}) | — | — | — | — | — |")
+                continue
+            per_token = 1000 * row["round_s"] / row["completion_tokens"]
+            relative = per_token / (1000 * base["round_s"] / base["completion_tokens"]) if base else None
+            lines.append(
+                f"| {row['max_completion_length']} | {label} | {row['mean_completion_length']:.1f} | {row['step_s']:.2f} "
+                f"| {row['generate_s_per_round']:.1f} | {per_token:.1f} | {_cell(relative, '{:.2f}')} "
+                f"| {row['peak_rss_mb']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def render(text: str) -> str:
-    for name, build in (("main", main_table), ("decode_loop", decode_loop_table), ("scaling", scaling_table)):
+    for name, build in (("main", main_table), ("decode_loop", decode_loop_table), ("scaling", scaling_table),
+                        ("scaling_decode_loop", scaling_decode_loop_table)):
         pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"report.py: no <!-- results:{name} --> markers in {DOC}")

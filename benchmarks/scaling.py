@@ -38,7 +38,7 @@ def run_length(args, length: int) -> Path:
         "--warmup_rounds", str(args.warmup_rounds),
         "--impls", args.impls,
         "--out", str(out),
-    ]
+    ] + (["--gradient_checkpointing"] if args.gradient_checkpointing else [])
     print("[scaling] " + " ".join(command), flush=True)
     # A worker that fails (e.g. killed for memory) is recorded in the JSON; the other lengths still run.
     subprocess.run(command, check=False)
@@ -52,7 +52,7 @@ def collect(paths: dict[int, Path]) -> list[dict]:
         for run in data["runs"]:
             if run.get("error"):
                 rows.append({"max_completion_length": length, "impl": run["impl"], "error": run["error"],
-                             "source": str(path.relative_to(HERE.parent))})
+                             "source": str(path.resolve().relative_to(HERE.parent))})
         for impl, figures in data["summary"]["per_impl"].items():
             if "step_s" not in figures:
                 continue
@@ -62,11 +62,13 @@ def collect(paths: dict[int, Path]) -> list[dict]:
                 "step_s": figures["step_s"]["median"],
                 "generate_s_per_round": figures["generate_s"]["median"],
                 "train_step_s": figures["train_step_s"]["median"],
+                "round_s": figures["round_s"]["median"],
+                "completion_tokens": figures["completion_tokens"]["median"],
                 "peak_rss_mb": figures["peak_rss_mb"]["median"],
                 "mean_completion_length": figures["mean_completion_length"]["median"],
                 "padding_share": figures.get("padding_share", {}).get("median"),
                 "runs": len(figures["step_s"]["values"]),
-                "source": str(path.relative_to(HERE.parent)),
+                "source": str(path.resolve().relative_to(HERE.parent)),
             })
     return rows
 
@@ -115,11 +117,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--warmup_rounds", type=int, default=1)
     parser.add_argument("--out_dir", default=str(DEFAULT_DIR))
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="Activation checkpointing in training.")
     parser.add_argument("--reuse", action="store_true", help="Skip lengths whose JSON already exists.")
     parser.add_argument("--plot_only", action="store_true", help="Only redraw from existing JSON files.")
     args = parser.parse_args(argv)
 
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir).resolve()  # sources are recorded relative to the repository
     out_dir.mkdir(parents=True, exist_ok=True)
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.plot_only:

@@ -82,6 +82,20 @@ def test_decoding_benchmark_smoke_runs_both_loops(tmp_path, tiny_model_dir):
     assert 0 < summary["gspo"]["mean_length"] <= 4
 
 
+def test_decoding_benchmark_runs_the_kv_buffers_ab(tmp_path, tiny_model_dir):
+    # A smoke test of --loops: the growing buffers themselves are tested against DynamicLayer in test_decoding.py.
+    out = tmp_path / "buffers.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "decoding.py"), "--repeats", "1", "--prompts", "2",
+               "--max_completion_length", "8", "--loops", "gspo,gspo_full_buffers", "--layout_independent_sampling",
+               "--model", tiny_model_dir, "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"gspo", "gspo_full_buffers"}
+    assert summary["gspo"]["mean_length"] == summary["gspo_full_buffers"]["mean_length"] > 0
+    assert "| gspo_full_buffers |" in completed.stdout
+
+
 def test_episode_rollout_benchmark_smoke_runs_the_three_ways(tmp_path, tiny_model_dir):
     out = tmp_path / "episodes.json"
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "episode_rollout.py"), "--env", "retry", "--repeats", "1",
@@ -116,3 +130,15 @@ def test_train_length_benchmark_smoke_runs_both_layouts(tmp_path, tiny_model_dir
     rows = json.loads(out.read_text())["rows"]
     assert [(r["length"], r["layout"]) for r in rows] == [(8, "packed"), (8, "padded"), (16, "packed"), (16, "padded")]
     assert all(r["seconds"] > 0 and r["tokens"] == 2 * r["length"] for r in rows)
+
+
+def test_packed_microbatch_benchmark_smoke_runs_two_passes(tmp_path, tiny_model_dir):
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "packed_microbatch.py"), "--lengths", "24", "--short", "3",
+               "--short_length", "4", "--model", tiny_model_dir]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    lines = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    # 24 + 3 x 4 tokens after one 60-token prompt (a completion's last token is no input): one row of 92 positions.
+    assert lines[0]["layout"] == {"rows": 1, "positions_per_row": 92, "real_tokens": 92, "dense_mask": True}
+    assert [line["pass"] for line in lines[1:]] == [0, 1]
+    assert all(line["after_backward"]["peak_mib"] > 0 for line in lines[1:])
