@@ -59,9 +59,10 @@ def agreement(model_dir, tokenizer, device, new_tokens: int, rows: int = 32) -> 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             graphed = static_decoding.sample(model, ids, mask, graphs=device.type == "cuda", window_block=64,
-                                             check_every=4, **kwargs)
-            eager = static_decoding.sample(model, ids, mask, graphs=False, window_block=64, check_every=4, **kwargs)
-            dynamic = decoding.sample(model, ids, mask, **kwargs)
+                                             check_every=4, **kwargs).completion_ids
+            eager = static_decoding.sample(model, ids, mask, graphs=False, window_block=64, check_every=4,
+                                           **kwargs).completion_ids
+            dynamic = decoding.sample(model, ids, mask, **kwargs).completion_ids
         ended = torch.isin(graphed, torch.tensor(stops, device=device))
         lengths = torch.where(ended.any(1), ended.float().argmax(1) + 1, graphed.shape[1])
         results[name] = {

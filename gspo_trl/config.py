@@ -159,8 +159,9 @@ class GSPOConfig(TrainingArguments):
         metadata={
             "help": "Run the π_old forward for every micro-batch of a rollout. By default it is skipped for the "
             "micro-batches whose every use comes before the first optimizer step after their rollout: there the "
-            "current weights are π_old, so old = sg[log π] and the ratio is exactly 1. Same results either way "
-            "(a reference mode for checking the schedule), one forward more per skipped micro-batch."
+            "current weights are π_old, so old = sg[log π] and the ratio is exactly 1; and for the others where the "
+            "decoding loop recorded π_old (decode_logprobs_as_old). Same results either way (a reference mode for "
+            "checking the schedule), one forward more per skipped micro-batch."
         },
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature. Must be > 0."})
@@ -220,6 +221,18 @@ class GSPOConfig(TrainingArguments):
             "× layers × 2 × KV heads × head dim × bytes) fits in 80% of the free memory, else the fewest even slices "
             "that fit (logged once); on CPU, all rows. Slices sample the same distribution; with "
             "layout_independent_sampling, the same completions."
+        },
+    )
+    decode_logprobs_as_old: bool | None = field(
+        default=None,
+        metadata={
+            "help": "With decode_loop='gspo': record each sampled token's log-prob as the loop samples it (log-softmax "
+            "of the logits at `temperature`, as training scores them) and use these as π_old (GSPO paper §5.4), "
+            "skipping the trainer's π_old forward pass over the rollout's off-policy micro-batches (and, with "
+            "async_rollouts, the scoring pass of a rollout sampled ahead). None: on when sampling runs in full "
+            "precision (float32 weights, neither bf16 nor fp16), where the two differ by float32 rounding only; off "
+            "in bf16/fp16, where the decoding and training kernels round differently and recomputing is the safe "
+            "choice. Rollouts that fall back to `generate`, and rollout_func rollouts, always recompute."
         },
     )
     cache_implementation: str | None = field(
@@ -681,6 +694,10 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {self.decode_loop!r}.")
         if self.decode_max_rows is not None and self.decode_max_rows < 1:
             raise ValueError(f"decode_max_rows must be >= 1 or None (automatic), got {self.decode_max_rows}.")
+        if self.decode_logprobs_as_old and (self.decode_loop != "gspo" or self.use_vllm):
+            raise ValueError("decode_logprobs_as_old=True needs decode_loop='gspo' and use_vllm=False (the log-probs "
+                             "come from gspo-trl's decoding loop); with use_vllm=True, vllm_logprobs_as_old=True takes "
+                             "the server's.")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}.")
         if not self.repetition_penalty > 0:

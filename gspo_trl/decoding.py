@@ -8,7 +8,9 @@ the unfinished rows need. What it does not own: prompt rendering and the EOS/tru
 (`rollout.py`), the prefill of shared prefixes (`prefix_sharing.py`).
 
 The uniforms come from the caller: `torch.rand` for ordinary sampling, or a pure function of each row's key
-and position (`rollout.keyed_uniform`) for sampling that does not depend on the batch layout.
+and position (`rollout.keyed_uniform`) for sampling that does not depend on the batch layout. On request the
+loop also records each sampled token's log-prob under the model, temperature-scaled as training scores it
+(`token_logps`): the behaviour policy's log-probs, which the trainer can take as π_old instead of a forward pass.
 """
 
 from __future__ import annotations
@@ -167,6 +169,23 @@ def preallocate(cache: DynamicCache, capacity: int) -> None:
 UniformSource = Callable[[torch.Tensor, int], torch.Tensor]  # (rows (n,) original indices, position) -> (n,)
 
 
+@dataclass
+class Decoded:
+    """What a decoding loop returns for N prompt rows."""
+
+    completion_ids: torch.Tensor  # (N, C) the sampled tokens, `pad_token_id` after a row's first EOS
+    logps: torch.Tensor | None = None  # (N, C) float32 `token_logps` of those tokens (0 after a row's end), on request
+    states: list[RowState | None] | None = None  # with `keep_states`: each row's kept cache, None without an EOS
+
+
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(n,) float32 log softmax(logits / temperature) at `tokens`: the log-prob of each sampled token under the
+    model's temperature-scaled distribution, as `logprobs.completion_logprobs` scores it in training (the other
+    logits processors, top-k / top-p / repetition penalty, shape sampling, not the policy's log-probs)."""
+    scaled = logits.float() / temperature
+    return scaled.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+
+
 def random_uniforms(rows: torch.Tensor, position: int) -> torch.Tensor:
     return torch.rand(rows.shape[0], dtype=torch.float64, device=rows.device)
 
@@ -185,9 +204,11 @@ def sample(
     cache: DynamicCache | None = None,
     history: torch.Tensor | None = None,
     keep_states: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, list[RowState | None]]:
-    """Sample up to `max_new_tokens` tokens after each left-padded prompt row; returns (N, C) completion ids,
-    `pad_token_id` after a row's first EOS, C the longest completion.
+    logp_temperature: float | None = None,
+) -> Decoded:
+    """Sample up to `max_new_tokens` tokens after each left-padded prompt row; returns the (N, C) completion ids,
+    `pad_token_id` after a row's first EOS, C the longest completion, and with `logp_temperature` each sampled
+    token's `token_logps` at that temperature.
 
     `cache`, when given, holds every prompt token but the last (`prefix_sharing`); otherwise the first step
     prefills the prompts. The prompt rows may have gaps (mask 0) anywhere: position ids follow the mask.
@@ -210,6 +231,7 @@ def sample(
     else:
         step_ids, step_positions = prompt_ids[:, -1:], positions[:, -1:]
     states: list[RowState | None] = [None] * n
+    logps = None if logp_temperature is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     length = 0
     for t in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
@@ -219,6 +241,8 @@ def sample(
         scores = processors(sequences, logits.float())
         tokens = inverse_cdf_sample(scores, uniforms(rows, t))  # (n,)
         completions[rows, t] = tokens
+        if logps is not None:
+            logps[rows, t] = token_logps(logits, tokens, logp_temperature)
         length = t + 1
         sequences = torch.cat([sequences, tokens.unsqueeze(1)], dim=1)
         attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
@@ -235,7 +259,8 @@ def sample(
             cache.reorder_cache(keep)
             rows, sequences, attention = rows[keep], sequences[keep], attention[keep]
             step_ids, step_positions = step_ids[keep], step_positions[keep]
-    return (completions[:, :length], states) if keep_states else completions[:, :length]
+    return Decoded(completions[:, :length], None if logps is None else logps[:, :length],
+                   states if keep_states else None)
 
 
 @dataclass

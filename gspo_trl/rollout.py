@@ -46,8 +46,10 @@ class Rollout:
     completion_ids: torch.Tensor  # (N, C) right-padded
     completion_mask: torch.Tensor  # (N, C) 1 up to and including the first EOS
     is_truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
-    # (N, C) log-probs of the sampled tokens under the engine that sampled them, when that engine is not the
-    # trained model itself (a vLLM server); 0 on padding, NaN where the engine gave none. None otherwise.
+    # (N, C) log-probs of the sampled tokens under the engine that sampled them, where it recorded them; 0 on
+    # padding, NaN where the engine gave none. None otherwise. `sampled_by_policy` says which engine: another one
+    # (a vLLM server: the importance-sampling correction's input), or the trained model's own decoding loop, whose
+    # log-probs are π_old itself (`decode_logprobs_as_old`).
     sampling_logps: torch.Tensor | None = None
     # Multi-turn episodes (`environments.episodes`): (N, C) 1 on the tokens the model sampled, 0 on the environment's
     # (observations between turns), and (N, C) the assistant turn (0, 1, ...) of each sampled token, -1 elsewhere.
@@ -57,6 +59,7 @@ class Rollout:
     # From `generate_from_ids`: per row, what the backend kept to continue the row in its next call (the KV cache
     # of the decoding loop, `decoding.RowState`), None where nothing was kept; None for backends that keep nothing.
     states: list | None = None
+    sampled_by_policy: bool = False
 
     @property
     def sampled_mask(self) -> torch.Tensor:
@@ -221,6 +224,8 @@ class HFGenerateBackend(RolloutBackend):
                            "or cache_implementation): sampling uses transformers' generate instead, which decodes "
                            "finished completions to the longest one's length.")
         self.processors = decoding.logits_processors(self.generation_config)
+        # The loop's log-probs of what it samples, at the temperature training scores with (π_old, where asked).
+        self.logp_temperature = args.temperature if self.use_decode_loop and records_decode_logprobs(args, model) else None
         self.cuda_graphs = args.decode_cuda_graphs
         self._static_refusal_logged = False
         self.max_decode_rows = args.decode_max_rows
@@ -265,14 +270,18 @@ class HFGenerateBackend(RolloutBackend):
         finally:
             model.train(was_training)
         pad = self.tokenizer.pad_token_id
-        width = max(ids.shape[1] for ids, _ in parts)
-        completion_ids = torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=pad) for ids, _ in parts])
-        kept = None if any(part_states is None for _, part_states in parts) else sum((s for _, s in parts), [])
+        width = max(part.completion_ids.shape[1] for part in parts)
+        completion_ids = torch.cat([F.pad(part.completion_ids, (0, width - part.completion_ids.shape[1]), value=pad)
+                                    for part in parts])
+        logps = None
+        if all(part.logps is not None for part in parts):
+            logps = torch.cat([F.pad(part.logps, (0, width - part.logps.shape[1])) for part in parts])
+        kept = None if any(part.states is None for part in parts) else sum((part.states for part in parts), [])
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated,
-                       states=kept if keep_states else None)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated, sampling_logps=logps,
+                       states=kept if keep_states else None, sampled_by_policy=logps is not None)
 
     def _rows_per_slice(self, model, rows: int, positions: int) -> int:
         """How many rows to decode at once: `decode_max_rows`, or on a GPU as many as the free memory holds."""
@@ -295,14 +304,14 @@ class HFGenerateBackend(RolloutBackend):
         return step
 
     def _sample_rows(self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states,
-                     keep_states) -> tuple[torch.Tensor, list | None]:
-        """(completion ids, kept states or None) of one slice of rows, decoded together."""
+                     keep_states) -> decoding.Decoded:
+        """One slice of rows, decoded together."""
         if self.use_decode_loop:
             return self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states)
-        return self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens), None
+        return decoding.Decoded(self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens))
 
     def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states,
-                          keep_states) -> tuple[torch.Tensor, list | None]:
+                          keep_states) -> decoding.Decoded:
         def keyed_uniforms(rows, position):  # one uniform per row and position, from the row's own stream
             return keyed_uniform(keys[rows], position, 1).squeeze(1)
 
@@ -322,19 +331,18 @@ class HFGenerateBackend(RolloutBackend):
         else:
             ids, mask, cache = shared
         sampling = dict(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids, pad_token_id=pad,
-                        processors=self.processors, uniforms=uniforms, history=prompt_ids)
+                        processors=self.processors, uniforms=uniforms, history=prompt_ids, keep_states=keep_states,
+                        logp_temperature=self.logp_temperature)
         if self.cuda_graphs and ids.device.type == "cuda":
             if cache is None:
                 cache = prefill(model, ids, mask)
             reason = static_decoding.unsupported_reason(model, cache)
             if reason is None:
-                result = static_decoding.sample(model, ids, mask, cache=cache, keep_states=keep_states, **sampling)
-                return result if keep_states else (result, None)
+                return static_decoding.sample(model, ids, mask, cache=cache, **sampling)
             if not self._static_refusal_logged:
                 logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
                 self._static_refusal_logged = True
-        result = decoding.sample(model, ids, mask, cache=cache, keep_states=keep_states, **sampling)
-        return result if keep_states else (result, None)
+        return decoding.sample(model, ids, mask, cache=cache, **sampling)
 
     def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
         generation_config, processors = self.generation_config, None
@@ -362,6 +370,14 @@ class HFGenerateBackend(RolloutBackend):
             logits_processor=processors,
         )
         return sequences[:, prompt_ids.shape[1] :]
+
+
+def records_decode_logprobs(args, model) -> bool:
+    """Whether the decoding loop records its log-probs as π_old (`decode_logprobs_as_old`; unset: where sampling
+    runs in full precision, so that they equal a training forward's to float32 rounding)."""
+    if args.decode_logprobs_as_old is not None:
+        return args.decode_logprobs_as_old
+    return not (args.bf16 or args.fp16) and model.dtype == torch.float32
 
 
 def _takes_gapped_rows(model) -> bool:

@@ -22,7 +22,7 @@ from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging
 
-from gspo_trl.decoding import RowState, UniformSource, inverse_cdf_sample, random_uniforms
+from gspo_trl.decoding import Decoded, RowState, UniformSource, inverse_cdf_sample, random_uniforms, token_logps
 from gspo_trl.kv_cache import cache_kwargs
 from gspo_trl.prefix_sharing import prefill
 
@@ -181,9 +181,11 @@ def sample(
     window_block: int = WINDOW_BLOCK,
     check_every: int = CHECK_EVERY,
     keep_states: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, list[RowState | None]]:
+    logp_temperature: float | None = None,
+) -> Decoded:
     """`decoding.sample` on a static cache: (N, C) completion ids after each left-padded prompt row, the
-    `pad_token_id` after a row's first EOS, C the longest completion. `cache` holds every prompt token but the
+    `pad_token_id` after a row's first EOS, C the longest completion (and with `logp_temperature` their
+    log-probs, as `decoding.sample` records them). `cache` holds every prompt token but the
     last (`prefix_sharing`; prefilled here when None) and becomes the static cache. The prompt rows
     may have gaps (mask 0): position ids follow the mask. `history`: the token ids the logits processors see
     before the completion (default `prompt_ids`), as in `decoding.sample`. With `keep_states`, also the
@@ -200,6 +202,7 @@ def sample(
     live = torch.ones(n, dtype=torch.bool, device=device)
     states: list[RowState | None] = [None] * n
     kept = torch.zeros(n, dtype=torch.bool, device=device)  # batch rows whose state has been copied out
+    logps = None if logp_temperature is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
 
     def copy_out_states():  # rows that ended with an EOS since the last look, before compaction drops them
         ended = (~live & ~kept).nonzero().squeeze(1)
@@ -216,6 +219,8 @@ def sample(
         scores = processors(sequences[:, : history.shape[1] + t], logits.float())
         tokens = inverse_cdf_sample(scores, uniforms(rows, t)).masked_fill(~live, pad_token_id)
         completions[rows, t] = tokens
+        if logps is not None:  # a finished row's entry is dropped below with its pad token
+            logps[rows, t] = token_logps(logits, tokens, logp_temperature)
         sequences[:, history.shape[1] + t] = tokens
         finished = live & torch.isin(tokens, eos)
         lengths[rows] = torch.where(finished, t + 1, lengths[rows])
@@ -232,5 +237,7 @@ def sample(
                 rows, live, sequences, kept = rows[keep], live[keep], sequences[keep], kept[keep]
                 step_ids, positions = step_ids[keep], positions[keep]
     copy_out_states()
-    completions = completions[:, : int(lengths.max())]
-    return (completions, states) if keep_states else completions
+    width = int(lengths.max())
+    if logps is not None:  # rows that had ended drew pad tokens afterwards: no log-prob there
+        logps = logps[:, :width].masked_fill(torch.arange(width, device=device) >= lengths.unsqueeze(1), 0.0)
+    return Decoded(completions[:, :width], logps, states if keep_states else None)

@@ -285,8 +285,13 @@ class GSPOTrainer(Trainer):
                     continue  # sampled ahead by weights trained past since: their own log-probs (async_rollouts)
                 if args.use_vllm and args.vllm_logprobs_as_old:
                     micro_batch["old_per_token_logps"] = sampler_logprobs_as_old(micro_batch)
-                elif needed or args.always_compute_old_logprobs:
+                elif args.always_compute_old_logprobs:
                     micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
+                elif needed:
+                    decoded = micro_batch.get("decoding_per_token_logps")  # the decoding loop's (decode_logprobs_as_old)
+                    micro_batch["old_per_token_logps"] = (
+                        decoded if decoded is not None else self._score_without_grad(self.model, micro_batch)
+                    )
             self._buffered_inputs = micro_batches
             self._rollout_global_step = weights_step
         if self.rollout_pipeline is not None:
@@ -333,7 +338,11 @@ class GSPOTrainer(Trainer):
                 # draws from per-completion streams of its own.
                 sampled = self._sample(backend, runner, batch, "train", for_step, keyed=ahead)
                 if frozen is not None and ahead:  # π_old will be gone by the time it trains
-                    sampled.behaviour_logps = self._score_without_grad(frozen, sampled.rollout.model_inputs())
+                    rollout = sampled.rollout
+                    sampled.behaviour_logps = (
+                        rollout.sampling_logps if rollout.sampled_by_policy
+                        else self._score_without_grad(frozen, rollout.model_inputs())
+                    )
             return sampled
 
         self.rollout_pipeline.prefetcher.submit(for_step, weights_step, sample)
@@ -457,7 +466,10 @@ class GSPOTrainer(Trainer):
             **rollout.model_inputs(),
             "completion_mask": completion_mask,
             "advantages": advantages,
-            "sampling_per_token_logps": rollout.sampling_logps,  # the vLLM server's, None when the model sampled
+            # Log-probs another engine (a vLLM server) recorded as it sampled, for the sampling correction; and those
+            # the trained model's decoding loop recorded (decode_logprobs_as_old), which are π_old.
+            "sampling_per_token_logps": None if rollout.sampled_by_policy else rollout.sampling_logps,
+            "decoding_per_token_logps": rollout.sampling_logps if rollout.sampled_by_policy else None,
             "turn_ids": rollout.turn_ids,  # multi-turn episodes only
         }
         # π_old: the sampling weights' log-probs when they are already gone (async_rollouts), else filled per

@@ -19,7 +19,7 @@ def run(model_dir: str, out_dir: str, reference: bool) -> dict:
         output_dir=out_dir, per_device_train_batch_size=2, num_generations=2, max_completion_length=6,
         gradient_accumulation_steps=2, steps_per_generation=3, max_steps=4, learning_rate=5e-3, epsilon=0.2,
         epsilon_high=0.2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        always_compute_old_logprobs=reference,
+        always_compute_old_logprobs=reference, decode_logprobs_as_old=False,  # the π_old pass's schedule is tested
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(12)]})
     trainer = GSPOTrainer(model_dir, [count_digits, length_reward], args=config, train_dataset=dataset)

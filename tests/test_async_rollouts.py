@@ -182,8 +182,13 @@ def test_unchanged_weights_give_the_synchronous_numbers_at_any_staleness(tmp_pat
                 assert ours[key] == pytest.approx(theirs[key], abs=1e-6), key
 
 
-def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(tmp_path, tiny_model_dir):
-    args = small_config(tmp_path / "out", max_steps=4, steps_per_generation=2, async_rollouts=True, learning_rate=5e-3)
+@pytest.mark.parametrize("decode_logprobs_as_old", [None, False], ids=["decoded", "scored by the frozen copy"])
+def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(tmp_path, tiny_model_dir,
+                                                                          decode_logprobs_as_old):
+    # π_old of a rollout sampled ahead: what the decoding loop recorded on the sampling copy (the default in
+    # float32), or that copy's forward pass.
+    args = small_config(tmp_path / "out", max_steps=4, steps_per_generation=2, async_rollouts=True, learning_rate=5e-3,
+                        decode_logprobs_as_old=decode_logprobs_as_old)
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
     weights, seen = {}, []
     original_prepare = trainer._prepare_inputs
@@ -208,6 +213,8 @@ def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(tmp_
                                   inputs["completion_ids"], inputs["completion_mask"]).logps
     torch.testing.assert_close(inputs["old_per_token_logps"], expected, atol=1e-5, rtol=1e-5)
     assert (now - expected).abs().max() > 1e-3  # the weights have moved since: the ratio is not 1
+    decoded = inputs["decoding_per_token_logps"]
+    assert decoded is None if decode_logprobs_as_old is False else torch.equal(inputs["old_per_token_logps"], decoded)
 
 
 class CountingEnv:

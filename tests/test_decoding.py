@@ -16,6 +16,7 @@ from gspo_trl.decoding import (
     logits_processors,
     sample,
     supports,
+    token_logps,
     unsupported_settings,
 )
 from gspo_trl.prefix_sharing import prefill_shared_prefixes, prefill_shared_prompts
@@ -168,7 +169,7 @@ def test_loop_samples_what_a_one_row_reference_samples(tiny_model, tiny_tokenize
         completions = sample(tiny_model, ids, mask, max_new_tokens=10,
                              eos_token_ids=[eos], pad_token_id=pad, processors=processors,
                              uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1), cache=cache,
-                             history=encoded.input_ids)
+                             history=encoded.input_ids).completion_ids
     finally:
         hook.remove()
     lengths = []
@@ -221,8 +222,60 @@ def test_loop_samples_the_same_whatever_room_the_cache_starts_with(tiny_model, t
     def run():
         return sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=24,
                       eos_token_ids=[eos], pad_token_id=pad, processors=processors,
-                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1)).completion_ids
 
     roomy = run()
     monkeypatch.setattr(decoding, "INITIAL_ROOM", 1)  # a growth at the first step and then at every doubling
     assert torch.equal(run(), roomy)
+
+
+def test_token_logps_by_hand():
+    logits = torch.tensor([[0.0, torch.log(torch.tensor(3.0))], [5.0, 5.0]])  # softmax: (1/4, 3/4), (1/2, 1/2)
+    tokens = torch.tensor([1, 0])
+    torch.testing.assert_close(token_logps(logits, tokens, 1.0), torch.tensor([0.75, 0.5]).log())
+    # temperature 2 halves the logits: (1, √3) / (1 + √3) for the first row
+    root3 = torch.tensor(3.0).sqrt()
+    torch.testing.assert_close(token_logps(logits, tokens, 2.0), torch.stack([(root3 / (1 + root3)).log(),
+                                                                            torch.tensor(0.5).log()]))
+
+
+@pytest.mark.parametrize("prefill", ["prompt", "shared prefixes"])
+def test_recorded_logps_are_the_policy_logps_training_computes(tiny_model, tiny_tokenizer, prefill):
+    # What decode_logprobs_as_old takes as π_old: each sampled token's log-prob under softmax(logits / T), the
+    # distribution training scores (`completion_logprobs`), not the one top-k / top-p / the repetition penalty
+    # sampled from; 0 after a row's end. Equal to a training forward up to float32 rounding.
+    from gspo_trl.logprobs import completion_logprobs
+    from gspo_trl.rollout import completion_mask_from_eos
+
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2, return_tensors="pt", padding=True,
+                             padding_side="left")
+    ids, mask, cache = encoded.input_ids, encoded.attention_mask, None
+    if prefill == "shared prefixes":
+        rows = [row_ids[row_mask.bool()].tolist() for row_ids, row_mask in zip(ids, mask)]
+        ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
+    torch.manual_seed(0)
+    decoded = sample(tiny_model, ids, mask, max_new_tokens=16, eos_token_ids=[eos], pad_token_id=pad, cache=cache,
+                     processors=LogitsProcessorList([FavourEos(eos), *logits_processors(
+                         GenerationConfig(do_sample=True, **SETTINGS))]),
+                     history=encoded.input_ids, logp_temperature=SETTINGS["temperature"])
+    completions, logps = decoded.completion_ids, decoded.logps
+    completion_mask, _ = completion_mask_from_eos(completions, [eos])
+    assert logps.shape == completions.shape and 0 < completion_mask.sum() < completion_mask.numel()  # rows end early
+    assert (logps[completion_mask == 0] == 0).all()
+    scored = completion_logprobs(
+        tiny_model, torch.cat([encoded.input_ids, completions], dim=1),
+        torch.cat([encoded.attention_mask, completion_mask], dim=1), completions, completion_mask,
+        temperature=SETTINGS["temperature"],
+    ).logps
+    valid = completion_mask.bool()
+    torch.testing.assert_close(logps[valid], scored[valid], atol=2e-5, rtol=0)
+    assert (logps[valid] < 0).all()
+
+
+def test_the_loop_records_no_logps_unless_asked(tiny_model, tiny_tokenizer):
+    encoded = tiny_tokenizer(["Hi there"], return_tensors="pt")
+    decoded = sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=3,
+                     eos_token_ids=[tiny_tokenizer.eos_token_id], pad_token_id=tiny_tokenizer.pad_token_id,
+                     processors=LogitsProcessorList())
+    assert decoded.logps is None and decoded.states is None and decoded.completion_ids.shape[0] == 1

@@ -15,7 +15,8 @@ from gspo_trl.rollout import HFGenerateBackend, Rollout, RolloutBackend, complet
 def episode_args(**overrides):
     values = dict(max_prompt_length=None, chat_template_kwargs=None, max_completion_length=40, max_turns=None,
                   temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, cache_implementation=None,
-                  generation_kwargs=None, decode_loop="gspo", decode_cuda_graphs=True,
+                  generation_kwargs=None, decode_loop="gspo", decode_cuda_graphs=True, decode_logprobs_as_old=None,
+                  bf16=False, fp16=False,
                   decode_max_rows=None)
     values.update(overrides)
     return SimpleNamespace(**values)
@@ -249,6 +250,15 @@ def test_later_turns_reuse_the_turn_cache_or_shared_prefixes_and_play_the_same_e
     # With it, a later turn runs only the tokens after the cache: the turn's EOS and the reply ("Again.").
     reply = len(ObservationEncoder(tok, True, [tok.eos_token_id])("Again."))
     assert all(length <= 1 + reply for _, length in cached_prefills[1:])
+    # The loop's log-probs of every turn, stitched along the episode (decode_logprobs_as_old): what training scores
+    # for the sampled tokens, 0 on the environment's.
+    r = cached.rollout
+    sampled = r.sampled_mask.bool()
+    scores = completion_logprobs(tiny_model, torch.cat([r.prompt_ids, r.completion_ids], 1),
+                                 torch.cat([r.prompt_mask, r.completion_mask], 1), r.completion_ids,
+                                 r.sampled_mask).logps
+    assert r.sampled_by_policy and (r.sampling_logps[~sampled] == 0).all()
+    torch.testing.assert_close(r.sampling_logps[sampled], scores[sampled], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("precision", ["bf16 weights", "bf16 autocast"])

@@ -104,9 +104,10 @@ def test_rows_continue_from_the_states_the_decoding_loop_kept(tiny_model, tiny_t
     encoded = tiny_tokenizer(["What is 2 + 3?", "Hi", "Solve: 7 - 4, then add 2"], return_tensors="pt", padding=True,
                              padding_side="left")
     torch.manual_seed(0)
-    completions, states = sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=30,
-                                 eos_token_ids=[eos], pad_token_id=pad,
-                                 processors=LogitsProcessorList([FavourEos(eos)] * 2), keep_states=True)
+    decoded = sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=30,
+                     eos_token_ids=[eos], pad_token_id=pad,
+                     processors=LogitsProcessorList([FavourEos(eos)] * 2), keep_states=True)
+    completions, states = decoded.completion_ids, decoded.states
     rows, kept = [], []
     for row, state in enumerate(states):
         completion = completions[row].tolist()

@@ -94,8 +94,9 @@ def test_resume_position_and_rule_match_simulation(ga, spg, mu, rollouts_per_epo
 
 
 def train(tmp_path, tiny_model_dir, name, max_steps, resume=None, **overrides):
+    # π_old from the forward pass (decode_logprobs_as_old=False): the schedule of that pass is what is tested.
     values = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=6, max_steps=max_steps,
-                  learning_rate=5e-3, epsilon=0.2, epsilon_high=0.2)
+                  learning_rate=5e-3, epsilon=0.2, epsilon_high=0.2, decode_logprobs_as_old=False)
     config = small_config(tmp_path / name, **{**values, **overrides})
     trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=config, train_dataset=text_dataset(6))
     trainer.train(resume_from_checkpoint=resume)

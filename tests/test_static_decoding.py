@@ -11,7 +11,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 
 from gspo_trl import decoding, static_decoding
 from gspo_trl.prefix_sharing import prefill, prefill_shared_prompts
-from gspo_trl.rollout import keyed_uniform, stream_keys
+from gspo_trl.rollout import completion_mask_from_eos, keyed_uniform, stream_keys
 
 PROMPTS = ["What is 2 + 3?"] * 4 + ["Hi there"] * 4 + ["Solve: 7 - 4"] * 4
 
@@ -40,11 +40,11 @@ def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
         static = static_decoding.sample(
             tiny_model, ids, mask, max_new_tokens=12, eos_token_ids=[eos], pad_token_id=pad, processors=processors,
             cache=prefill(tiny_model, ids, mask), uniforms=uniforms, graphs=False,
-            window_block=window_block, check_every=check_every)
+            window_block=window_block, check_every=check_every).completion_ids
     finally:
         hook.remove()
     dynamic = decoding.sample(tiny_model, ids, mask, max_new_tokens=12, eos_token_ids=[eos], pad_token_id=pad,
-                              processors=processors, uniforms=uniforms)
+                              processors=processors, uniforms=uniforms).completion_ids
     assert torch.equal(static, dynamic)
     lengths = []
     for row, prompt in enumerate(PROMPTS):
@@ -73,8 +73,8 @@ def test_static_loop_runs_under_bf16_weights_and_autocast(tiny_model_dir, tiny_t
                   uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         static = static_decoding.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask),
-                                        graphs=False, window_block=4, check_every=1, **kwargs)
-        dynamic = decoding.sample(model, ids, mask, **kwargs)
+                                        graphs=False, window_block=4, check_every=1, **kwargs).completion_ids
+        dynamic = decoding.sample(model, ids, mask, **kwargs).completion_ids
     assert static.shape == dynamic.shape
     # bf16 sums over windows of different sizes may round differently: nearly every token agrees.
     assert (static == dynamic).float().mean() > 0.9
@@ -115,12 +115,12 @@ def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenize
     ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
     assert not bool(mask.cumprod(1).eq(mask).all())  # there are gaps after the first token of some row
     static = static_decoding.sample(tiny_model, ids, mask, cache=cache, graphs=False, window_block=4,
-                                    check_every=100, **kwargs)
+                                    check_every=100, **kwargs).completion_ids
     assert torch.equal(seen[0], history)  # the processors see the left-padded rows, not the gapped layout
     assert torch.equal(seen[static.shape[1]], torch.cat([history, static], dim=1))
     seen.clear()
     ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
-    dynamic = decoding.sample(tiny_model, ids, mask, cache=cache, **kwargs)
+    dynamic = decoding.sample(tiny_model, ids, mask, cache=cache, **kwargs).completion_ids
     assert torch.equal(static, dynamic)
     for row, tokens in enumerate(rows):
         expected = reference_decode(tiny_model, torch.tensor(tokens), processors, keys[row], 10, eos)
@@ -137,10 +137,12 @@ def test_static_loop_keeps_the_states_the_dynamic_loop_keeps(tiny_model, tiny_to
     kwargs = dict(max_new_tokens=6, eos_token_ids=[eos], pad_token_id=pad,
                   processors=LogitsProcessorList([FavourEos(eos)]),
                   uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1), keep_states=True)
-    static, static_states = static_decoding.sample(tiny_model, ids, mask, graphs=False, window_block=4,
-                                                   check_every=check_every, **kwargs)
-    dynamic, dynamic_states = decoding.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask),
-                                              **kwargs)
+    static_result = static_decoding.sample(tiny_model, ids, mask, graphs=False, window_block=4,
+                                           check_every=check_every, **kwargs)
+    dynamic_result = decoding.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask),
+                                     **kwargs)
+    static, static_states = static_result.completion_ids, static_result.states
+    dynamic, dynamic_states = dynamic_result.completion_ids, dynamic_result.states
     assert torch.equal(static, dynamic)
     ended = [eos in row for row in static.tolist()]
     assert 0 < sum(ended) < len(PROMPTS)  # some rows ended with an EOS, some were cut at 6 tokens
@@ -151,3 +153,22 @@ def test_static_loop_keeps_the_states_the_dynamic_loop_keeps(tiny_model, tiny_to
             for (keys_a, values_a), (keys_b, values_b) in zip(a.layers, b.layers):
                 torch.testing.assert_close(keys_a, keys_b, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(values_a, values_b, rtol=1e-5, atol=1e-5)
+
+
+def test_static_loop_records_the_logps_the_dynamic_loop_records(tiny_model, tiny_tokenizer):
+    # decode_logprobs_as_old on a GPU: the same log-probs as the dynamic loop, 0 after each row's end (a finished row
+    # keeps drawing pad tokens until compaction; those draws are not log-probs of the completion).
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    ids, mask = encode(tiny_tokenizer)
+    keys = stream_keys(17, torch.arange(len(PROMPTS)))
+    kwargs = dict(max_new_tokens=10, eos_token_ids=[eos], pad_token_id=pad,
+                  processors=LogitsProcessorList([FavourEos(eos)]), logp_temperature=0.8,
+                  uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+    static = static_decoding.sample(tiny_model, ids, mask, graphs=False, window_block=4, check_every=3, **kwargs)
+    dynamic = decoding.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask), **kwargs)
+    assert torch.equal(static.completion_ids, dynamic.completion_ids)
+    ended = torch.isin(static.completion_ids, torch.tensor([eos])).any(1)
+    assert 0 < int(ended.sum()) < len(PROMPTS)
+    completion_mask, _ = completion_mask_from_eos(static.completion_ids, [eos])
+    assert (static.logps[completion_mask == 0] == 0).all() and (static.logps[completion_mask == 1] < 0).all()
+    torch.testing.assert_close(static.logps, dynamic.logps, atol=1e-5, rtol=0)

@@ -269,7 +269,8 @@ def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp
 def test_old_logprob_pass_only_for_micro_batches_trained_after_an_update(tmp_path, tiny_model_dir):
     # GA=2, steps_per_generation=8: micro-batches 0-1 form the first optimizer step (sampling weights),
     # micro-batches 2-7 come after updates and need π_old from a pass made before any update.
-    config = make_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4)
+    config = make_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                         decode_logprobs_as_old=False)
     assert config.steps_per_generation == 8
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     scored, seen_old = [], []
@@ -279,6 +280,61 @@ def test_old_logprob_pass_only_for_micro_batches_trained_after_an_update(tmp_pat
     trainer.train()
     assert len(scored) == 6
     assert seen_old == [False, False] + [True] * 6
+
+
+def test_decoded_logprobs_are_pi_old_in_full_precision(tmp_path, tiny_model_dir):
+    # decode_logprobs_as_old, on by default in float32: the micro-batches trained after an update take π_old from
+    # what the decoding loop recorded while sampling (no forward pass); the first step's stay on-policy (None).
+    config = make_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4)
+    assert config.decode_logprobs_as_old is None
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    assert trainer.rollout_backend.logp_temperature == config.temperature
+    scored, seen_old = [], []
+    original_score, original_loss = trainer._score_without_grad, trainer.compute_loss
+    trainer._score_without_grad = lambda model, inputs: scored.append(1) or original_score(model, inputs)
+
+    def loss(model, inputs, **kw):
+        old = inputs["old_per_token_logps"]
+        seen_old.append(old is not None and old is inputs["decoding_per_token_logps"])
+        return original_loss(model, inputs, **kw)
+
+    trainer.compute_loss = loss
+    trainer.train()
+    assert scored == []
+    assert seen_old == [False, False] + [True] * 6
+
+
+def test_decoded_logprobs_equal_the_old_logprob_pass(tmp_path, tiny_model_dir):
+    # Same weights, same tokens: the decoding loop's log-probs and the trainer's π_old forward (packed rows, chunked
+    # head) agree to float32 rounding, at a temperature that is not 1 and with top-k and a repetition penalty shaping
+    # what was sampled; the GSPO sequence ratio between them is 1 to far within the clipping range (ε = 3e-4).
+    config = make_config(tmp_path, temperature=0.7, top_k=20, repetition_penalty=1.2)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.model.train()
+    batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
+    decoded, mask = batch["decoding_per_token_logps"], batch["completion_mask"].bool()
+    assert batch["sampling_per_token_logps"] is None  # not the vLLM sampling correction's input
+    recomputed = trainer._score_without_grad(trainer.model, batch)
+    torch.testing.assert_close(decoded[mask], recomputed[mask], atol=2e-5, rtol=0)
+    log_ratio = ((recomputed - decoded) * mask).sum(1) / mask.sum(1)
+    assert log_ratio.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("overrides", [dict(bf16=True), dict(decode_logprobs_as_old=False),
+                                       dict(decode_loop="generate")], ids=["bf16", "off", "generate"])
+def test_old_logprob_pass_where_the_decoded_logprobs_are_not_pi_old(tmp_path, tiny_model_dir, overrides):
+    # bf16 (decoding and training kernels round differently), switched off, or sampled by generate: no recorded
+    # log-probs, so π_old comes from the trainer's forward pass.
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path, **overrides),
+                          train_dataset=text_dataset())
+    assert trainer.rollout_backend.logp_temperature is None
+    batch = trainer._generate_and_score([{"prompt": "What is 1 + 1?"}] * 4, "train")
+    assert batch["decoding_per_token_logps"] is None
+
+
+def test_decode_logprobs_as_old_needs_the_decoding_loop(tmp_path):
+    with pytest.raises(ValueError, match="decode_logprobs_as_old=True needs decode_loop='gspo'"):
+        make_config(tmp_path, decode_logprobs_as_old=True, decode_loop="generate")
 
 
 def test_first_step_without_old_pass_equals_explicit_old_logprobs(tmp_path, tiny_model_dir):

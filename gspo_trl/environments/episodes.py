@@ -182,10 +182,11 @@ class EpisodeRunner:
                     episode.state = None  # nothing to continue: free it now
             turn += 1
         return _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer,
-                      rollout.sampling_logps is not None)
+                      rollout.sampling_logps is not None, rollout.sampled_by_policy)
 
 
-def _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer, has_sampling_logps) -> EpisodeBatch:
+def _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer, has_sampling_logps,
+           sampled_by_policy) -> EpisodeBatch:
     rows, width = len(episodes), max(1, max(len(e.completion_ids) for e in episodes))
     turns = max(len(e.rewards) for e in episodes)
     completion_ids = torch.full((rows, width), tokenizer.pad_token_id, dtype=torch.long)
@@ -206,7 +207,8 @@ def _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer
         reached[row, : len(episode.rewards)] = True
     is_truncated = torch.tensor([episode.end in BUDGET_ENDS for episode in episodes])
     rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated,
-                      sampling_logps if has_sampling_logps else None, env_mask, turn_ids)
+                      sampling_logps if has_sampling_logps else None, env_mask, turn_ids,
+                      sampled_by_policy=has_sampling_logps and sampled_by_policy)
     if conversational:
         completions = [episode.messages for episode in episodes]
     else:
