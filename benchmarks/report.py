@@ -4,7 +4,8 @@
 Only the text between `<!-- results:NAME -->` and `<!-- /results:NAME -->` markers is replaced; the
 prose around the tables is written by hand. NAME is `main` (full fine-tuning and LoRA side by side,
 from `results/step_time_full.json` and `results/step_time_lora.json`), `decode_loop` (full fine-tuning
-again with the decoding loop, from `results/step_time_full_decode_loop.json`), `scaling` (from
+again with the decoding loop, from `results/step_time_full_decode_loop.json`), `decoded_old` (π_old from the
+decoding loop against the π_old pass and TRL, from `results/step_time_decoded_old.json`), `scaling` (from
 `results/scaling/scaling.json`) or `scaling_decode_loop` (from `results/scaling_decode_loop*/scaling.json`).
 
     python benchmarks/report.py            # rewrite docs/benchmarks.md in place
@@ -105,6 +106,35 @@ def step_time_table(files) -> str:
     return "\n".join(lines)
 
 
+def decoded_old_table() -> str:
+    """Three implementations from one run of alternating workers: gspo-trl with π_old from the decoding loop (the
+    default), gspo-trl with the π_old forward pass (`ours_recompute`), and TRL; ratios to TRL pair by pair."""
+    data = json.loads((RESULTS / "step_time_decoded_old.json").read_text())
+    figures: dict[str, dict[int, dict]] = {}
+    for run in data["runs"]:
+        if "result" in run:
+            found = dict(run["result"]["figures"])
+            found["round_per_1000_tokens_s"] = 1000 * found["round_s"] / found["completion_tokens"]
+            figures.setdefault(run["impl"], {})[run["pair"]] = found
+    impls = ("ours", "ours_recompute", "trl")
+    pairs = sorted(set.intersection(*(set(figures.get(impl, {})) for impl in impls)))
+    rows = [MAIN_ROWS[0], ("round_per_1000_tokens_s", "**round time per 1000 completion tokens (s)**", "{:.2f}"),
+            *MAIN_ROWS[1:]]
+    lines = [f"| median over {len(pairs)} runs each | ours (π_old from the loop) | ours, π_old pass | TRL "
+             "| ours/TRL (min–max) | ours, π_old pass/TRL (min–max) |", "|---|---|---|---|---|---|"]
+    for key, label, fmt in rows:
+        values = {impl: sorted(figures[impl][pair][key] for pair in pairs) for impl in impls}
+        cells = [_cell(v[len(v) // 2] if v else None, fmt) for v in values.values()]
+        for impl in ("ours", "ours_recompute"):
+            ratios = [figures[impl][p][key] / figures["trl"][p][key] for p in pairs if figures["trl"][p][key]]
+            cells.append(_ratio_cell(ratios) if ratios and key not in ("matmul_peak_gflop_per_s", "padding_share")
+                         else "")
+        if key == "step_s":
+            cells[3] = f"**{cells[3]}**"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def scaling_table() -> str:
     rows = json.loads((RESULTS / "scaling" / "scaling.json").read_text())
     lines = [
@@ -161,7 +191,8 @@ def scaling_decode_loop_table() -> str:
 
 
 def render(text: str) -> str:
-    for name, build in (("main", main_table), ("decode_loop", decode_loop_table), ("scaling", scaling_table),
+    for name, build in (("main", main_table), ("decode_loop", decode_loop_table), ("decoded_old", decoded_old_table),
+                        ("scaling", scaling_table),
                         ("scaling_decode_loop", scaling_decode_loop_table)):
         pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
         if not pattern.search(text):

@@ -46,7 +46,8 @@ from pathlib import Path
 RESULT_PREFIX = "STEP_TIME_RESULT "
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "step_time.json"
-IMPLS = ("ours", "trl")
+# "ours_recompute": gspo-trl with decode_logprobs_as_old=False, π_old from a forward pass as before 2026-11-24.
+IMPLS = ("ours", "trl", "ours_recompute")
 
 # (key, label, unit, format) of the figures the table shows, in order. Every figure is per timed
 # generation round unless its label says otherwise.
@@ -436,7 +437,7 @@ def build_trainer(impl: str, args, model_path: str, dataset, reward, output_dir:
     from gspo_trl import GSPOConfig
     from gspo_trl.trainer import GSPOTrainer
 
-    config = GSPOConfig(**kwargs)
+    config = GSPOConfig(**kwargs, **({"decode_logprobs_as_old": False} if impl == "ours_recompute" else {}))
     return GSPOTrainer(model_path, reward_funcs=[reward], args=config, train_dataset=dataset,
                        peft_config=peft_config, callbacks=[callback])
 
