@@ -374,10 +374,12 @@ class HFGenerateBackend(RolloutBackend):
 
 def records_decode_logprobs(args, model) -> bool:
     """Whether the decoding loop records its log-probs as π_old (`decode_logprobs_as_old`; unset: where sampling
-    runs in full precision, so that they equal a training forward's to float32 rounding)."""
+    runs in full precision, so that they equal a training forward's to float32 rounding: float32 weights, no
+    bf16/fp16 autocast, and no TF32 matrix products on a GPU)."""
     if args.decode_logprobs_as_old is not None:
         return args.decode_logprobs_as_old
-    return not (args.bf16 or args.fp16) and model.dtype == torch.float32
+    tf32 = getattr(args, "tf32", None) or (model.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    return not (args.bf16 or args.fp16 or tf32) and model.dtype == torch.float32
 
 
 def _takes_gapped_rows(model) -> bool:

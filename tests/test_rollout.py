@@ -192,3 +192,20 @@ def test_on_a_gpu_the_rows_that_fit_the_free_memory_are_decoded_together(tmp_pat
     finally:
         hook.remove()
     assert max(batch_rows) == 8
+
+
+def test_decoded_logprobs_are_pi_old_only_in_full_precision(tiny_model):
+    # decode_logprobs_as_old unset: on for float32 sampling; off under bf16/fp16 autocast, TF32 or low-precision weights.
+    from types import SimpleNamespace
+
+    from gspo_trl.rollout import records_decode_logprobs
+
+    def args(**overrides):
+        return SimpleNamespace(**{"decode_logprobs_as_old": None, "bf16": False, "fp16": False, "tf32": None,
+                                  **overrides})
+
+    assert records_decode_logprobs(args(), tiny_model)
+    for overrides in (dict(bf16=True), dict(fp16=True), dict(tf32=True), dict(decode_logprobs_as_old=False)):
+        assert not records_decode_logprobs(args(**overrides), tiny_model), overrides
+    assert records_decode_logprobs(args(bf16=True, decode_logprobs_as_old=True), tiny_model)  # asked for: recorded
+    assert not records_decode_logprobs(args(), tiny_model.to(torch.bfloat16))
