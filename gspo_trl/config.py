@@ -231,9 +231,9 @@ class GSPOConfig(TrainingArguments):
             "skipping the trainer's π_old forward pass over the rollout's off-policy micro-batches (and, with "
             "async_rollouts, the scoring pass of a rollout sampled ahead). None: on when sampling runs in full "
             "precision (float32 weights, neither bf16 nor fp16, no TF32 on a GPU), where the two differ by float32 "
-            "rounding only; off "
-            "in bf16/fp16, where the decoding and training kernels round differently and recomputing is the safe "
-            "choice. Rollouts that fall back to `generate`, and rollout_func rollouts, always recompute."
+            "rounding only; off otherwise, where the decoding and training kernels round differently and "
+            "recomputing is the safe choice. Rollouts that fall back to `generate`, and rollout_func rollouts, always "
+            "recompute."
         },
     )
     cache_implementation: str | None = field(
