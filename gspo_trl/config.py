@@ -589,6 +589,7 @@ class GSPOConfig(TrainingArguments):
         self._validate_objective()
         self._validate_sampling()
         self._validate_vllm()
+        self._validate_liger()
         self._resolve_batch_sizes(steps_per_generation_was_set)
         self._validate_async_rollouts()
 
@@ -675,6 +676,15 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"max_turns must be >= 1 or None, got {self.max_turns}.")
         if not 0 <= self.turn_discount <= 1:
             raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}.")
+
+    def _validate_liger(self) -> None:
+        # liger-kernel's layer kernels are Triton GPU kernels, which do not run on CPU.
+        on_cpu = self.use_cpu or not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
+        if self.use_liger_kernel and on_cpu:
+            raise ValueError(
+                "use_liger_kernel=True needs a GPU: liger-kernel's RMSNorm, SwiGLU and RoPE kernels are Triton GPU "
+                "kernels, and this run trains on CPU. Set use_liger_kernel=False here; keep it on GPU machines."
+            )
 
     def _validate_sampling(self) -> None:
         if self.num_generations is None or self.num_generations < 2:

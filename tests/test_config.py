@@ -92,6 +92,7 @@ def test_scale_rewards_booleans(tmp_path):
         ({"advantage_granularity": "turn", "loss_type": "vespo"}, "advantage_granularity='trajectory'"),
         ({"max_turns": 0}, "max_turns"),
         ({"turn_discount": 1.5}, "turn_discount"),
+        ({"use_liger_kernel": True}, "use_liger_kernel"),  # Triton GPU kernels; make() trains on CPU
     ],
 )
 def test_invalid_values_name_the_field(tmp_path, kwargs, field_name):
