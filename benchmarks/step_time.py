@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--epsilon_high", type=float, default=4e-4)
     work.add_argument("--gradient_checkpointing", action="store_true", help="Turn activation (gradient) "
                       "checkpointing on for both (default: off for both).")
+    work.add_argument("--use_liger_kernel", action="store_true", help="use_liger_kernel=True in both configs "
+                      "(liger-kernel's RMSNorm, SwiGLU and RoPE kernels; GPU only).")
     work.add_argument("--lora", action="store_true", help="Train a LoRA adapter (r, alpha below, all-linear) in both.")
     work.add_argument("--lora_r", type=int, default=16)
     work.add_argument("--lora_alpha", type=int, default=32)
@@ -394,6 +396,7 @@ def config_kwargs(args, output_dir: str) -> dict:
         fp16=False,
         activation_checkpointing=args.gradient_checkpointing,
         gradient_checkpointing=args.gradient_checkpointing,
+        use_liger_kernel=args.use_liger_kernel,
         model_init_kwargs={"dtype": "bfloat16" if args.device == "cuda" else "float32"},
         # bookkeeping
         logging_steps=1,
@@ -429,7 +432,6 @@ def build_trainer(impl: str, args, model_path: str, dataset, reward, output_dir:
             top_entropy_quantile=1.0,
             entropy_coef=0.0,
             cast_lm_head_to_fp32=False,
-            use_liger_kernel=False,
             multi_objective_aggregation="sum_then_normalize",
         )
         return GRPOTrainer(model_path, reward_funcs=[reward], args=config, train_dataset=dataset,
@@ -448,7 +450,7 @@ RESOLVED_FIELDS = [
     "top_k", "min_p", "repetition_penalty", "importance_sampling_level", "loss_type", "epsilon", "epsilon_high",
     "beta", "scale_rewards", "mask_truncated_completions", "disable_dropout", "learning_rate", "lr_scheduler_type",
     "optim", "weight_decay", "max_grad_norm", "seed", "bf16", "fp16", "use_cpu", "activation_checkpointing",
-    "gradient_checkpointing", "shuffle_dataset", "use_vllm", "use_transformers_continuous_batching",
+    "gradient_checkpointing", "use_liger_kernel", "shuffle_dataset", "use_vllm", "use_transformers_continuous_batching",
 ]
 
 
@@ -762,6 +764,8 @@ def worker_command(args, impl: str, threads: int) -> list[str]:
         command.append("--lora")
     if args.gradient_checkpointing:
         command.append("--gradient_checkpointing")
+    if args.use_liger_kernel:
+        command.append("--use_liger_kernel")
     return command
 
 
