@@ -257,3 +257,13 @@ def test_agents_page_shows_the_measured_calculator_run():
                f"{rollout['tools/failure_frequency']:.2f} |")
         assert row in text, row
     assert f"warm-up {record['warm_up_seconds']:.0f} s" in text and f"in {record['gspo_seconds']:.0f} s" in text
+
+
+def test_readme_demo_record_is_the_recorded_run():
+    """README's "The demo, measured" table is what benchmarks/results/demo_metrics.json (that run's metrics) holds."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    record = json.loads((ROOT / "benchmarks" / "results" / "demo_metrics.json").read_text())
+    summary = record["summary"]
+    assert f"| **{summary['reward_last_window']:.3f}** |" in text and f"| {summary['reward_first_window']:.3f} |" in text
+    assert f"+{summary['reward_gain']:.3f}" in text
+    assert f"({summary['train_runtime_s']:.1f} s of training)" in text
