@@ -4,6 +4,7 @@
 
     python benchmarks/packed_microbatch.py                                     # 2 x 4096 + 14 x 150 tokens
     python benchmarks/packed_microbatch.py --lengths 2048,2048 --short 14 --passes 4 --no_checkpointing
+    python benchmarks/packed_microbatch.py --one_forward      # as before packing.plan_forwards: one forward
 
 The default micro-batch is the shape of one 16-completion micro-batch of the 4096-token scaling run: a few
 completions that ran to the limit beside many short ones, after one 60-token prompt (random token ids: the cost
@@ -38,6 +39,8 @@ def main(argv=None) -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--no_checkpointing", action="store_true")
     parser.add_argument("--no_pool", action="store_true", help="skip gspo_trl.cpu_memory.pool_freed_memory()")
+    parser.add_argument("--one_forward", action="store_true", help="pack the whole micro-batch into one forward "
+                        "(the layout before packing.plan_forwards cut long and short completions apart)")
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     args = parser.parse_args(argv)
 
@@ -46,8 +49,12 @@ def main(argv=None) -> None:
 
     from gspo_trl.cpu_memory import pool_freed_memory
     from gspo_trl.default_model import default_model_path
+    import gspo_trl.logprobs
     from gspo_trl.logprobs import completion_logprobs
     from gspo_trl.packing import pack_shared_prefix, relative_attention_cost
+
+    if args.one_forward:
+        gspo_trl.logprobs.plan_forwards = lambda prompt_ids, *rest, **kwargs: [torch.arange(prompt_ids.shape[0])]
 
     if not args.no_pool:
         pool_freed_memory()  # as the trainer does on CPU
@@ -64,10 +71,16 @@ def main(argv=None) -> None:
     completion_mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long()
     input_ids = torch.cat([prompt, completions], dim=1)
     attention_mask = torch.cat([torch.ones_like(prompt), completion_mask], dim=1)
-    packed = pack_shared_prefix(prompt, torch.ones_like(prompt), completions, completion_mask,
-                                attention_pair_cost=relative_attention_cost(model.config))
-    layout = {"rows": packed.input_ids.shape[0], "positions_per_row": packed.input_ids.shape[1],
-              "real_tokens": packed.num_real_tokens, "dense_mask": packed.attention_mask is not None}
+    pair_cost = relative_attention_cost(model.config)
+    forwards = gspo_trl.logprobs.plan_forwards(prompt, torch.ones_like(prompt), completions, completion_mask,
+                                               attention_pair_cost=pair_cost)
+    layout = []  # the first level of the plan (completion_logprobs plans each side again)
+    for rows in forwards:
+        packed = pack_shared_prefix(prompt[rows], torch.ones_like(prompt[rows]), completions[rows],
+                                    completion_mask[rows], attention_pair_cost=pair_cost)
+        layout.append({"completions": len(rows), "rows": packed.input_ids.shape[0],
+                       "positions_per_row": packed.input_ids.shape[1], "real_tokens": packed.num_real_tokens,
+                       "dense_mask": packed.attention_mask is not None})
     print(json.dumps({"lengths": lengths, "checkpointing": not args.no_checkpointing, "pool": not args.no_pool,
                       "layout": layout}), flush=True)
     for number in range(args.passes):

@@ -7,7 +7,7 @@ positions are kept, and those are projected through the LM head a chunk of token
 training each chunk is checkpointed, so its logits exist only while that chunk is being processed
 (forward, then again in backward). What it does not own: which tokens count (the caller's mask)
 and anything about the objective. With `padding_free`, the forward runs on the packed layout built
-by `packing` instead of padded rows.
+by `packing` instead of padded rows (two forwards when `packing.plan_forwards` cuts the micro-batch).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .distributed import is_partitioned, unwrap_model
-from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, relative_attention_cost
+from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, plan_forwards, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
 
 
@@ -110,14 +110,17 @@ def completion_logprobs(
     packed, aux_loss = None, None
     prompt_length = input_ids.shape[1] - completion_ids.shape[1]
     if padding_free and not router_aux_loss and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask):
-        packed = pack_shared_prefix(
-            input_ids[:, :prompt_length],
-            attention_mask[:, :prompt_length],
-            completion_ids,
-            completion_mask,
-            max_row_tokens=max_row_tokens,
-            attention_pair_cost=relative_attention_cost(unwrap_model(model).config),
-        )
+        layout = (input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids, completion_mask)
+        pair_cost = relative_attention_cost(unwrap_model(model).config)
+        forwards = plan_forwards(*layout, max_row_tokens=max_row_tokens, attention_pair_cost=pair_cost)
+        if len(forwards) > 1:  # long and short completions in forwards of their own (each planned again)
+            parts = [completion_logprobs(model, input_ids[rows], attention_mask[rows], completion_ids[rows],
+                                         completion_mask[rows], temperature=temperature, chunk_size=chunk_size,
+                                         padding_free=True, max_row_tokens=max_row_tokens, entropy_grad=entropy_grad)
+                     for rows in forwards]
+            return CompletionScores(_rows_together(forwards, [part.logps for part in parts]),
+                                    _rows_together(forwards, [part.entropy for part in parts]), None)
+        packed = pack_shared_prefix(*layout, max_row_tokens=max_row_tokens, attention_pair_cost=pair_cost)
     if packed is not None:
         dtype = unwrap_model(model).get_input_embeddings().weight.dtype
         hidden, _ = _final_hidden_states(
@@ -145,6 +148,15 @@ def completion_logprobs(
         per_token_logps = per_token_logps.masked_scatter(valid, logps)
         per_token_entropy = per_token_entropy.masked_scatter(valid, entropy)
     return CompletionScores(per_token_logps, per_token_entropy, aux_loss)
+
+
+def _rows_together(rows_of_each: list[torch.Tensor], parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-row results of several forwards back in batch order (differentiable: index_copy keeps the graph)."""
+    total = sum(rows.numel() for rows in rows_of_each)
+    out = parts[0].new_zeros((total, *parts[0].shape[1:]))
+    for rows, part in zip(rows_of_each, parts):
+        out = out.index_copy(0, rows, part)
+    return out
 
 
 def _final_hidden_states(model, router_aux_loss: bool = False, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -13,8 +13,11 @@ exactly the hidden state it gets in its own padded row (up to float rounding). O
 last rows is padding. When every row holds one prompt and one completion (completions longer than half a row),
 the block tree is plain causal attention: no mask is built and the model runs its own causal kernel.
 
-What it owns: the packed token layout, its attention mask and position ids, and the index of the
-hidden state that predicts each scored completion token. What it does not own: running the model
+A micro-batch whose completion lengths differ widely is packed as two forwards (`plan_forwards`): its
+longest completions, and the rest in rows of their own length, instead of every row padded to the longest.
+
+What it owns: the packed token layout, its attention mask and position ids, the index of the
+hidden state that predicts each scored completion token, and which completions share a forward. What it does not own: running the model
 (`logprobs`), and deciding whether a model can take a custom mask (`padding_free_unsupported_reason`
 answers that from the config).
 """
@@ -29,6 +32,7 @@ import torch
 
 DEFAULT_MAX_ROW_TOKENS = 2048  # bounds the (rows, 1, L, L) mask and the attention of one row
 DEFAULT_ATTENTION_PAIR_COST = 1 / 3000  # about SmolLM2-135M's; see relative_attention_cost
+SPLIT_MIN_SAVING = 0.1  # plan_forwards cuts a micro-batch in two forwards only for this share of its estimated cost
 
 
 @dataclass
@@ -100,7 +104,7 @@ def pack_shared_prefix(
         raise ValueError(f"max_row_tokens must be >= 1, got {max_row_tokens}.")
     if attention_pair_cost is None:
         attention_pair_cost = DEFAULT_ATTENTION_PAIR_COST
-    rows = _assign_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens, attention_pair_cost)
+    _, rows = _assign_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens, attention_pair_cost)
     if not rows:
         return None
     length = max(sum(unit.length for unit in row) for row in rows)
@@ -167,8 +171,8 @@ def _block_tree_mask(unit_of: torch.Tensor, branch_of: torch.Tensor) -> torch.Te
 
 def _assign_rows(
     prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens, attention_pair_cost
-) -> list[list[_Unit]]:
-    """Completions to rows: few positions, little padding, bounded attention.
+) -> tuple[float, list[list[_Unit]]]:
+    """Completions to rows: few positions, little padding, bounded attention. Returns (cost, rows).
 
     A micro-batch that fits `max_row_tokens` becomes one row. Otherwise, for a few row counts from
     the fewest that can hold it, completions go longest first to the row they lengthen least (a row
@@ -194,7 +198,7 @@ def _assign_rows(
         prompts.setdefault(key, prompt)
         items.append((row, key, completion_ids[row, : int(positions[-1])]))  # inputs stop before the last scored token
     if not items:
-        return []
+        return 0.0, []
     items.sort(key=lambda item: (-item[2].numel(), item[0]))
     total = sum(c.numel() for _, _, c in items) + sum(p.numel() for p in prompts.values())
     longest = max(prompts[key].numel() + c.numel() for _, key, c in items)
@@ -220,7 +224,57 @@ def _assign_rows(
         rank = (length > capacity, num_rows * length * (1 + attention_pair_cost * length))
         if best is None or rank < best[0]:
             best = (rank, [list(units.values()) for units in rows if units])
-    return best[1]
+    return best[0][1], best[1]
+
+
+def plan_forwards(
+    prompt_ids: torch.Tensor,  # (B, P) left-padded
+    prompt_mask: torch.Tensor,  # (B, P)
+    completion_ids: torch.Tensor,  # (B, C)
+    completion_mask: torch.Tensor,  # (B, C)
+    *,
+    max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
+    attention_pair_cost: float | None = None,
+    min_saving: float = SPLIT_MIN_SAVING,
+) -> list[torch.Tensor]:
+    """The micro-batch's rows as one packed forward, or as two: its longest completions, and the rest.
+
+    Every row of a packed forward is padded to its longest row, and attention inside a row is dense, so
+    one long completion stretches every row of the micro-batch to its length: with a 4,096-token
+    completion among 150-token ones, the short ones pay thousands of padded or masked-out positions
+    each. Cut between the k longest completions and the others (k where the next completion is at most
+    3/4, 1/2, 1/4 or 1/8 of the longest), each side costed as `_assign_rows` costs its rows; the cut
+    is taken when it saves at least `min_saving` of the one-forward cost. Returns the batch rows of
+    each forward (1-D index tensors, longest completions first); the caller plans each side again, so a
+    side can be cut once more. A row with nothing to score goes with the short side.
+    """
+    if attention_pair_cost is None:
+        attention_pair_cost = DEFAULT_ATTENTION_PAIR_COST
+    everything = [torch.arange(completion_ids.shape[0], device=completion_ids.device)]
+    scored = completion_mask.bool()
+    last = torch.where(scored.any(1), completion_ids.shape[1] - scored.flip(1).int().argmax(1) - 1, 0)
+    lengths = (prompt_mask.sum(1) + last) * scored.any(1)  # prompt + completion input per row, 0 if nothing scored
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    sorted_lengths = lengths[order].tolist()
+    if len(sorted_lengths) < 2 or sorted_lengths[1] == 0:
+        return everything
+
+    def cost(rows: torch.Tensor) -> float:
+        return _assign_rows(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows],
+                            max_row_tokens, attention_pair_cost)[0]
+
+    whole = cost(everything[0])
+    cuts = sorted({next((k for k, n in enumerate(sorted_lengths) if n <= sorted_lengths[0] * share), 0)
+                   for share in (3 / 4, 1 / 2, 1 / 4, 1 / 8)} - {0})
+    best = None
+    for k in cuts:
+        if sorted_lengths[k] == 0:
+            continue  # nothing to score on the short side
+        long, short = order[:k].sort().values, order[k:].sort().values
+        split = cost(long) + cost(short)
+        if split <= whole * (1 - min_saving) and (best is None or split < best[0]):
+            best = (split, [long, short])
+    return everything if best is None else best[1]
 
 
 def relative_attention_cost(config) -> float:

@@ -139,6 +139,7 @@ def test_packed_microbatch_benchmark_smoke_runs_two_passes(tmp_path, tiny_model_
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     lines = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
     # 24 + 3 x 4 tokens after one 60-token prompt (a completion's last token is no input): one row of 92 positions.
-    assert lines[0]["layout"] == {"rows": 1, "positions_per_row": 92, "real_tokens": 92, "dense_mask": True}
+    assert lines[0]["layout"] == [{"completions": 4, "rows": 1, "positions_per_row": 92, "real_tokens": 92,
+                                   "dense_mask": True}]  # one forward: cutting would not save 10%
     assert [line["pass"] for line in lines[1:]] == [0, 1]
     assert all(line["after_backward"]["peak_mib"] > 0 for line in lines[1:])

@@ -7,7 +7,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gspo_trl.logprobs import completion_logprobs
-from gspo_trl.packing import pack_shared_prefix, padding_free_unsupported_reason, relative_attention_cost
+from gspo_trl.packing import (
+    pack_shared_prefix,
+    padding_free_unsupported_reason,
+    plan_forwards,
+    relative_attention_cost,
+)
 
 PAD = 0
 
@@ -243,3 +248,62 @@ def test_packing_is_the_default_on_cpu_only():
 
     assert packing_pays_on("cpu")
     assert not packing_pays_on("cuda") and not packing_pays_on("xpu")
+
+
+def test_plan_forwards_cuts_the_long_completion_from_the_short_ones_by_hand():
+    # One completion input of 39 tokens and three of 2, after a 2-token prompt, rows capped at 6 tokens.
+    # One forward: every row is padded to 41, so two rows of 41 (cost 2 × 41 × (1 + 41 / 3000) ≈ 83.1).
+    # Two forwards: one row of 41 (≈ 41.6) + the short ones in rows of 6 and 4, padded to 6 (2 × 6 × 1.002 ≈ 12.0).
+    prompt_ids = torch.tensor([[1, 2]] * 4)
+    completion_ids = torch.arange(10, 170).reshape(4, 40)
+    completion_mask = torch.tensor([[1] * 40] + [[1] * 3 + [0] * 37] * 3)
+    forwards = plan_forwards(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
+                             max_row_tokens=6, attention_pair_cost=1 / 3000)
+    assert [rows.tolist() for rows in forwards] == [[0], [1, 2, 3]]
+    # The saving must reach min_saving (here 53.6 / 83.1 saves 36%).
+    assert len(plan_forwards(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
+                             max_row_tokens=6, attention_pair_cost=1 / 3000, min_saving=0.5)) == 1
+
+
+def test_plan_forwards_keeps_one_forward_for_similar_lengths_and_never_an_unscored_side():
+    prompt_ids = torch.tensor([[1, 2]] * 4)
+    completion_ids = torch.arange(10, 170).reshape(4, 40)
+    similar = torch.tensor([[1] * 40, [1] * 38 + [0] * 2, [1] * 35 + [0] * 5, [1] * 31 + [0] * 9])
+    assert len(plan_forwards(prompt_ids, torch.ones_like(prompt_ids), completion_ids, similar, max_row_tokens=6)) == 1
+    unscored = torch.tensor([[1] * 40] + [[0] * 40] * 3)  # the short side would score nothing
+    assert len(plan_forwards(prompt_ids, torch.ones_like(prompt_ids), completion_ids, unscored, max_row_tokens=6)) == 1
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_long_and_short_completions_in_two_forwards_match_padded_rows(tiny_model, attention):
+    input_ids, attention_mask, completion_ids, completion_mask = group_batch(
+        tiny_model.config.vocab_size, groups=2, group_size=4, completion_length=48, seed=3)
+    attention_mask[0, -48:] = 1
+    completion_mask[0] = 1  # one 48-token completion; the others end within 48 tokens at random
+    short = torch.arange(48) < 4
+    for row in range(1, 8):
+        attention_mask[row, -48:] *= short
+        completion_mask[row] *= short
+        completion_ids[row] *= short
+    inputs = (input_ids, attention_mask, completion_ids, completion_mask)
+    prompt_length = input_ids.shape[1] - completion_ids.shape[1]
+    forwards = plan_forwards(input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids,
+                             completion_mask, max_row_tokens=16, attention_pair_cost=relative_attention_cost(tiny_model.config))
+    assert len(forwards) == 2 and forwards[0].tolist() == [0]
+    calls = []
+    hook = tiny_model.register_forward_hook(lambda module, args, output: calls.append(1))
+    tiny_model.config._attn_implementation = attention
+    try:
+        padded_logps, padded_entropy, padded_grads = logps_and_grads(tiny_model, inputs, chunk_size=5)
+        padded_calls = len(calls)
+        packed_logps, packed_entropy, packed_grads = logps_and_grads(tiny_model, inputs, chunk_size=5,
+                                                                     padding_free=True, max_row_tokens=16)
+    finally:
+        tiny_model.config._attn_implementation = "sdpa"
+        hook.remove()
+    assert padded_calls == 1 and len(calls) - padded_calls >= 2  # the short side may be cut again
+    assert (padded_logps[completion_mask == 1] != 0).all()
+    torch.testing.assert_close(packed_logps, padded_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
