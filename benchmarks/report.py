@@ -174,7 +174,8 @@ def scaling_decode_loop_table() -> str:
     for folder, label in (("scaling_decode_loop_full_buffers", "longest row up front"),
                           ("scaling_decode_loop", "growing"),
                           ("scaling_decode_loop_checkpointing", "growing, activation checkpointing"),
-                          ("scaling_decode_loop_decoded_old", "growing, checkpointing, packing fix, π_old from the loop")):
+                          ("scaling_decode_loop_decoded_old", "growing, checkpointing, packing fix, π_old from the loop"),
+                          ("scaling_decode_loop_plan_forwards", "the same + long and short completions in separate forwards")):
         rows = [r for r in json.loads((RESULTS / folder / "scaling.json").read_text()) if r["impl"] == "ours"]
         base = next((r for r in rows if r["max_completion_length"] == 256 and "error" not in r), None)
         for row in sorted(rows, key=lambda r: r["max_completion_length"]):

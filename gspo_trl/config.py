@@ -366,7 +366,9 @@ class GSPOConfig(TrainingArguments):
         metadata={
             "help": "Run the training forward and the old-log-prob / reference passes on packed rows: each prompt "
             "once, followed by its completions, under a block-tree attention mask, with no padding inside rows. "
-            "Same log-probabilities and gradients as padded rows up to float rounding, for far fewer tokens. None "
+            "Same log-probabilities and gradients as padded rows up to float rounding, for far fewer tokens; a "
+            "micro-batch whose completion lengths differ widely runs as two forwards (its longest completions, then "
+            "the rest) so that short completions are not padded to the longest. None "
             "(default) packs on CPU, where it is much faster, and uses padded rows on GPUs, where the dense "
             "block-tree mask measured slower than padded rows; True or False forces the choice. Models that cannot "
             "take the mask (flash-attention, sliding-window or ALiBi attention) fall back to padded rows with a "
