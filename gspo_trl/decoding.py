@@ -157,6 +157,34 @@ class PreallocatedLayer(DynamicLayer):
         self.value_buffer = self.value_buffer.index_select(0, beam_idx.to(self.value_buffer.device))
         self._expose(self.length)
 
+    def fill_holes(self, holes: torch.Tensor, movers: torch.Tensor, rows: int) -> None:
+        """Keep the first `rows` batch rows, after copying the filled cache of the rows `movers` into the rows
+        `holes`, in place. Only the moved rows are copied; `reorder_cache` would copy every kept row's buffer."""
+        if len(holes):
+            self.key_buffer[holes, :, : self.length] = self.key_buffer[movers, :, : self.length]
+            self.value_buffer[holes, :, : self.length] = self.value_buffer[movers, :, : self.length]
+        self.key_buffer, self.value_buffer = self.key_buffer[:rows], self.value_buffer[:rows]
+        self._expose(self.length)
+
+
+def drop_rows(cache: DynamicCache, finished: torch.Tensor) -> torch.Tensor:
+    """Remove the `finished` (n,) rows from the batch of `cache`; returns the old batch index of each remaining
+    row, in the new batch order. Each remaining row beyond the new batch size moves into the slot of a finished
+    row before it, so a step where m rows end copies the cache of at most m rows (preallocated layers), not of
+    every remaining row."""
+    live = ~finished
+    rows = int(live.sum())
+    keep = torch.arange(rows, device=finished.device)
+    holes = finished[:rows].nonzero().squeeze(1)
+    movers = live[rows:].nonzero().squeeze(1) + rows
+    keep[holes] = movers
+    for layer in cache.layers:
+        if isinstance(layer, PreallocatedLayer):
+            layer.fill_holes(holes, movers, rows)
+        else:
+            layer.reorder_cache(keep)
+    return keep
+
 
 def preallocate(cache: DynamicCache, capacity: int) -> None:
     """Swap every plain `DynamicLayer` of `cache` (filled) for a `PreallocatedLayer` of up to `capacity` positions.
@@ -255,8 +283,7 @@ def sample(
                     states[row] = state
             if bool(finished.all()):
                 break
-            keep = (~finished).nonzero().squeeze(1)
-            cache.reorder_cache(keep)
+            keep = drop_rows(cache, finished)
             rows, sequences, attention = rows[keep], sequences[keep], attention[keep]
             step_ids, step_positions = step_ids[keep], step_positions[keep]
     return Decoded(completions[:, :length], None if logps is None else logps[:, :length],

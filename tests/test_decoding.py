@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from gspo_trl import GSPOConfig
 from gspo_trl import decoding
 from gspo_trl.decoding import (
     PreallocatedLayer,
+    drop_rows,
     inverse_cdf_sample,
     logits_processors,
     sample,
@@ -210,6 +211,30 @@ def test_preallocated_layer_holds_what_a_dynamic_layer_holds_and_grows_by_doubli
     assert layer.keys.shape == (2, 2, 25, 4)
     # 5 prompt positions + 2 of room, then doubling up to the capacity of 20, then one at a time past it.
     assert sorted(set(sizes)) == [7, 14, 20, 21, 22, 23, 24, 25]
+
+
+@pytest.mark.parametrize("finished, keep", [
+    ([0, 1, 0, 1, 0, 0], [0, 4, 2, 5]),  # the last rows fill the finished rows' slots
+    ([0, 0, 1, 1], [0, 1]),  # finished rows at the end: nothing moves
+    ([1, 1, 0, 1], [2]),
+])
+def test_drop_rows_moves_only_the_rows_past_the_new_batch(finished, keep):
+    torch.manual_seed(0)
+    n = len(finished)
+    keys, values = torch.randn(n, 2, 5, 4), torch.randn(n, 2, 5, 4)
+    cache = DynamicCache()
+    cache.update(keys, values, 0)
+    cache.update(keys + 1, values + 1, 1)
+    cache.layers[0] = PreallocatedLayer.from_layer(cache.layers[0], capacity=9)  # the other layer stays dynamic
+    buffer = cache.layers[0].key_buffer
+    got = drop_rows(cache, torch.tensor(finished, dtype=torch.bool))
+    assert got.tolist() == keep
+    for layer, shift in zip(cache.layers, (0, 1)):
+        assert torch.equal(layer.keys, keys[got] + shift) and torch.equal(layer.values, values[got] + shift)
+    assert cache.layers[0].key_buffer.data_ptr() == buffer.data_ptr()  # in place, no new buffer
+    step = torch.randn(len(keep), 2, 1, 4)
+    updated_keys, _ = cache.layers[0].update(step, step)  # the next step writes after the kept rows' tokens
+    assert torch.equal(updated_keys, torch.cat([keys[got], step], dim=2))
 
 
 def test_loop_samples_the_same_whatever_room_the_cache_starts_with(tiny_model, tiny_tokenizer, monkeypatch):
