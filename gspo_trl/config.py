@@ -243,9 +243,10 @@ class GSPOConfig(TrainingArguments):
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={
-            "help": "Under DeepSpeed ZeRO-3, gather every parameter once for a rollout's generation instead of layer "
-            "by layer at every decoding step: much faster sampling, at the cost of one full copy of the weights per "
-            "process while it runs. False for models that do not fit one device whole. As in TRL."
+            "help": "Under DeepSpeed ZeRO-3 or FSDP2, gather every parameter once for a rollout's generation instead "
+            "of layer by layer at every decoding step: much faster sampling, at the cost of one full copy of the weights "
+            "per process while it runs. False for models that do not fit one device whole. TRL's field (TRL gathers "
+            "under ZeRO-3 only)."
         },
     )
     # --- Generation with vLLM (TRL's names) --------------------------------------------------

@@ -2,7 +2,7 @@
 
 Owns finding the Hugging Face model inside whatever wraps it (DDP, a DeepSpeed engine, FSDP,
 `torch.compile`), joining the process group before the model is built, telling ZeRO-3-partitioned
-modules apart and gathering the weights for a whole rollout's generation, placing evaluation-only
+modules apart and gathering the weights for a whole rollout's generation (ZeRO-3, FSDP2), placing evaluation-only
 models like the policy, gathering a rollout across processes, choosing the process group's backend
 for a multi-process launch on a machine without an accelerator, and saying when a requested sharding
 was not applied. What it does not own: gathering rewards and metrics (the trainer, through accelerate)
@@ -119,7 +119,10 @@ def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_z
     """The context generation runs in: under DeepSpeed ZeRO-3 with `gather_zero3`, every parameter is
     gathered once for the whole rollout (and ZeRO-3's per-module hooks are lifted meanwhile) instead of
     layer by layer at every decoding step, through TRL's own context, so `ds3_gather_for_generation`
-    means what it means in TRL. Elsewhere nothing (the backend unwraps the model itself)."""
+    means what it means in TRL; under FSDP2 the same flag gathers once too (`fsdp2_whole_weights`). Elsewhere
+    nothing (the backend unwraps the model itself)."""
+    if gather_zero3 and fsdp2_modules(model_wrapped):
+        return fsdp2_whole_weights(model_wrapped)
     plugin = accelerator.state.deepspeed_plugin
     if not gather_zero3 or plugin is None or plugin.zero_stage != 3:
         return contextlib.nullcontext()
@@ -128,6 +131,58 @@ def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_z
     return unwrap_model_for_generation(
         model_wrapped, accelerator, gather_deepspeed3_params=True, gradient_checkpointing_kwargs=checkpointing_kwargs
     )
+
+
+def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` that FSDP2 (`fully_shard`) shards, outermost first (empty without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def unshard_fsdp2_owner(model: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Under FSDP2, all-gather `module`'s parameters when they are sharded now (its owner, the innermost sharded
+    module holding it, resharded them after its forward: `reshard_after_forward=True` on the root), so that a
+    computation outside the model's forward (the LM head of `logprobs`) uses whole parameters whose gradients
+    FSDP2 reduces across processes like any other."""
+    if not hasattr(getattr(module, "weight", None), "full_tensor"):
+        return
+    owners = [owner for owner in fsdp2_modules(model) if any(sub is module for sub in owner.modules())]
+    if owners:
+        owners[-1].unshard()
+
+
+@contextlib.contextmanager
+def fsdp2_whole_weights(model: torch.nn.Module):
+    """Under FSDP2, every sharded module's parameters all-gathered once for the block and kept whole through
+    its forwards, then sharded again with each module's own `reshard_after_forward` restored: a rollout then
+    costs one gather per module instead of one per module per decoding step. The setting lives in FSDP2's
+    private state; where a torch version has it elsewhere, nothing is gathered up front and each forward
+    gathers as usual (slower, same results)."""
+    modules = fsdp2_modules(model)
+    try:
+        saved = [(state, state._auto_reshard_after_forward, [group.post_forward_mesh_info for group in
+                                                             state._fsdp_param_groups])
+                 for state in (module._get_fsdp_state() for module in modules)]
+    except AttributeError:
+        logger.warning_once("FSDP2: this torch version keeps reshard_after_forward elsewhere; generation gathers "
+                            "the sharded parameters at every forward")
+        yield
+        return
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+        for state, automatic, infos in saved:
+            state._auto_reshard_after_forward = automatic
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
 
 
 def gather_rollout(batch: dict, accelerator, pad_token_id: int) -> dict:

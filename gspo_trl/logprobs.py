@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from .distributed import is_partitioned, unwrap_model
+from .distributed import is_partitioned, unshard_fsdp2_owner, unwrap_model
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, plan_forwards, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
 
@@ -57,9 +57,9 @@ def _project(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
     """The LM head projection, through the head module itself so that its hooks run (DeepSpeed ZeRO-3
     gathers a partitioned weight for the call) and an adapter on the head applies. Under autocast (see
     `precision`) both operands take autocast's dtype; without it, the hidden states take the head's
-    dtype, as inside the model's own forward. Two heads are projected by hand instead: an FSDP2-sharded
-    one (a DTensor weight with no hook of its own: gathered differentiably; untested, FSDP needs GPUs)
-    and a frozen ZeRO-3 one (LoRA), whose hooks do not gather it again when a checkpointed chunk is
+    dtype, as inside the model's own forward. Two heads are projected by hand instead: a DTensor one that no
+    FSDP2 module owns (gathered differentiably; an FSDP2 head is made whole by its owner before the chunks,
+    `unshard_fsdp2_owner`) and a frozen ZeRO-3 one (LoRA), whose hooks do not gather it again when a checkpointed chunk is
     recomputed in the backward pass: it is gathered here and copied, since autograd keeps the weight
     for the backward and ZeRO-3 empties the parameter itself on release."""
     fp32_head = isinstance(head, Float32LMHead)
@@ -207,6 +207,7 @@ def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_
 def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, entropy_grad=False):
     """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time."""
     head = unwrap_model(model).get_output_embeddings()
+    unshard_fsdp2_owner(unwrap_model(model), head)  # a head resharded after the forward: whole again, once
     text_config = unwrap_model(model).config.get_text_config()
     scale, softcap = output_logit_scale(text_config), getattr(text_config, "final_logit_softcapping", None)
     use_checkpoint = torch.is_grad_enabled() and hidden_valid.requires_grad

@@ -131,6 +131,33 @@ def test_bf16_recipes_train_on_two_processes(tmp_path, tiny_model_dir, mode):
     assert any(e["kl"] > 0 for e in logs) and any(e["ratio/max"] != 1.0 for e in logs)
 
 
+@pytest.mark.parametrize("mode", ["", "+reshard"])
+def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, tiny_model_dir, mode):
+    """FSDP2 by hand (accelerate enables it on GPUs only): log-probs, the gradient FSDP2 averages over the two
+    ranks' different rows, and samples equal the whole model's; a rollout gathers each sharded module once."""
+    out = tmp_path / "fsdp2"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER.with_name("fsdp2_worker.py")), tiny_model_dir, mode or "plain", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    for rank in range(2):
+        result = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert result["sharded_head"] == "DTensor"
+        # the root reshards after its forward only when asked: then the LM head is projected outside the forward
+        # from a sharded weight, which logprobs makes whole through its owner first
+        assert result["head_after_forward"] == ("DTensor" if mode else "Parameter")
+        for layout in ("padded", "packed"):
+            assert result[f"{layout}_logp_error"] <= 1e-6
+            errors = result[f"{layout}_grad_errors"]
+            assert None not in errors.values() and len(errors) > 10
+            assert max(errors.values()) <= 1e-6 * max(1.0, result[f"{layout}_grad_scale"])
+        assert result["samples_equal"] and result["steps"] > 3
+        # per-step gathers: the decoder layers at every forward; in fsdp2_whole_weights: each module once
+        assert result["gathers_per_forward"] >= 2 * result["steps"]
+        assert result["gathers_whole_weights"] <= 3
+        assert result["resharded_after"] == "DTensor"  # sharded again after the rollout
+
+
 def test_unwrap_model_peels_engines_that_forward_attributes(tiny_model):
     class ForwardingEngine(torch.nn.Module):  # like deepspeed.DeepSpeedEngine: unknown attributes go to the module
         def __init__(self, module):
