@@ -5,8 +5,9 @@ applied here by hand, as a GPU run's accelerate would) against the same model wh
 Each rank scores its own rows with `completion_logprobs` (padded and packed) and back-propagates a weighted sum;
 the whole model on every rank scores both ranks' rows, so the averaged gradient FSDP2 reduces can be checked.
 `+reshard` also reshards the root after its forward, so the LM head is projected from a sharded (DTensor)
-weight. Then `decoding.sample` runs with layout-independent streams inside `fsdp2_whole_weights`, counting
-FSDP2's all-gathers. Writes <out>.rank<R>.json."""
+weight; `+bf16` computes in bf16 (FSDP2's MixedPrecisionPolicy, gradients reduced in float32) against the whole
+model under bf16 autocast. Then `decoding.sample` runs with layout-independent streams inside
+`fsdp2_whole_weights`, counting FSDP2's all-gathers. Writes <out>.rank<R>.json."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from gspo_trl import decoding
@@ -59,9 +60,13 @@ def main(model_dir: str, mode: str, out: str) -> None:
     whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     sharded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (world,))
+    bf16 = "+bf16" in mode
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    sharding = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     for layer in sharded.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
+        fully_shard(layer, **sharding)
+    fully_shard(sharded, **sharding)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)  # the whole model's bf16
     if "+reshard" in mode:
         sharded.set_reshard_after_forward(True)
     result = {"rank": rank, "sharded_head": type(sharded.lm_head.weight).__name__}
@@ -77,7 +82,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         loss.backward()
         whole_logps = None
         for r in range(world):  # the gradient FSDP2 averages over ranks: the mean of each rank's loss
-            own_logps, own_loss = score(whole, rows[r], padding_free)
+            with autocast:
+                own_logps, own_loss = score(whole, rows[r], padding_free)
             (own_loss / world).backward()
             whole_logps = own_logps if r == rank else whole_logps
         name = "packed" if padding_free else "padded"
@@ -106,7 +112,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
 
     dist.all_gather_single = counting
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             expected = sample(whole)
             per_step = sample(sharded)
             result["gathers_per_forward"] = len(gathers)

@@ -131,10 +131,12 @@ def test_bf16_recipes_train_on_two_processes(tmp_path, tiny_model_dir, mode):
     assert any(e["kl"] > 0 for e in logs) and any(e["ratio/max"] != 1.0 for e in logs)
 
 
-@pytest.mark.parametrize("mode", ["", "+reshard"])
+@pytest.mark.parametrize("mode", ["", "+reshard", "+bf16"])
 def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, tiny_model_dir, mode):
     """FSDP2 by hand (accelerate enables it on GPUs only): log-probs, the gradient FSDP2 averages over the two
-    ranks' different rows, and samples equal the whole model's; a rollout gathers each sharded module once."""
+    ranks' different rows, and samples equal the whole model's (bf16: within bf16 rounding of the whole model
+    under autocast); a rollout gathers each sharded module once."""
+    logp_tolerance, grad_tolerance = (1e-2, 2.5e-2) if mode == "+bf16" else (1e-6, 1e-6)  # bf16: 3e-3, 1.1e-2 seen
     out = tmp_path / "fsdp2"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(WORKER.with_name("fsdp2_worker.py")), tiny_model_dir, mode or "plain", str(out)]
@@ -145,13 +147,13 @@ def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, t
         assert result["sharded_head"] == "DTensor"
         # the root reshards after its forward only when asked: then the LM head is projected outside the forward
         # from a sharded weight, which logprobs makes whole through its owner first
-        assert result["head_after_forward"] == ("DTensor" if mode else "Parameter")
+        assert result["head_after_forward"] == ("DTensor" if mode == "+reshard" else "Parameter")
         for layout in ("padded", "packed"):
-            assert result[f"{layout}_logp_error"] <= 1e-6
+            assert result[f"{layout}_logp_error"] <= logp_tolerance
             errors = result[f"{layout}_grad_errors"]
             assert None not in errors.values() and len(errors) > 10
-            assert max(errors.values()) <= 1e-6 * max(1.0, result[f"{layout}_grad_scale"])
-        assert result["samples_equal"] and result["steps"] > 3
+            assert max(errors.values()) <= grad_tolerance * max(1.0, result[f"{layout}_grad_scale"])
+        assert result["steps"] > 3 and (result["samples_equal"] or mode == "+bf16")
         # per-step gathers: the decoder layers at every forward; in fsdp2_whole_weights: each module once
         assert result["gathers_per_forward"] >= 2 * result["steps"]
         assert result["gathers_whole_weights"] <= 3
