@@ -12,7 +12,7 @@ rollout, 4 optimizer steps per rollout, up to `--max_completion_length` new toke
 
 Reported per run: the whole `train()` time; the steady-state time per round (a rollout's sampling and its 4
 optimizer steps), over the rounds between the first (whose sampling overlaps nothing) and the last (which has no
-next rollout to overlap); the mean staleness; the rewards. Results go to `--out` (JSON) and a table on stdout.
+next rollout to overlap); the mean staleness; the rewards and mean completion lengths. Results go to `--out` (JSON) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def run_once(args) -> dict:
         # Only async_rollouts logs it; the synchronous trainer's would be 0..3 in every rollout.
         "mean_staleness": statistics.mean(e["rollout/staleness"] for e in logs) if args.worker == "async" else None,
         "rewards_per_rollout": rewards,
+        # Rollouts differ between the modes after the first: the lengths say how much work each round sampled.
+        "mean_completion_length_per_rollout": [entry["completions/mean_length"] for entry in logs
+                                               if "completions/mean_length" in entry],
         "torch_threads": torch.get_num_threads(),
     }
 

@@ -119,6 +119,8 @@ def test_async_rollouts_benchmark_smoke_runs_both_modes(tmp_path, tiny_model_dir
     # Steps 0-3 train on the first rollout (staleness 0-3), the two others were sampled 4 steps ahead (4-7).
     assert record["median"]["async"]["mean_staleness"] == pytest.approx((0 + 1 + 2 + 3 + 2 * (4 + 5 + 6 + 7)) / 12)
     assert all(run["seconds_per_round"] > 0 and len(run["rewards_per_rollout"]) == 3 for run in record["runs"])
+    assert all(len(run["mean_completion_length_per_rollout"]) == 3 for run in record["runs"])
+    assert all(1 <= length <= 4 for run in record["runs"] for length in run["mean_completion_length_per_rollout"])
 
 
 def test_train_length_benchmark_smoke_runs_both_layouts(tmp_path, tiny_model_dir):
