@@ -59,9 +59,9 @@ def _project(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
     `precision`) both operands take autocast's dtype; without it, the hidden states take the head's
     dtype, as inside the model's own forward. Two heads are projected by hand instead: a DTensor one that no
     FSDP2 module owns (gathered differentiably; an FSDP2 head is made whole by its owner before the chunks,
-    `unshard_fsdp2_owner`) and a frozen ZeRO-3 one (LoRA), whose hooks do not gather it again when a checkpointed chunk is
-    recomputed in the backward pass: it is gathered here and copied, since autograd keeps the weight
-    for the backward and ZeRO-3 empties the parameter itself on release."""
+    `unshard_fsdp2_owner`) and a frozen ZeRO-3 one (LoRA), whose hooks do not gather it again when a
+    checkpointed chunk is recomputed in the backward pass: it is gathered here and copied, since autograd
+    keeps the weight for the backward and ZeRO-3 empties the parameter itself on release."""
     fp32_head = isinstance(head, Float32LMHead)
     if not fp32_head and not torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(head.weight.dtype)
