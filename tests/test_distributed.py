@@ -27,8 +27,15 @@ def launch(tmp_path, model_dir, mode, processes=2, name=None, must_succeed=True)
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if not must_succeed:
         return completed
-    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert completed.returncode == 0, failure_report(completed.stderr)
     return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+def failure_report(stderr: str) -> str:
+    """The lines of a failed launch's stderr that say why (a rank's exception, an abort), then its tail."""
+    telling = [line for line in stderr.splitlines()
+               if any(word in line for word in ("Error", "error:", "terminate", "Signal", "Exception", "what()"))]
+    return "\n".join(telling[-40:]) + "\n--- tail ---\n" + stderr[-3000:]
 
 
 def assert_same_run(a, b, tolerance, steps=3):
@@ -141,7 +148,7 @@ def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, t
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(WORKER.with_name("fsdp2_worker.py")), tiny_model_dir, mode or "plain", str(out)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert completed.returncode == 0, failure_report(completed.stderr)
     for rank in range(2):
         result = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert result["sharded_head"] == "DTensor"
