@@ -79,22 +79,27 @@ def logits_processors(generation_config: GenerationConfig) -> LogitsProcessorLis
 SAMPLING_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
-def inverse_cdf_sample(scores: torch.Tensor, uniforms: torch.Tensor, block: int = SAMPLING_BLOCK) -> torch.Tensor:
-    """(N,) token ids drawn from softmax(scores) (N, V), one uniform in [0, 1) per row.
+def inverse_cdf_sample(scores: torch.Tensor, uniforms: torch.Tensor, block: int = SAMPLING_BLOCK,
+                       with_logps: bool = False):
+    """(N,) token ids drawn from softmax(scores) (N, V), one uniform in [0, 1) per row; with `with_logps`, also
+    (N,) float32 log softmax(scores) at those tokens (the normaliser comes free from the sampling weights).
 
     Inverse CDF in two levels, so that no float64 pass over the whole vocabulary is needed: the weights
     w = exp(scores - max) (float32, what softmax computes before it divides) are summed per block of `block`
-    tokens in float64; u × total picks a block by its cumulative mass, then a token inside it by the block's own
-    cumulative weights. Token v in block b is drawn with probability (m_b / total) × (w_v / m_b) = w_v / total,
-    up to float rounding; a token of weight 0 (score -inf) never is.
+    tokens (float32 sums of non-negative terms, relative error below 1e-6, accumulated across blocks in float64);
+    u × total picks a block by its cumulative mass, then a token inside it by the block's own float64 cumulative
+    weights. Token v in block b is drawn with probability (m_b / total) × (w_v / m_b) = w_v / total, up to float
+    rounding; a token of weight 0 (score -inf) never is.
     """
     n, vocab = scores.shape
-    weights = torch.exp(scores.float() - scores.float().amax(dim=-1, keepdim=True))  # (N, V), -inf -> 0
+    scores = scores.float()
+    maxes = scores.amax(dim=-1, keepdim=True)  # (N, 1)
+    weights = (scores - maxes).exp_()  # (N, V), -inf -> 0
     padding = -vocab % block
     if padding:
         weights = torch.nn.functional.pad(weights, (0, padding))
     blocks = weights.view(n, -1, block)  # (N, B, block)
-    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # (N, B)
+    block_cdf = blocks.sum(dim=-1).to(torch.float64).cumsum(dim=-1)  # (N, B)
     target = uniforms.to(torch.float64).unsqueeze(1) * block_cdf[:, -1:]  # (N, 1), in [0, total)
     chosen = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks.shape[1] - 1)  # (N, 1)
     below = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)), torch.zeros_like(target))
@@ -103,7 +108,12 @@ def inverse_cdf_sample(scores: torch.Tensor, uniforms: torch.Tensor, block: int 
     # Rounding can push the target past the block's last positive weight: take that token then.
     last_positive = torch.where(inner > 0, torch.arange(block, device=inner.device), -1).amax(dim=-1, keepdim=True)
     offset = torch.minimum(offset, last_positive)
-    return (chosen * block + offset).squeeze(1)
+    tokens = (chosen * block + offset).squeeze(1)
+    if not with_logps:
+        return tokens
+    # log softmax = score - max - log Σ exp(score - max), the sum being the sampling weights' total.
+    logps = (scores.gather(1, tokens.unsqueeze(1)) - maxes).squeeze(1).double() - block_cdf[:, -1].log()
+    return tokens, logps.float()
 
 
 # Positions a preallocated layer has room for beyond the prompt before its first growth.
@@ -214,6 +224,15 @@ def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) 
     return scaled.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
 
 
+def only_scales(processors: LogitsProcessorList, temperature: float) -> bool:
+    """Whether `processors` turn logits into exactly logits / `temperature` (none at 1.0, or temperature alone):
+    then the scores sampled from are the ones `token_logps` normalises."""
+    if not processors:
+        return temperature == 1.0
+    return (len(processors) == 1 and type(processors[0]) is TemperatureLogitsWarper
+            and processors[0].temperature == temperature)
+
+
 def random_uniforms(rows: torch.Tensor, position: int) -> torch.Tensor:
     return torch.rand(rows.shape[0], dtype=torch.float64, device=rows.device)
 
@@ -260,6 +279,7 @@ def sample(
         step_ids, step_positions = prompt_ids[:, -1:], positions[:, -1:]
     states: list[RowState | None] = [None] * n
     logps = None if logp_temperature is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+    scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
     length = 0
     for t in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
@@ -267,10 +287,13 @@ def sample(
         if t == 0:  # the cache now holds every prompt token: give it room for the completions
             preallocate(cache, prompt_length + max_new_tokens)
         scores = processors(sequences, logits.float())
-        tokens = inverse_cdf_sample(scores, uniforms(rows, t))  # (n,)
+        if logps is not None and scores_are_scaled_logits:  # the sampling weights give the log-probs too
+            tokens, logps[rows, t] = inverse_cdf_sample(scores, uniforms(rows, t), with_logps=True)
+        else:
+            tokens = inverse_cdf_sample(scores, uniforms(rows, t))  # (n,)
+            if logps is not None:
+                logps[rows, t] = token_logps(logits, tokens, logp_temperature)
         completions[rows, t] = tokens
-        if logps is not None:
-            logps[rows, t] = token_logps(logits, tokens, logp_temperature)
         length = t + 1
         sequences = torch.cat([sequences, tokens.unsqueeze(1)], dim=1)
         attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)

@@ -22,7 +22,15 @@ from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging
 
-from gspo_trl.decoding import Decoded, RowState, UniformSource, inverse_cdf_sample, random_uniforms, token_logps
+from gspo_trl.decoding import (
+    Decoded,
+    RowState,
+    UniformSource,
+    inverse_cdf_sample,
+    only_scales,
+    random_uniforms,
+    token_logps,
+)
 from gspo_trl.kv_cache import cache_kwargs
 from gspo_trl.prefix_sharing import prefill
 
@@ -214,13 +222,19 @@ def sample(
     history = prompt_ids if history is None else history
     sequences = torch.cat([history, completions], dim=1)  # what the processors see: sequences[:, :H + t]
     step_ids, positions = prompt_ids[:, -1:], prompt_mask.sum(-1, keepdim=True) - 1
+    scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
     for t in range(max_new_tokens):
         logits = decoder.logits(step_ids, positions, t)
         scores = processors(sequences[:, : history.shape[1] + t], logits.float())
-        tokens = inverse_cdf_sample(scores, uniforms(rows, t)).masked_fill(~live, pad_token_id)
+        # A finished row's draw is replaced by the pad token, its log-prob dropped below.
+        if logps is not None and scores_are_scaled_logits:  # the sampling weights give the log-probs too
+            tokens, logps[rows, t] = inverse_cdf_sample(scores, uniforms(rows, t), with_logps=True)
+        else:
+            tokens = inverse_cdf_sample(scores, uniforms(rows, t))
+            if logps is not None:
+                logps[rows, t] = token_logps(logits, tokens, logp_temperature)
+        tokens = tokens.masked_fill(~live, pad_token_id)
         completions[rows, t] = tokens
-        if logps is not None:  # a finished row's entry is dropped below with its pad token
-            logps[rows, t] = token_logps(logits, tokens, logp_temperature)
         sequences[:, history.shape[1] + t] = tokens
         finished = live & torch.isin(tokens, eos)
         lengths[rows] = torch.where(finished, t + 1, lengths[rows])

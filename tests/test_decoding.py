@@ -15,6 +15,7 @@ from gspo_trl.decoding import (
     drop_rows,
     inverse_cdf_sample,
     logits_processors,
+    only_scales,
     sample,
     supports,
     token_logps,
@@ -264,15 +265,49 @@ def test_token_logps_by_hand():
                                                                             torch.tensor(0.5).log()]))
 
 
+def test_sampling_weights_give_the_token_logps():
+    # with_logps: the same draws, and log softmax(scores) at them from the sampling weights' total
+    torch.manual_seed(0)
+    scores = torch.randn(6, 1000) * 4
+    scores[0, :500] = float("-inf")  # a row with a block of zero mass
+    uniforms = torch.rand(6, dtype=torch.float64)
+    tokens, logps = inverse_cdf_sample(scores, uniforms, with_logps=True)
+    assert torch.equal(tokens, inverse_cdf_sample(scores, uniforms))
+    assert logps.dtype == torch.float32
+    torch.testing.assert_close(logps, token_logps(scores, tokens, 1.0), atol=1e-5, rtol=0)
+
+
+def test_only_scales_is_true_for_temperature_alone():
+    def processors(**settings):
+        return logits_processors(GenerationConfig(do_sample=True, **settings))
+
+    assert only_scales(processors(temperature=1.0, top_k=0, top_p=1.0), 1.0)
+    assert not only_scales(processors(temperature=1.0, top_k=0, top_p=1.0), 0.7)
+    assert only_scales(processors(temperature=0.7, top_k=0, top_p=1.0), 0.7)
+    assert not only_scales(processors(temperature=0.7, top_k=0, top_p=1.0), 1.0)
+    assert not only_scales(processors(temperature=0.7, top_k=40), 0.7)
+    assert not only_scales(processors(temperature=1.0, top_k=0, repetition_penalty=1.3), 1.0)
+
+
 @pytest.mark.parametrize("prefill", ["prompt", "shared prefixes"])
-def test_recorded_logps_are_the_policy_logps_training_computes(tiny_model, tiny_tokenizer, prefill):
+@pytest.mark.parametrize("settings", ["sampling settings", "temperature alone"])
+def test_recorded_logps_are_the_policy_logps_training_computes(tiny_model, tiny_tokenizer, prefill, settings):
     # What decode_logprobs_as_old takes as π_old: each sampled token's log-prob under softmax(logits / T), the
     # distribution training scores (`completion_logprobs`), not the one top-k / top-p / the repetition penalty
-    # sampled from; 0 after a row's end. Equal to a training forward up to float32 rounding.
+    # sampled from; 0 after a row's end. Equal to a training forward up to float32 rounding. With the temperature
+    # alone, the loop takes the normaliser from its sampling weights (`only_scales`); rows then end at any of a
+    # twentieth of the vocabulary's ids.
     from gspo_trl.logprobs import completion_logprobs
     from gspo_trl.rollout import completion_mask_from_eos
 
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    ends, processors = [eos], LogitsProcessorList([FavourEos(eos), *logits_processors(
+        GenerationConfig(do_sample=True, **SETTINGS))])
+    if settings == "temperature alone":
+        ends = [eos] + list(range(3, tiny_model.config.vocab_size, 20))
+        processors = logits_processors(GenerationConfig(do_sample=True, temperature=SETTINGS["temperature"], top_k=0,
+                                                        top_p=1.0))
+        assert only_scales(processors, SETTINGS["temperature"])
     encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2, return_tensors="pt", padding=True,
                              padding_side="left")
     ids, mask, cache = encoded.input_ids, encoded.attention_mask, None
@@ -280,12 +315,10 @@ def test_recorded_logps_are_the_policy_logps_training_computes(tiny_model, tiny_
         rows = [row_ids[row_mask.bool()].tolist() for row_ids, row_mask in zip(ids, mask)]
         ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
     torch.manual_seed(0)
-    decoded = sample(tiny_model, ids, mask, max_new_tokens=16, eos_token_ids=[eos], pad_token_id=pad, cache=cache,
-                     processors=LogitsProcessorList([FavourEos(eos), *logits_processors(
-                         GenerationConfig(do_sample=True, **SETTINGS))]),
-                     history=encoded.input_ids, logp_temperature=SETTINGS["temperature"])
+    decoded = sample(tiny_model, ids, mask, max_new_tokens=16, eos_token_ids=ends, pad_token_id=pad, cache=cache,
+                     processors=processors, history=encoded.input_ids, logp_temperature=SETTINGS["temperature"])
     completions, logps = decoded.completion_ids, decoded.logps
-    completion_mask, _ = completion_mask_from_eos(completions, [eos])
+    completion_mask, _ = completion_mask_from_eos(completions, ends)
     assert logps.shape == completions.shape and 0 < completion_mask.sum() < completion_mask.numel()  # rows end early
     assert (logps[completion_mask == 0] == 0).all()
     scored = completion_logprobs(

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_decoding import SETTINGS, FavourEos, reference_decode
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from gspo_trl import decoding, static_decoding
 from gspo_trl.prefix_sharing import prefill, prefill_shared_prompts
@@ -155,20 +156,25 @@ def test_static_loop_keeps_the_states_the_dynamic_loop_keeps(tiny_model, tiny_to
                 torch.testing.assert_close(values_a, values_b, rtol=1e-5, atol=1e-5)
 
 
-def test_static_loop_records_the_logps_the_dynamic_loop_records(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("settings", ["a processor", "temperature alone"])
+def test_static_loop_records_the_logps_the_dynamic_loop_records(tiny_model, tiny_tokenizer, settings):
     # decode_logprobs_as_old on a GPU: the same log-probs as the dynamic loop, 0 after each row's end (a finished row
-    # keeps drawing pad tokens until compaction; those draws are not log-probs of the completion).
+    # keeps drawing pad tokens until compaction; those draws are not log-probs of the completion). With the
+    # temperature alone both loops take them from the sampling weights; rows then end at a twentieth of the ids.
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
     ids, mask = encode(tiny_tokenizer)
     keys = stream_keys(17, torch.arange(len(PROMPTS)))
-    kwargs = dict(max_new_tokens=10, eos_token_ids=[eos], pad_token_id=pad,
-                  processors=LogitsProcessorList([FavourEos(eos)]), logp_temperature=0.8,
+    ends, processors = [eos], LogitsProcessorList([FavourEos(eos)])
+    if settings == "temperature alone":
+        ends, processors = [eos] + list(range(3, tiny_model.config.vocab_size, 20)), LogitsProcessorList(
+            [TemperatureLogitsWarper(0.8)])
+    kwargs = dict(max_new_tokens=10, eos_token_ids=ends, pad_token_id=pad, processors=processors, logp_temperature=0.8,
                   uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
     static = static_decoding.sample(tiny_model, ids, mask, graphs=False, window_block=4, check_every=3, **kwargs)
     dynamic = decoding.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask), **kwargs)
     assert torch.equal(static.completion_ids, dynamic.completion_ids)
-    ended = torch.isin(static.completion_ids, torch.tensor([eos])).any(1)
+    ended = torch.isin(static.completion_ids, torch.tensor(ends)).any(1)
     assert 0 < int(ended.sum()) < len(PROMPTS)
-    completion_mask, _ = completion_mask_from_eos(static.completion_ids, [eos])
+    completion_mask, _ = completion_mask_from_eos(static.completion_ids, ends)
     assert (static.logps[completion_mask == 0] == 0).all() and (static.logps[completion_mask == 1] < 0).all()
     torch.testing.assert_close(static.logps, dynamic.logps, atol=1e-5, rtol=0)
