@@ -86,9 +86,17 @@ def prepare_frozen_model(model: torch.nn.Module, accelerator) -> torch.nn.Module
     """Place a model that is only evaluated (the reference, a reward model) like the policy.
 
     Under DeepSpeed ZeRO-3 its parameters were partitioned while it loaded, and only a DeepSpeed engine
-    gathers them for a forward: it gets an inference engine (no optimizer), sharded like the policy.
-    Otherwise accelerate's evaluation-mode preparation (device placement, autocast).
+    gathers them for a forward: it gets an inference engine (no optimizer), sharded like the policy. Under
+    FSDP2 (accelerate's evaluation-mode preparation leaves it whole on every process) it is sharded block by
+    block (`shard_frozen_model`). Otherwise accelerate's evaluation-mode preparation (device placement, autocast).
     """
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    if fsdp is not None and getattr(fsdp, "fsdp_version", 1) == 2:
+        mesh = getattr(accelerator, "torch_device_mesh", None)
+        if mesh is not None and accelerator.parallelism_config is not None:
+            mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+        return shard_frozen_model(model, mesh=mesh, mp_policy=fsdp.mixed_precision_policy,
+                                  offload_policy=fsdp.cpu_offload, block_names=fsdp.transformer_cls_names_to_wrap)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
         return accelerator.prepare_model(model, evaluation_mode=True)
@@ -101,6 +109,33 @@ def prepare_frozen_model(model: torch.nn.Module, accelerator) -> torch.nn.Module
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine
+
+
+def shard_frozen_model(model: torch.nn.Module, *, mesh=None, mp_policy=None, offload_policy=None,
+                       block_names=None) -> torch.nn.Module:
+    """Shard a model that is only evaluated with FSDP2 (`fully_shard`): each transformer block (the classes
+    `block_names` names, by default the model's `_no_split_modules`) and then the root, every one resharded after
+    its forward. At rest each process holds 1/N of the weights; a forward gathers one block at a time, so its peak
+    is one whole block beside the root's own parameters (embeddings, final norm, LM head), not the whole model,
+    as when only the root is sharded (TRL's `prepare_fsdp`). Its parameters stop requiring gradients; evaluation
+    mode. `mp_policy` / `offload_policy` / `mesh`: the policy's FSDP2 settings (None: FSDP2's defaults)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if isinstance(mp_policy, dict):  # accelerate's plugin before it converts its settings
+        mp_policy = MixedPrecisionPolicy(**mp_policy)
+    if not isinstance(offload_policy, OffloadPolicy):
+        offload_policy = CPUOffloadPolicy() if offload_policy else OffloadPolicy()
+    names = set(block_names or getattr(model, "_no_split_modules", None) or [])
+    settings = {"reshard_after_forward": True, "mp_policy": mp_policy or MixedPrecisionPolicy(),
+                "offload_policy": offload_policy}
+    if mesh is not None:
+        settings["mesh"] = mesh
+    model.requires_grad_(False)
+    for module in list(model.modules())[1:]:
+        if type(module).__name__ in names and not fsdp2_modules(module):
+            fully_shard(module, **settings)
+    fully_shard(model, **settings)
+    return model.eval()
 
 
 def warn_if_fsdp_dropped(args, accelerator) -> None:
@@ -142,16 +177,19 @@ def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def unshard_fsdp2_owner(model: torch.nn.Module, module: torch.nn.Module) -> None:
+def unshard_fsdp2_owner(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module | None:
     """Under FSDP2, all-gather `module`'s parameters when they are sharded now (its owner, the innermost sharded
     module holding it, resharded them after its forward: `reshard_after_forward=True` on the root), so that a
     computation outside the model's forward (the LM head of `logprobs`) uses whole parameters whose gradients
-    FSDP2 reduces across processes like any other."""
+    FSDP2 reduces across processes like any other. Returns the owner it gathered (None if none): FSDP2 reshards
+    it after the backward pass; without one, the caller reshards it (`owner.reshard()`)."""
     if not hasattr(getattr(module, "weight", None), "full_tensor"):
-        return
+        return None
     owners = [owner for owner in fsdp2_modules(model) if any(sub is module for sub in owner.modules())]
-    if owners:
-        owners[-1].unshard()
+    if not owners:
+        return None
+    owners[-1].unshard()
+    return owners[-1]
 
 
 @contextlib.contextmanager

@@ -207,7 +207,7 @@ def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_
 def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, entropy_grad=False):
     """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time."""
     head = unwrap_model(model).get_output_embeddings()
-    unshard_fsdp2_owner(unwrap_model(model), head)  # a head resharded after the forward: whole again, once
+    owner = unshard_fsdp2_owner(unwrap_model(model), head)  # a head resharded after the forward: whole again, once
     text_config = unwrap_model(model).config.get_text_config()
     scale, softcap = output_logit_scale(text_config), getattr(text_config, "final_logit_softcapping", None)
     use_checkpoint = torch.is_grad_enabled() and hidden_valid.requires_grad
@@ -221,6 +221,8 @@ def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_s
             logps, entropy = _chunk_logps_and_entropy(*args)
         logps_chunks.append(logps)
         entropy_chunks.append(entropy)
+    if owner is not None and not use_checkpoint:  # no backward will reshard it (a reference, a π_old pass)
+        owner.reshard()
     if not logps_chunks:
         return None, None
     return torch.cat(logps_chunks), torch.cat(entropy_chunks)

@@ -7,21 +7,24 @@ the whole model on every rank scores both ranks' rows, so the averaged gradient 
 `+reshard` also reshards the root after its forward, so the LM head is projected from a sharded (DTensor)
 weight; `+bf16` computes in bf16 (FSDP2's MixedPrecisionPolicy, gradients reduced in float32) against the whole
 model under bf16 autocast. Then `decoding.sample` runs with layout-independent streams inside
-`fsdp2_whole_weights`, counting FSDP2's all-gathers. Writes <out>.rank<R>.json."""
+`fsdp2_whole_weights`, counting FSDP2's all-gathers. Last, a frozen model (the reference) goes through
+`prepare_frozen_model` with accelerate's FSDP2 plugin and scores without gradients. Writes <out>.rank<R>.json."""
 
 from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from gspo_trl import decoding
-from gspo_trl.distributed import fsdp2_whole_weights
+from gspo_trl.distributed import fsdp2_modules, fsdp2_whole_weights, prepare_frozen_model
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.rollout import keyed_uniform, stream_keys
 
@@ -123,6 +126,34 @@ def main(model_dir: str, mode: str, out: str) -> None:
     finally:
         dist.all_gather_single = original
     result["steps"] = expected.shape[1]
+
+    # A model that is only evaluated (the reference under beta > 0, a reward model), sharded by
+    # prepare_frozen_model from accelerate's FSDP2 plugin as a GPU run's trainer would: block by block.
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin, deepspeed_plugin=None),
+                                  torch_device_mesh=None, parallelism_config=None)
+    frozen = prepare_frozen_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), accelerator)
+    result["frozen_sharded_modules"] = len(fsdp2_modules(frozen))
+    result["frozen_local_fraction"] = (sum(p.to_local().numel() for p in frozen.parameters())
+                                       / sum(p.numel() for p in whole.parameters()))
+    result["frozen_requires_grad"] = any(p.requires_grad for p in frozen.parameters())
+    result["frozen_training"] = frozen.training
+    dist.all_gather_single = counting
+    try:
+        for padding_free in (False, True):
+            gathers.clear()
+            with torch.no_grad():
+                frozen_logps = score(frozen, rows[rank], padding_free)[0]
+                with autocast:
+                    whole_logps = score(whole, rows[rank], padding_free)[0]
+            name = "packed" if padding_free else "padded"
+            result[f"frozen_{name}_logp_error"] = (frozen_logps - whole_logps).abs().max().item()
+            result[f"frozen_{name}_gathers"] = len(gathers)
+    finally:
+        dist.all_gather_single = original
+    # sharded again after scoring: the head (the root's, gathered again for the projection) and a block
+    result["frozen_after"] = [type(frozen.lm_head.weight).__name__,
+                              type(frozen.model.layers[0].mlp.up_proj.weight).__name__]
     result["samples_equal"] = torch.equal(per_step, expected) and torch.equal(once, expected)
     result["resharded_after"] = type(sharded.model.layers[0].self_attn.q_proj.weight).__name__
     result["reshard_after_forward_kept"] = type(sharded.lm_head.weight).__name__

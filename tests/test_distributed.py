@@ -142,7 +142,8 @@ def test_bf16_recipes_train_on_two_processes(tmp_path, tiny_model_dir, mode):
 def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, tiny_model_dir, mode):
     """FSDP2 by hand (accelerate enables it on GPUs only): log-probs, the gradient FSDP2 averages over the two
     ranks' different rows, and samples equal the whole model's (bf16: within bf16 rounding of the whole model
-    under autocast); a rollout gathers each sharded module once."""
+    under autocast); a rollout gathers each sharded module once; a frozen model prepared like the reference is
+    sharded block by block and scores like the whole model."""
     logp_tolerance, grad_tolerance = (1e-2, 2.5e-2) if mode == "+bf16" else (1e-6, 1e-6)  # bf16: 3e-3, 1.1e-2 seen
     out = tmp_path / "fsdp2"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -165,6 +166,16 @@ def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, t
         assert result["gathers_per_forward"] >= 2 * result["steps"]
         assert result["gathers_whole_weights"] <= 3
         assert result["resharded_after"] == "DTensor"  # sharded again after the rollout
+        # a frozen model (the reference) that prepare_frozen_model shards from accelerate's FSDP2 plugin: each
+        # decoder layer and the root, about half of the weights per rank, no gradients, evaluation mode
+        blocks = result["frozen_sharded_modules"] - 1
+        assert blocks >= 2 and result["frozen_local_fraction"] <= 0.55
+        assert not result["frozen_requires_grad"] and not result["frozen_training"]
+        for layout in ("padded", "packed"):
+            assert result[f"frozen_{layout}_logp_error"] <= logp_tolerance
+            # scored block by block: one gather per layer, the root's, and the root's again for the LM head
+            assert result[f"frozen_{layout}_gathers"] == blocks + 2
+        assert result["frozen_after"] == ["DTensor", "DTensor"]  # sharded again once scored
 
 
 def test_unwrap_model_peels_engines_that_forward_attributes(tiny_model):
