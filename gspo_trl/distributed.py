@@ -170,11 +170,16 @@ def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_z
 
 def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` that FSDP2 (`fully_shard`) shards, outermost first (empty without FSDP2)."""
+    return [module for module in model.modules() if is_fsdp2_module(module)]
+
+
+def is_fsdp2_module(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`) made `module` a sharded unit of its own."""
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed support
-        return []
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def unshard_fsdp2_owner(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module | None:
@@ -201,6 +206,10 @@ def fsdp2_whole_weights(model: torch.nn.Module):
     gathers as usual (slower, same results)."""
     modules = fsdp2_modules(model)
     try:
+        if modules:  # before the first forward: let the root decide now (no resharding after its own forward), so
+            # that restoring the settings below does not undo that choice (the root's parameters, freed after every
+            # forward, then crashed a backward through them that did not use the model's own output)
+            modules[0]._get_fsdp_state()._lazy_init()
         saved = [(state, state._auto_reshard_after_forward, [group.post_forward_mesh_info for group in
                                                              state._fsdp_param_groups])
                  for state in (module._get_fsdp_state() for module in modules)]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from .distributed import is_partitioned, unshard_fsdp2_owner, unwrap_model
+from .distributed import is_fsdp2_module, is_partitioned, unshard_fsdp2_owner, unwrap_model
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, plan_forwards, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
 
@@ -57,15 +57,19 @@ def _project(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
     """The LM head projection, through the head module itself so that its hooks run (DeepSpeed ZeRO-3
     gathers a partitioned weight for the call) and an adapter on the head applies. Under autocast (see
     `precision`) both operands take autocast's dtype; without it, the hidden states take the head's
-    dtype, as inside the model's own forward. Two heads are projected by hand instead: a DTensor one that no
-    FSDP2 module owns (gathered differentiably; an FSDP2 head is made whole by its owner before the chunks,
-    `unshard_fsdp2_owner`) and a frozen ZeRO-3 one (LoRA), whose hooks do not gather it again when a
+    dtype, as inside the model's own forward. Three heads are projected by hand instead: a head that is its own
+    FSDP2 unit (accelerate's transformer-based wrapping makes one), made whole before the chunks by
+    `unshard_fsdp2_owner`: calling it would run FSDP2's hooks once per chunk on top of the model's forward (the
+    backward then crashed, gloo); a DTensor one that no FSDP2 module owns (gathered differentiably; a head inside
+    an FSDP2 unit is made whole by its owner) and a frozen ZeRO-3 one (LoRA), whose hooks do not gather it again when a
     checkpointed chunk is recomputed in the backward pass: it is gathered here and copied, since autograd
     keeps the weight for the backward and ZeRO-3 empties the parameter itself on release."""
     fp32_head = isinstance(head, Float32LMHead)
     if not fp32_head and not torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(head.weight.dtype)
-    if hasattr(head.weight, "full_tensor"):
+    if is_fsdp2_module(head):  # its own FSDP2 unit, whole now: its hooks must not gather and reshard per chunk
+        weight, bias = head.weight, head.bias
+    elif hasattr(head.weight, "full_tensor"):
         weight = head.weight.full_tensor()
         bias = None if head.bias is None else head.bias.full_tensor()
     elif is_partitioned(head) and not head.weight.requires_grad:

@@ -1,5 +1,6 @@
 """Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
-mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp2`, each optionally with
+mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp2` (accelerate's FSDP2 with its
+GPU-only gate lifted: tests/fsdp_on_cpu.py), each optionally with
 `+lora`, `+beta` and/or `+bf16` (CPU bf16 autocast), `+nogather` (ZeRO-3 generation on partitioned weights); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
@@ -91,6 +92,8 @@ def scripted_rollout(prompts, trainer):
 
 def main(model_dir: str, mode: str, out: str) -> None:
     mode, *options = mode.split("+")
+    if mode == "fsdp2":
+        import fsdp_on_cpu  # noqa: F401  (accelerate's FSDP on a CPU launch, as on GPUs)
     resume_options = {"kill", "resume", "checkpoints"} & set(options)
     peft_config = None
     if "lora" in options:
@@ -128,9 +131,14 @@ def main(model_dir: str, mode: str, out: str) -> None:
                           rollout_func=scripted_rollout if "scripted" in options else None)
     generate, whole_at_generation = trainer.rollout_backend.generate, []
 
-    def spy(prompts, *rest):  # under ZeRO-3, were the weights gathered for the whole rollout?
-        params = [p for p in trainer.accelerator.unwrap_model(trainer.model).parameters() if hasattr(p, "ds_numel")]
-        whole_at_generation.append(all(p.numel() == p.ds_numel for p in params) if params else None)
+    def spy(prompts, *rest):  # under ZeRO-3 / FSDP2, were the weights gathered for the whole rollout?
+        params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
+        if any(hasattr(p, "ds_numel") for p in params):
+            whole_at_generation.append(all(p.numel() == p.ds_numel for p in params))
+        elif trainer.is_fsdp_enabled:
+            whole_at_generation.append(not any(hasattr(p, "full_tensor") for p in params))  # no DTensor shard left
+        else:
+            whole_at_generation.append(None)
         return generate(prompts, *rest)
 
     if "episodes" not in options:
@@ -146,16 +154,21 @@ def main(model_dir: str, mode: str, out: str) -> None:
         import deepspeed
 
         gather = deepspeed.zero.GatheredParameters(partitioned)
-    with gather:
-        checksum = sum(p.detach().double().abs().sum().item() for p in model.parameters())
+    with gather:  # FSDP2: DTensor shards, read whole
+        checksum = sum((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().abs().sum().item()
+                       for p in model.parameters())
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    shard_sizes = [getattr(p, "ds_tensor", p).numel() for p in model.parameters()]
+    shard_sizes = [(p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)).numel()
+                   for p in model.parameters()]
+    reference = getattr(trainer, "ref_model", None)
+    reference_sizes = [] if reference is None else [(p.to_local() if hasattr(p, "to_local") else p).numel()
+                                                    for p in reference.parameters()]
     trainer.save_model(f"{out}.saved")  # gathered under ZeRO-3; the adapter alone under LoRA
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as handle:
         json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
                    "distributed_type": str(trainer.accelerator.distributed_type),
                    "fsdp": bool(trainer.is_fsdp_enabled), "whole_at_generation": whole_at_generation,
-                   "local_parameters": sum(shard_sizes)}, handle)
+                   "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes)}, handle)
     # End together, as a distributed script should: a rank that exits while its peer still talks to it can make the
     # peer's gloo transport abort. (One full-suite run lost rank 1 of `ddp+scripted` to SIGABRT; its log was not
     # kept and 6 reruns under load passed, so where it aborted is not established.)
