@@ -106,7 +106,7 @@ def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
         assert checksum == pytest.approx(fsdp[0]["checksum"], rel=1e-9)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+@pytest.mark.parametrize("mode", ["ddp", "zero3", "fsdp2"])
 def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_path, tiny_model_dir, mode):
     whole = launch(tmp_path, tiny_model_dir, f"{mode}+checkpoints", name="whole")
     killed = launch(tmp_path, tiny_model_dir, f"{mode}+kill", name="cut", must_succeed=False)
@@ -117,6 +117,8 @@ def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_
     assert_same_run(whole[0], resumed[0], 1e-6, steps=4)
     assert_same_run(resumed[0], resumed[1], 0, steps=4)
     assert any(e["ratio/max"] != 1.0 for e in resumed[0]["logs"] if e["step"] == 3)  # continued rollout, off-policy
+    if mode == "fsdp2":  # accelerate's FSDP2 (tests/fsdp_on_cpu.py): its sharded checkpoint, resumed
+        assert resumed[0]["distributed_type"] == "DistributedType.FSDP"
 
 
 def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir):
