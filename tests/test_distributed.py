@@ -80,12 +80,13 @@ def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny
         assert checksum == pytest.approx(zero3[0]["checksum"], rel=1e-9)
 
 
-@pytest.mark.parametrize("options", ["+beta", "+lora+beta"])
+@pytest.mark.parametrize("options", ["+beta", "+lora+beta", "+beta+bf16"])
 def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
     """A whole GSPOTrainer run under accelerate's FSDP2 (accelerate's own preparation, transformer-based wrapping:
     each decoder layer, the embeddings and the LM head their own units; its GPU-only gate lifted by
     tests/fsdp_on_cpu.py) trains the same run as DDP, with half the weights per rank, the reference model sharded
-    too, generation on gathered weights, and a save_model() checkpoint that loads. Before the fixes it tests, the
+    too, generation on gathered weights, and a save_model() checkpoint that loads. bf16: FSDP2's bf16 policy
+    (from accelerate) against DDP under bf16 autocast, the same run within bf16 rounding. Before the fixes it tests, the
     first backward crashed with SIGSEGV: FSDP2's hooks ran on the separately wrapped LM head once per log-prob
     chunk, and (LoRA) a first rollout before the root's lazy initialisation left the root resharding its
     parameters after every forward."""
@@ -93,7 +94,7 @@ def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
     fsdp = launch(tmp_path, tiny_model_dir, "fsdp2" + options)
     assert [r["distributed_type"] for r in fsdp] == ["DistributedType.FSDP"] * 2 and all(r["fsdp"] for r in fsdp)
     assert_same_run(fsdp[0], fsdp[1], 0)  # every rank logs the same numbers and holds the same (gathered) weights
-    assert_same_run(ddp[0], fsdp[0], 1e-6)
+    assert_same_run(ddp[0], fsdp[0], 1e-2 if "bf16" in options else 1e-6)  # bf16: 2.3e-3 seen (ratio/max)
     assert any(e["kl"] > 0 for e in fsdp[0]["logs"]) and any(e["ratio/max"] != 1.0 for e in fsdp[0]["logs"])
     assert fsdp[0]["local_parameters"] <= 0.55 * ddp[0]["local_parameters"]
     assert fsdp[0]["whole_at_generation"] == [True, True]  # ds3_gather_for_generation: gathered once per rollout
@@ -101,7 +102,8 @@ def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
         assert 0 < fsdp[0]["local_reference_parameters"] <= 0.55 * ddp[0]["local_reference_parameters"]
         from transformers import AutoModelForCausalLM
 
-        saved = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp2_beta.saved", dtype=torch.float64)
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / ("fsdp2" + options.replace("+", "_") + ".saved"),
+                                                     dtype=torch.float64)
         checksum = sum(p.detach().abs().sum().item() for p in saved.parameters())
         assert checksum == pytest.approx(fsdp[0]["checksum"], rel=1e-9)
 
