@@ -1,7 +1,7 @@
 """Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
 mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp2` (accelerate's FSDP2 with its
 GPU-only gate lifted: tests/fsdp_on_cpu.py), each optionally with
-`+lora`, `+beta` and/or `+bf16` (CPU bf16 autocast), `+nogather` (ZeRO-3 generation on partitioned weights); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
+`+lora`, `+beta`, `+gc` (gradient checkpointing) and/or `+bf16` (CPU bf16 autocast), `+nogather` (ZeRO-3 generation on partitioned weights); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
 completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
@@ -115,7 +115,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
         use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
         async_rollouts="async" in options,
-        bf16="bf16" in options,
+        bf16="bf16" in options, gradient_checkpointing="gc" in options,
         deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0, ds3_gather_for_generation="nogather" not in options,
         **(dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01) if "family" in options else {}),

@@ -80,12 +80,13 @@ def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny
         assert checksum == pytest.approx(zero3[0]["checksum"], rel=1e-9)
 
 
-@pytest.mark.parametrize("options", ["+beta", "+lora+beta", "+beta+bf16"])
+@pytest.mark.parametrize("options", ["+beta", "+lora+beta+gc", "+beta+bf16"])
 def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
     """A whole GSPOTrainer run under accelerate's FSDP2 (accelerate's own preparation, transformer-based wrapping:
     each decoder layer, the embeddings and the LM head their own units; its GPU-only gate lifted by
     tests/fsdp_on_cpu.py) trains the same run as DDP, with half the weights per rank, the reference model sharded
-    too, generation on gathered weights, and a save_model() checkpoint that loads. bf16: FSDP2's bf16 policy
+    too, generation on gathered weights, and a save_model() checkpoint that loads (+gc: activation checkpointing
+    on, the usual GPU recipe). bf16: FSDP2's bf16 policy
     (from accelerate) against DDP under bf16 autocast, the same run within bf16 rounding. Before the fixes it tests, the
     first backward crashed with SIGSEGV: FSDP2's hooks ran on the separately wrapped LM head once per log-prob
     chunk, and (LoRA) a first rollout before the root's lazy initialisation left the root resharding its
