@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Per-rank memory and step time of 1 vs 2 processes (DDP, DeepSpeed ZeRO-2, ZeRO-3) on SmolLM2-135M, CPU.
+"""Per-rank memory and step time of 1 vs 2 processes (DDP, DeepSpeed ZeRO-2, ZeRO-3, FSDP2) on SmolLM2-135M, CPU.
 
 Driver mode (the default) launches one `torchrun --standalone` run per (mode, processes) pair, one after the
 other, and writes every rank's figures to `--out` with a table on stdout:
@@ -16,7 +16,11 @@ fine-tuning in fp32 with AdamW, `--rollouts` rollouts after one untimed warm-up 
   model states and the activations of its share of the batch.
 - `tensor_mib`: after training, the bytes of every live tensor storage in the process (parameters, gradients,
   optimizer states, DeepSpeed's flat buffers; each storage counted once): the model states this rank holds.
-- `parameter_share`: the fraction of the model's parameter elements this rank holds (1 unless ZeRO-3).
+- `parameter_share`: the fraction of the model's parameter elements this rank holds (1 unless ZeRO-3 or FSDP2).
+
+`fsdp2` is accelerate's FSDP2 (`fsdp="full_shard"`, version 2), which accelerate enables on GPUs only: the worker
+lifts that gate as `tests/fsdp_on_cpu.py` does for the tests, and runs with 2 processes only (one process is not
+a distributed launch there, so it would be plain training).
 - `step_s`: the median wall time of the timed optimizer steps, a rollout's generation included in the first
   step that uses it (the mean over a rollout's steps is `round_s / steps`).
 
@@ -52,7 +56,7 @@ AUTO_BUCKETS = {
 
 
 def deepspeed_config(mode: str, buckets: bool = True) -> dict | None:
-    if mode == "ddp":
+    if not mode.startswith("zero"):
         return None
     zero = {"stage": int(mode[-1]), **(AUTO_BUCKETS[mode] if buckets else {})}
     return {"zero_optimization": zero, **AUTO_BATCH}
@@ -103,6 +107,12 @@ def worker(args) -> None:
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     mode = args.worker
+    fsdp = {}
+    if mode == "fsdp2":
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        import fsdp_on_cpu  # noqa: F401  (accelerate's FSDP on a CPU launch, as on GPUs)
+
+        fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
     step_ends = []
 
     class StepClock(TrainerCallback):
@@ -115,7 +125,7 @@ def worker(args) -> None:
         gradient_accumulation_steps=1, steps_per_generation=STEPS_PER_ROLLOUT, num_generations=NUM_GENERATIONS,
         max_completion_length=args.max_completion_length, max_steps=total_steps, learning_rate=1e-6,
         layout_independent_sampling=True, use_cpu=True, bf16=False, deepspeed=deepspeed_config(mode, not args.deepspeed_defaults),
-        logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True, **fsdp,
     )
     model = args.model or default_model_path()
     trainer = GSPOTrainer(model, default_task_reward(), args=config, train_dataset=default_task_dataset(64),
@@ -125,7 +135,8 @@ def worker(args) -> None:
     ends = [start] + step_ends
     step_times = [b - a for a, b in zip(ends, ends[1:])][STEPS_PER_ROLLOUT:]  # the warm-up rollout is untimed
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    held = sum(getattr(p, "ds_tensor", p).numel() for p in unwrapped.parameters())
+    held = sum((p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)).numel()
+               for p in unwrapped.parameters())
     full = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters())
     gc.collect()
     storages = live_tensor_storages()
@@ -204,6 +215,9 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         for mode in args.modes.split(","):
             for processes in (int(p) for p in args.processes.split(",")):
+                if mode == "fsdp2" and processes == 1:
+                    print("[distributed] fsdp2 runs with 2 or more processes only", flush=True)
+                    continue
                 rows += launch(args, mode, processes, Path(folder))
     import torch
 
