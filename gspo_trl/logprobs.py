@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from .distributed import is_fsdp2_module, is_partitioned, unshard_fsdp2_owner, unwrap_model
+from .distributed import fsdp2_modules, is_fsdp2_module, is_partitioned, unshard_fsdp2_owner, unwrap_model
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, plan_forwards, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
 
@@ -185,7 +185,29 @@ def _final_hidden_states(model, router_aux_loss: bool = False, **inputs) -> tupl
         outputs = model(**inputs, logits_to_keep=1, use_cache=False, **extra)
     finally:
         handle.remove()
-    return captured["hidden"], outputs.aux_loss if router_aux_loss else None
+    hidden = captured["hidden"]
+    if outputs.logits.requires_grad and fsdp2_modules(inner):
+        hidden = _WithModelOutput.apply(hidden, outputs.logits)
+    return hidden, outputs.aux_loss if router_aux_loss else None
+
+
+class _WithModelOutput(torch.autograd.Function):
+    """The hidden states, unchanged, with the model's own output (its one-position logits) attached to the graph
+    with a zero gradient. FSDP2 re-gathers, before the backward pass needs them, the parameters a module freed
+    after its forward (`reshard_after_forward`) when the gradient reaches that module's output; the loss here is
+    built from the decoder's hidden states instead, so without this the root's own parameters (the final norm's)
+    were read freed in the backward pass (SIGSEGV, root resharding after its forward with the LM head a unit of
+    its own)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        ctx.output_like = (output.shape, output.dtype, output.device)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.output_like
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 def output_logit_scale(text_config) -> float:
     """The factor some architectures apply to the LM head's output inside their forward, which the

@@ -5,8 +5,9 @@ applied here by hand, as a GPU run's accelerate would) against the same model wh
 Each rank scores its own rows with `completion_logprobs` (padded and packed) and back-propagates a weighted sum;
 the whole model on every rank scores both ranks' rows, so the averaged gradient FSDP2 reduces can be checked.
 `+reshard` also reshards the root after its forward, so the LM head is projected from a sharded (DTensor)
-weight; `+bf16` computes in bf16 (FSDP2's MixedPrecisionPolicy, gradients reduced in float32) against the whole
-model under bf16 autocast. Then `decoding.sample` runs with layout-independent streams inside
+weight; `+head` makes the LM head a unit of its own (as accelerate's transformer-based wrapping does); `+bf16`
+computes in bf16 (FSDP2's MixedPrecisionPolicy, gradients reduced in float32) against the whole model under bf16
+autocast. Then `decoding.sample` runs with layout-independent streams inside
 `fsdp2_whole_weights`, counting FSDP2's all-gathers. Last, a frozen model (the reference) goes through
 `prepare_frozen_model` with accelerate's FSDP2 plugin and scores without gradients. Writes <out>.rank<R>.json."""
 
@@ -68,6 +69,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
     sharding = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     for layer in sharded.model.layers:
         fully_shard(layer, **sharding)
+    if "+head" in mode:  # the LM head a unit of its own, as accelerate's transformer-based wrapping makes it
+        fully_shard(sharded.lm_head, **sharding)
     fully_shard(sharded, **sharding)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)  # the whole model's bf16
     if "+reshard" in mode:

@@ -169,7 +169,7 @@ def test_bf16_recipes_train_on_two_processes(tmp_path, tiny_model_dir, mode):
     assert any(e["kl"] > 0 for e in logs) and any(e["ratio/max"] != 1.0 for e in logs)
 
 
-@pytest.mark.parametrize("mode", ["", "+reshard", "+bf16"])
+@pytest.mark.parametrize("mode", ["", "+reshard", "+bf16", "+head", "+reshard+head"])
 def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, tiny_model_dir, mode):
     """FSDP2 by hand (accelerate enables it on GPUs only): log-probs, the gradient FSDP2 averages over the two
     ranks' different rows, and samples equal the whole model's (bf16: within bf16 rounding of the whole model
@@ -185,8 +185,11 @@ def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, t
         result = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert result["sharded_head"] == "DTensor"
         # the root reshards after its forward only when asked: then the LM head is projected outside the forward
-        # from a sharded weight, which logprobs makes whole through its owner first
-        assert result["head_after_forward"] == ("DTensor" if mode == "+reshard" else "Parameter")
+        # from a sharded weight, which logprobs makes whole through its owner first. +head: the head is a unit of
+        # its own (resharded after its forward, made whole once and projected without its hooks); with +reshard
+        # the root's own parameters (final norm) are freed after the forward too and must be gathered again for
+        # the backward pass (the model's output is attached to the graph for that: it crashed before)
+        assert result["head_after_forward"] == ("DTensor" if "+reshard" in mode or "+head" in mode else "Parameter")
         for layout in ("padded", "packed"):
             assert result[f"{layout}_logp_error"] <= logp_tolerance
             errors = result[f"{layout}_grad_errors"]
@@ -195,7 +198,7 @@ def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, t
         assert result["steps"] > 3 and (result["samples_equal"] or mode == "+bf16")
         # per-step gathers: the decoder layers at every forward; in fsdp2_whole_weights: each module once
         assert result["gathers_per_forward"] >= 2 * result["steps"]
-        assert result["gathers_whole_weights"] <= 3
+        assert result["gathers_whole_weights"] <= (4 if "+head" in mode else 3)
         assert result["resharded_after"] == "DTensor"  # sharded again after the rollout
         # a frozen model (the reference) that prepare_frozen_model shards from accelerate's FSDP2 plugin: each
         # decoder layer and the root, about half of the weights per rank, no gradients, evaluation mode
