@@ -31,6 +31,7 @@ from gspo_trl.decoding import (
     random_uniforms,
     token_logps,
 )
+from gspo_trl.distributed import fsdp2_modules
 from gspo_trl.kv_cache import cache_kwargs
 from gspo_trl.prefix_sharing import prefill
 
@@ -53,6 +54,8 @@ def unsupported_reason(model, cache: DynamicCache | None) -> str | None:
         return "cache layers other than full attention (sliding windows, linear attention, ...)"
     if any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in model.parameters()):
         return "sharded parameters (DeepSpeed ZeRO-3 or FSDP)"
+    if fsdp2_modules(model):  # whole for the rollout, but FSDP2's hooks would run (and be captured) in every forward
+        return "FSDP2 (its forward hooks run around every step; CUDA-graph capture of them is untested)"
     return None
 
 

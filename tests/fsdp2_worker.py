@@ -19,14 +19,15 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-from gspo_trl import decoding
+from gspo_trl import decoding, static_decoding
 from gspo_trl.distributed import fsdp2_modules, fsdp2_whole_weights, prepare_frozen_model
 from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.prefix_sharing import prefill
 from gspo_trl.rollout import keyed_uniform, stream_keys
 
 PROMPTS = [["What is 2 + 3?", "Hi there"], ["Solve: 7 - 4", "Say ok"]]  # rank r scores PROMPTS[r]
@@ -125,6 +126,9 @@ def main(model_dir: str, mode: str, out: str) -> None:
             gathers.clear()
             with fsdp2_whole_weights(sharded):
                 once = sample(sharded)
+                # whole weights, yet no CUDA-graph decoding: FSDP2's hooks still run around every forward
+                result["static_refusal"] = static_decoding.unsupported_reason(
+                    sharded, prefill(sharded, encoded.input_ids, encoded.attention_mask))
             result["gathers_whole_weights"] = len(gathers)
     finally:
         dist.all_gather_single = original

@@ -200,6 +200,7 @@ def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, t
         assert result["gathers_per_forward"] >= 2 * result["steps"]
         assert result["gathers_whole_weights"] <= (4 if "+head" in mode else 3)
         assert result["resharded_after"] == "DTensor"  # sharded again after the rollout
+        assert result["static_refusal"].startswith("FSDP2")
         # a frozen model (the reference) that prepare_frozen_model shards from accelerate's FSDP2 plugin: each
         # decoder layer and the root, about half of the weights per rank, no gradients, evaluation mode
         blocks = result["frozen_sharded_modules"] - 1
