@@ -17,6 +17,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 def precision_context(accelerator) -> contextlib.AbstractContextManager:
@@ -75,3 +78,19 @@ def check_precision(model, args) -> None:
                 f"float16 (e.g. {half[0]!r}), which the scaler cannot unscale. Load the model in fp32 "
                 "(model_init_kwargs={'dtype': 'float32'}) and keep fp16=True, or use bf16=True with a bf16 model."
             )
+
+
+def warn_if_fp32_head_is_cast_by_fsdp2(args, accelerator) -> None:
+    """`cast_lm_head_to_fp32=True` under FSDP2 with a bf16/fp16 mixed-precision policy: FSDP2 casts every unit's
+    parameters, the head's too, to the policy's `param_dtype` for the forward, so the head projects with bf16/fp16
+    copies of its fp32 weights (and reduces its gradient in `reduce_dtype`). Say so: it is not what was asked for."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if not getattr(args, "cast_lm_head_to_fp32", False) or plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        return
+    dtype = getattr(plugin.mixed_precision_policy, "param_dtype", None)
+    if dtype in (torch.bfloat16, torch.float16):
+        logger.warning(
+            f"cast_lm_head_to_fp32=True under FSDP2 with a {dtype} mixed-precision policy: FSDP2 casts the LM head's "
+            f"weight to {dtype} for every forward like any other unit's, so the projection is not computed from fp32 "
+            "weights. Use DDP or DeepSpeed for an fp32 head, or set cast_lm_head_to_fp32=False."
+        )

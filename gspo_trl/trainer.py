@@ -62,7 +62,7 @@ from .models import (
     router_aux_loss_coef,
 )
 from .packing import packing_pays_on, padding_free_unsupported_reason
-from .precision import check_precision, precision_context
+from .precision import check_precision, precision_context, warn_if_fp32_head_is_cast_by_fsdp2
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import SampledRollout, create_rollout_backend, is_conversational_prompt, stream_keys
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
@@ -158,6 +158,7 @@ class GSPOTrainer(Trainer):
             optimizers=optimizers,
         )
         warn_if_fsdp_dropped(args, self.accelerator)
+        warn_if_fp32_head_is_cast_by_fsdp2(args, self.accelerator)
         if args.cpu_memory_pool and self.accelerator.device.type == "cpu":
             pool_freed_memory()
         # compute_loss returns a per-micro-batch mean; Trainer divides it by the accumulation steps.

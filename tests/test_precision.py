@@ -156,3 +156,29 @@ def test_logprobs_match_trl_on_the_same_batch(tmp_path, tiny_model_dir, mode):
     difference = (ours_logps - theirs_logps)[mask].abs()
     # bf16 keeps ~3 significant digits of log-probs near -6 (a random model, 400 tokens); measured: max 0.002.
     assert difference.max() < 0.01 and difference.mean() < 1e-3, (mode, difference.max(), difference.mean())
+
+
+def test_an_fp32_head_under_fsdp2_mixed_precision_is_reported(caplog):
+    # accelerate's real FSDP2 plugin with its bf16 policy: FSDP2 would cast the head's weight to bf16 for each forward
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from gspo_trl.precision import warn_if_fp32_head_is_cast_by_fsdp2
+
+    def accelerator(precision):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        if precision is not None:
+            plugin.set_mixed_precision(precision)
+        return SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+
+    with caplog.at_level("WARNING"):
+        warn_if_fp32_head_is_cast_by_fsdp2(SimpleNamespace(cast_lm_head_to_fp32=True), accelerator("bf16"))
+    assert caplog.text.count("cast_lm_head_to_fp32=True under FSDP2") == 1
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        warn_if_fp32_head_is_cast_by_fsdp2(SimpleNamespace(cast_lm_head_to_fp32=False), accelerator("bf16"))
+        warn_if_fp32_head_is_cast_by_fsdp2(SimpleNamespace(cast_lm_head_to_fp32=True), accelerator(None))
+        warn_if_fp32_head_is_cast_by_fsdp2(SimpleNamespace(cast_lm_head_to_fp32=True),
+                                           SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None)))
+    assert "cast_lm_head_to_fp32" not in caplog.text
