@@ -17,12 +17,12 @@ fine-tuning in fp32 with AdamW, `--rollouts` rollouts after one untimed warm-up 
 - `tensor_mib`: after training, the bytes of every live tensor storage in the process (parameters, gradients,
   optimizer states, DeepSpeed's flat buffers; each storage counted once): the model states this rank holds.
 - `parameter_share`: the fraction of the model's parameter elements this rank holds (1 unless ZeRO-3 or FSDP2).
+- `step_s`: the median wall time of the timed optimizer steps, a rollout's generation included in the first
+  step that uses it (the mean over a rollout's steps is `round_s / steps`).
 
 `fsdp2` is accelerate's FSDP2 (`fsdp="full_shard"`, version 2), which accelerate enables on GPUs only: the worker
 lifts that gate as `tests/fsdp_on_cpu.py` does for the tests, and runs with 2 processes only (one process is not
 a distributed launch there, so it would be plain training).
-- `step_s`: the median wall time of the timed optimizer steps, a rollout's generation included in the first
-  step that uses it (the mean over a rollout's steps is `round_s / steps`).
 
 Run with nothing else on the machine: the processes share its cores (`OMP_NUM_THREADS` = cores / processes).
 """

@@ -57,13 +57,13 @@ def _project(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
     """The LM head projection, through the head module itself so that its hooks run (DeepSpeed ZeRO-3
     gathers a partitioned weight for the call) and an adapter on the head applies. Under autocast (see
     `precision`) both operands take autocast's dtype; without it, the hidden states take the head's
-    dtype, as inside the model's own forward. Three heads are projected by hand instead: a head that is its own
-    FSDP2 unit (accelerate's transformer-based wrapping makes one), made whole before the chunks by
-    `unshard_fsdp2_owner`: calling it would run FSDP2's hooks once per chunk on top of the model's forward (the
-    backward then crashed, gloo); a DTensor one that no FSDP2 module owns (gathered differentiably; a head inside
-    an FSDP2 unit is made whole by its owner) and a frozen ZeRO-3 one (LoRA), whose hooks do not gather it again when a
-    checkpointed chunk is recomputed in the backward pass: it is gathered here and copied, since autograd
-    keeps the weight for the backward and ZeRO-3 empties the parameter itself on release."""
+    dtype, as inside the model's own forward. Three heads are projected by hand instead: a head that is its
+    own FSDP2 unit (accelerate's transformer-based wrapping makes one), made whole before the chunks by
+    `unshard_fsdp2_owner`: calling it would run FSDP2's hooks once per chunk on top of the model's forward
+    (the backward then crashed, gloo); a DTensor one that no FSDP2 module owns (gathered differentiably; a
+    head inside an FSDP2 unit is made whole by its owner); and a frozen ZeRO-3 one (LoRA), whose hooks do not
+    gather it again when a checkpointed chunk is recomputed in the backward pass: it is gathered here and
+    copied, since autograd keeps the weight for the backward and ZeRO-3 empties the parameter on release."""
     fp32_head = isinstance(head, Float32LMHead)
     if not fp32_head and not torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(head.weight.dtype)
@@ -208,6 +208,7 @@ class _WithModelOutput(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         shape, dtype, device = ctx.output_like
         return grad, torch.zeros(shape, dtype=dtype, device=device)
+
 
 def output_logit_scale(text_config) -> float:
     """The factor some architectures apply to the LM head's output inside their forward, which the
