@@ -1,7 +1,8 @@
 """Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
-mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero2`, `zero3`, `fsdp2` (accelerate's FSDP2 with its
+mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero1`, `zero2`, `zero3`, `fsdp2` (accelerate's FSDP2 with its
 GPU-only gate lifted: tests/fsdp_on_cpu.py), each optionally with
-`+lora`, `+beta`, `+gc` (gradient checkpointing) and/or `+bf16` (CPU bf16 autocast), `+nogather` (ZeRO-3 generation on partitioned weights); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
+`+lora`, `+beta`, `+gc` (gradient checkpointing), `+offload` (ZeRO-Offload: optimizer states, and under ZeRO-3
+the parameters, in CPU memory; accelerate swaps in DeepSpeedCPUAdam) and/or `+bf16` (CPU bf16 autocast), `+nogather` (ZeRO-3 generation on partitioned weights); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
 completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
@@ -17,6 +18,7 @@ its per-step logs, a checksum of its full weights and the size of its own share 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -30,6 +32,13 @@ from gspo_trl import GSPOConfig, GSPOTrainer
 from helpers import count_digits, length_reward
 
 DEEPSPEED = {
+    "zero1": {
+        "zero_optimization": {"stage": 1},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    },
     "zero2": {
         "zero_optimization": {"stage": 2},
         "train_micro_batch_size_per_gpu": "auto",
@@ -108,6 +117,12 @@ def main(model_dir: str, mode: str, out: str) -> None:
         schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]), layout_independent_sampling=True)
     if "scripted" in options:  # 8 completions per micro-step over all processes, from the rollout_func
         schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]))
+    deepspeed_config = DEEPSPEED.get(mode)
+    if "offload" in options:  # ZeRO-Offload: optimizer states (and, under ZeRO-3, parameters) in CPU memory
+        deepspeed_config = copy.deepcopy(deepspeed_config)
+        deepspeed_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if mode == "zero3":
+            deepspeed_config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     config = GSPOConfig(
         output_dir=f"{out}.output", **{"per_device_train_batch_size": 4, **schedule}, num_generations=4,
         max_completion_length=16 if "episodes" in options else 6,
@@ -116,7 +131,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
         async_rollouts="async" in options,
         bf16="bf16" in options, gradient_checkpointing="gc" in options,
-        deepspeed=DEEPSPEED.get(mode), fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
+        deepspeed=deepspeed_config, fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0, ds3_gather_for_generation="nogather" not in options,
         **(dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01) if "family" in options else {}),
         **(dict(max_turns=2, importance_sampling_level="turn", advantage_granularity="turn",
@@ -168,6 +183,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
                    "distributed_type": str(trainer.accelerator.distributed_type),
                    "fsdp": bool(trainer.is_fsdp_enabled), "whole_at_generation": whole_at_generation,
+                   "optimizer": type(getattr(trainer.deepspeed, "basic_optimizer", trainer.optimizer.optimizer)).__name__,
                    "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes)}, handle)
     # End together, as a distributed script should: a rank that exits while its peer still talks to it can make the
     # peer's gloo transport abort. (One full-suite run lost rank 1 of `ddp+scripted` to SIGABRT; its log was not

@@ -80,6 +80,24 @@ def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny
         assert checksum == pytest.approx(zero3[0]["checksum"], rel=1e-9)
 
 
+@pytest.mark.parametrize("zero_modes, options", [(["zero1", "zero3+offload"], "+beta"),
+                                                 (["zero2+offload"], "+lora+beta")])
+def test_deepspeed_zero1_and_zero_offload_train_like_ddp(tmp_path, tiny_model_dir, zero_modes, options):
+    """ZeRO-1, and ZeRO-Offload (optimizer states in CPU memory; under ZeRO-3 the parameters too), with the reference
+    model (beta > 0) or LoRA's disabled adapter: the same run as DDP. With offload, accelerate replaces the torch
+    AdamW by DeepSpeedCPUAdam (compiled on first use), whose arithmetic differs in rounding only."""
+    ddp = launch(tmp_path, tiny_model_dir, "ddp" + options)
+    for mode in zero_modes:
+        zero = launch(tmp_path, tiny_model_dir, mode + options)
+        assert [r["distributed_type"] for r in zero] == ["DistributedType.DEEPSPEED"] * 2
+        assert_same_run(zero[0], zero[1], 0)
+        assert_same_run(ddp[0], zero[0], 1e-6)
+        assert any(e["kl"] > 0 for e in zero[0]["logs"])
+        assert zero[0]["optimizer"] == ("DeepSpeedCPUAdam" if "offload" in mode else "AdamW")
+        if mode.startswith("zero3"):
+            assert zero[0]["local_parameters"] <= 0.55 * ddp[0]["local_parameters"]
+
+
 @pytest.mark.parametrize("options", ["+beta", "+lora+beta+gc", "+beta+bf16", "+seeded+episodes"])
 def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
     """A whole GSPOTrainer run under accelerate's FSDP2 (accelerate's own preparation, transformer-based wrapping:
