@@ -83,13 +83,16 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(getattr(p, "ds_status", None) is not None for p in module.parameters(recurse=False))
 
 
-def prepare_frozen_model(model: torch.nn.Module, accelerator) -> torch.nn.Module:
+def prepare_frozen_model(model: torch.nn.Module, accelerator, scored_by_logprobs: bool = False) -> torch.nn.Module:
     """Place a model that is only evaluated (the reference, a reward model) like the policy.
 
     Under DeepSpeed ZeRO-3 its parameters were partitioned while it loaded, and only a DeepSpeed engine
     gathers them for a forward: it gets an inference engine (no optimizer), sharded like the policy. Under
     FSDP2 (accelerate's evaluation-mode preparation leaves it whole on every process) it is sharded block by
-    block (`shard_frozen_model`). Otherwise accelerate's evaluation-mode preparation (device placement, autocast).
+    block (`shard_frozen_model`); `scored_by_logprobs` (the reference): its root keeps its parameters after its
+    forward, since `logprobs` projects the LM head, a root parameter, right after it and then reshards the root
+    (one gather of the root per pass instead of two). Otherwise accelerate's evaluation-mode preparation (device
+    placement, autocast).
     """
     fsdp = getattr(accelerator.state, "fsdp_plugin", None)
     if fsdp is not None and getattr(fsdp, "fsdp_version", 1) == 2:
@@ -97,7 +100,8 @@ def prepare_frozen_model(model: torch.nn.Module, accelerator) -> torch.nn.Module
         if mesh is not None and accelerator.parallelism_config is not None:
             mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
         return shard_frozen_model(model, mesh=mesh, mp_policy=fsdp.mixed_precision_policy,
-                                  offload_policy=fsdp.cpu_offload, block_names=fsdp.transformer_cls_names_to_wrap)
+                                  offload_policy=fsdp.cpu_offload, block_names=fsdp.transformer_cls_names_to_wrap,
+                                  reshard_root_after_forward=not scored_by_logprobs)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
         return accelerator.prepare_model(model, evaluation_mode=True)
@@ -113,13 +117,14 @@ def prepare_frozen_model(model: torch.nn.Module, accelerator) -> torch.nn.Module
 
 
 def shard_frozen_model(model: torch.nn.Module, *, mesh=None, mp_policy=None, offload_policy=None,
-                       block_names=None) -> torch.nn.Module:
+                       block_names=None, reshard_root_after_forward: bool = True) -> torch.nn.Module:
     """Shard a model that is only evaluated with FSDP2 (`fully_shard`): each transformer block (the classes
     `block_names` names, by default the model's `_no_split_modules`) and then the root, every one resharded after
-    its forward. At rest each process holds 1/N of the weights; a forward gathers one block at a time, so its peak
-    is one whole block beside the root's own parameters (embeddings, final norm, LM head), not the whole model,
-    as when only the root is sharded (TRL's `prepare_fsdp`). Its parameters stop requiring gradients; evaluation
-    mode. `mp_policy` / `offload_policy` / `mesh`: the policy's FSDP2 settings (None: FSDP2's defaults)."""
+    its forward (the root only with `reshard_root_after_forward`; otherwise whoever runs it calls `reshard()`). At
+    rest each process holds 1/N of the weights; a forward gathers one block at a time, so its peak is one whole
+    block beside the root's own parameters (embeddings, final norm, LM head), not the whole model, as when only the
+    root is sharded (TRL's `prepare_fsdp`). Its parameters stop requiring gradients; evaluation mode.
+    `mp_policy` / `offload_policy` / `mesh`: the policy's FSDP2 settings (None: FSDP2's defaults)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if isinstance(mp_policy, dict):  # accelerate's plugin before it converts its settings
@@ -135,7 +140,7 @@ def shard_frozen_model(model: torch.nn.Module, *, mesh=None, mp_policy=None, off
     for module in list(model.modules())[1:]:
         if type(module).__name__ in names and not fsdp2_modules(module):
             fully_shard(module, **settings)
-    fully_shard(model, **settings)
+    fully_shard(model, **{**settings, "reshard_after_forward": reshard_root_after_forward})
     return model.eval()
 
 
@@ -187,15 +192,17 @@ def unshard_fsdp2_owner(model: torch.nn.Module, module: torch.nn.Module) -> torc
     """Under FSDP2, all-gather `module`'s parameters when they are sharded now (its owner, the innermost sharded
     module holding it, resharded them after its forward: `reshard_after_forward=True` on the root), so that a
     computation outside the model's forward (the LM head of `logprobs`) uses whole parameters whose gradients
-    FSDP2 reduces across processes like any other. Returns the owner it gathered (None if none): FSDP2 reshards
-    it after the backward pass; without one, the caller reshards it (`owner.reshard()`)."""
-    if not hasattr(getattr(module, "weight", None), "full_tensor"):
-        return None
+    FSDP2 reduces across processes like any other. Returns the owner the caller must reshard when no backward pass
+    follows (None if none): the one it gathered, or a frozen model's owner that kept its parameters after its
+    forward (`shard_frozen_model` without resharding the root), which no backward pass will ever reshard."""
     owners = [owner for owner in fsdp2_modules(model) if any(sub is module for sub in owner.modules())]
     if not owners:
         return None
-    owners[-1].unshard()
-    return owners[-1]
+    owner = owners[-1]
+    if hasattr(getattr(module, "weight", None), "full_tensor"):  # sharded now
+        owner.unshard()
+        return owner
+    return None if any(p.requires_grad for p in owner.parameters()) else owner
 
 
 @contextlib.contextmanager

@@ -164,7 +164,7 @@ class GSPOTrainer(Trainer):
         # compute_loss returns a per-micro-batch mean; Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         if self.ref_model is not None:
-            self.ref_model = prepare_frozen_model(self.ref_model, self.accelerator)
+            self.ref_model = prepare_frozen_model(self.ref_model, self.accelerator, scored_by_logprobs=True)
         for reward_func in self.reward_funcs:
             if isinstance(reward_func, RewardModelFunction):
                 reward_func.model = prepare_frozen_model(reward_func.model, self.accelerator)

@@ -139,7 +139,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy)
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin, deepspeed_plugin=None),
                                   torch_device_mesh=None, parallelism_config=None)
-    frozen = prepare_frozen_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), accelerator)
+    frozen = prepare_frozen_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), accelerator,
+                                  scored_by_logprobs=True)
     result["frozen_sharded_modules"] = len(fsdp2_modules(frozen))
     result["frozen_local_fraction"] = (sum(p.to_local().numel() for p in frozen.parameters())
                                        / sum(p.numel() for p in whole.parameters()))
@@ -158,7 +159,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
             result[f"frozen_{name}_gathers"] = len(gathers)
     finally:
         dist.all_gather_single = original
-    # sharded again after scoring: the head (the root's, gathered again for the projection) and a block
+    # sharded again after scoring: the head (the root's, kept whole from its forward for the projection) and a block
     result["frozen_after"] = [type(frozen.lm_head.weight).__name__,
                               type(frozen.model.layers[0].mlp.up_proj.weight).__name__]
     result["samples_equal"] = torch.equal(per_step, expected) and torch.equal(once, expected)
