@@ -1,8 +1,10 @@
 """Run under `torchrun --nproc_per_node N` by test_distributed.py: a short GSPO run with one sharding
-mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero1`, `zero2`, `zero3`, `fsdp2` (accelerate's FSDP2 with its
-GPU-only gate lifted: tests/fsdp_on_cpu.py), each optionally with
-`+lora`, `+beta`, `+gc` (gradient checkpointing), `+offload` (ZeRO-Offload: optimizer states, and under ZeRO-3
-the parameters, in CPU memory; accelerate swaps in DeepSpeedCPUAdam) and/or `+bf16` (CPU bf16 autocast), `+nogather` (ZeRO-3 generation on partitioned weights); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
+mode on gloo: `ddp`, `ddp_no_flag` (use_cpu left unset), `zero1`, `zero2`, `zero3`, `fsdp2` (accelerate's FSDP2 with
+its GPU-only gate lifted: tests/fsdp_on_cpu.py), `launcher` (no sharding setting: it comes from `accelerate launch
+--config_file`, through accelerate's environment), each optionally with `+lora`, `+beta`, `+gc` (gradient
+checkpointing), `+offload` (ZeRO-Offload: optimizer states, and under ZeRO-3 the parameters, in CPU memory;
+accelerate swaps in DeepSpeedCPUAdam), `+bf16` (CPU bf16 autocast) and/or `+nogather` (ZeRO-3 generation on
+partitioned weights); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
 completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
@@ -101,7 +103,7 @@ def scripted_rollout(prompts, trainer):
 
 def main(model_dir: str, mode: str, out: str) -> None:
     mode, *options = mode.split("+")
-    if mode == "fsdp2":
+    if mode == "fsdp2" or os.environ.get("ACCELERATE_USE_FSDP") == "true":
         import fsdp_on_cpu  # noqa: F401  (accelerate's FSDP on a CPU launch, as on GPUs)
     resume_options = {"kill", "resume", "checkpoints"} & set(options)
     peft_config = None
@@ -128,7 +130,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         max_completion_length=16 if "episodes" in options else 6,
         learning_rate=5e-3, epsilon=0.2,
         epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
-        use_cpu=mode != "ddp_no_flag",  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
+        use_cpu=mode not in ("ddp_no_flag", "launcher"),  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
         async_rollouts="async" in options,
         bf16="bf16" in options, gradient_checkpointing="gc" in options,
         deepspeed=deepspeed_config, fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],

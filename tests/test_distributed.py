@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from gspo_trl.distributed import needs_cpu_process_group, unwrap_model
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
+CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "accelerate_configs"
 
 
 def launch(tmp_path, model_dir, mode, processes=2, name=None, must_succeed=True):
@@ -300,12 +302,60 @@ def test_deepspeed_batch_fields_that_contradict_the_config_fail_at_construction(
     check_deepspeed_batch_fields(args, num_processes=2)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def accelerate_launch(tmp_path, model_dir, config: str, machines: int = 1) -> list[dict]:
+    """`accelerate launch --config_file examples/accelerate_configs/<config>.yaml` of the worker, as a user runs it,
+    with two processes in all and no mixed precision (a CPU run's overrides on the command line); a multi-machine
+    config starts one launcher per machine rank, all on this host. The worker's `launcher` mode sets nothing about
+    the sharding: it comes from the config, through accelerate's environment."""
+    out, port = tmp_path / f"launched_{config}", free_port()
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
+               "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port)]
+    worker = [str(WORKER), model_dir, "launcher+beta", str(out)]
+    launchers = [subprocess.Popen(command + (["--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
+                                             if machines > 1 else []) + worker,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(machines)]
+    for launcher in launchers:
+        _, stderr = launcher.communicate(timeout=600)
+        assert launcher.returncode == 0, failure_report(stderr)
+    return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_example_accelerate_configs_run_as_is_under_accelerate_launch(tmp_path, tiny_model_dir):
+    """Every config of examples/accelerate_configs/ trains the same run (with the reference model, beta > 0) under
+    `accelerate launch` on 2 CPU processes, with only the process count and precision overridden: DDP (multi_gpu:
+    gloo chosen without a GPU), ZeRO-2, ZeRO-3 (partitioned while loading), FSDP2 (its GPU-only gate lifted,
+    `fsdp_cpu_ram_efficient_loading` and a full state dict as in the file) and the two-machine ZeRO-3 config as two
+    launchers (machine ranks 0 and 1, one process each)."""
+    runs = {config: accelerate_launch(tmp_path, tiny_model_dir, config)
+            for config in ("multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2")}
+    runs["multi_node_zero3"] = accelerate_launch(tmp_path, tiny_model_dir, "multi_node_zero3", machines=2)
+    ddp = runs["multi_gpu"][0]
+    assert ddp["distributed_type"] == "DistributedType.MULTI_CPU"
+    for config, ranks in runs.items():
+        assert all(rank["world_size"] == 2 for rank in ranks), config
+        assert_same_run(ranks[0], ranks[1], 0)
+        assert_same_run(ddp, ranks[0], 1e-6)
+        assert any(e["kl"] > 0 for e in ranks[0]["logs"])
+    for config in ("deepspeed_zero2", "deepspeed_zero3", "multi_node_zero3"):
+        assert runs[config][0]["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert runs["fsdp2"][0]["distributed_type"] == "DistributedType.FSDP"
+    for config in ("deepspeed_zero3", "multi_node_zero3", "fsdp2"):  # sharded: half the weights per rank
+        assert runs[config][0]["local_parameters"] <= 0.55 * ddp["local_parameters"]
+        assert runs[config][0]["whole_at_generation"] == [True, True]
+
+
 def test_example_accelerate_configs_load():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    folder = Path(__file__).resolve().parent.parent / "examples" / "accelerate_configs"
-    loaded = {path.stem: load_config_from_file(str(path)) for path in sorted(folder.glob("*.yaml"))}
-    assert set(loaded) == {"multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"}
+    loaded = {path.stem: load_config_from_file(str(path)) for path in sorted(CONFIGS.glob("*.yaml"))}
+    assert set(loaded) == {"multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2", "multi_node_zero3"}
     assert loaded["deepspeed_zero3"].deepspeed_config["zero_stage"] == 3
     assert loaded["deepspeed_zero3"].deepspeed_config["zero3_init_flag"] is True
     assert loaded["fsdp2"].fsdp_config["fsdp_version"] == 2
