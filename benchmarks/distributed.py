@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Per-rank memory and step time of 1 vs 2 processes (DDP, DeepSpeed ZeRO-2, ZeRO-3, FSDP2) on SmolLM2-135M, CPU.
+"""Per-rank memory and step time of 1 vs 2 processes (DDP, DeepSpeed ZeRO-2, ZeRO-3, offload, FSDP2) on SmolLM2-135M.
 
 Driver mode (the default) launches one `torchrun --standalone` run per (mode, processes) pair, one after the
 other, and writes every rank's figures to `--out` with a table on stdout:
@@ -23,6 +23,16 @@ fine-tuning in fp32 with AdamW, `--rollouts` rollouts after one untimed warm-up 
 `fsdp2` is accelerate's FSDP2 (`fsdp="full_shard"`, version 2), which accelerate enables on GPUs only: the worker
 lifts that gate as `tests/fsdp_on_cpu.py` does for the tests, and runs with 2 processes only (one process is not
 a distributed launch there, so it would be plain training).
+
+`zero2_offload` / `zero3_offload` add ZeRO-Offload (optimizer states, and under ZeRO-3 the parameters, in CPU
+memory; accelerate then trains with DeepSpeedCPUAdam). `--device cuda` runs the GPU recipe (bf16 weights,
+`bf16=True`) and records each rank's peak GPU memory (`torch.cuda.max_memory_allocated`) and what stays allocated
+after training; with `--architecture` (and `--tokenizer`, as for step_time.py) the model is a random-init one of
+SmolLM2's sizes on synthetic prompts, for a GPU machine without the demo's weights. The GPU row issue 9 asks for
+(one process, ZeRO-3 with and without offload):
+
+    python benchmarks/distributed.py --device cuda --architecture smollm2-1.7b --tokenizer .bench/smollm2-tokenizer \
+        --modes zero3,zero3_offload --processes 1 --out benchmarks/results/distributed_gpu.json
 
 Run with nothing else on the machine: the processes share its cores (`OMP_NUM_THREADS` = cores / processes).
 """
@@ -55,10 +65,18 @@ AUTO_BUCKETS = {
 }
 
 
+# ZeRO-Offload: optimizer states (and, under ZeRO-3, parameters) in CPU memory; accelerate swaps the trainer's AdamW
+# for DeepSpeedCPUAdam. On a GPU it moves memory off the device; on CPU the memory stays where it was.
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+
+
 def deepspeed_config(mode: str, buckets: bool = True) -> dict | None:
     if not mode.startswith("zero"):
         return None
-    zero = {"stage": int(mode[-1]), **(AUTO_BUCKETS[mode] if buckets else {})}
+    stage, _, offload = mode.partition("_")
+    zero = {"stage": int(stage[-1]), **(AUTO_BUCKETS[stage] if buckets else {})}
+    if offload == "offload":
+        zero.update(OFFLOAD if stage == "zero3" else {"offload_optimizer": OFFLOAD["offload_optimizer"]})
     return {"zero_optimization": zero, **AUTO_BATCH}
 
 
@@ -67,7 +85,13 @@ GLOBAL_BATCH, NUM_GENERATIONS, STEPS_PER_ROLLOUT = 16, 8, 2
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="ddp,zero2,zero3")
+    parser.add_argument("--modes", default="ddp,zero2,zero3",
+                        help="comma-separated, from ddp, zero2, zero3, zero2_offload, zero3_offload, fsdp2")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU recipe (bf16 weights, bf16=True); peak GPU memory per rank is recorded")
+    parser.add_argument("--architecture", choices=("smollm2-135m", "smollm2-1.7b", "tiny"), default=None,
+                        help="a random-init model of these sizes (benchmarks/architectures.py) instead of --model")
+    parser.add_argument("--tokenizer", default=None, help="with --architecture: the SmolLM2 tokenizer directory")
     parser.add_argument("--processes", default="1,2", help="comma-separated process counts")
     parser.add_argument("--rollouts", type=int, default=2, help="timed rollouts after one warm-up rollout")
     parser.add_argument("--max_completion_length", type=int, default=32)
@@ -120,16 +144,22 @@ def worker(args) -> None:
             step_ends.append(time.perf_counter())
 
     total_steps = (args.rollouts + 1) * STEPS_PER_ROLLOUT
+    gpu = args.device == "cuda"
     config = GSPOConfig(
         output_dir=f"{args.worker_out}.output", per_device_train_batch_size=GLOBAL_BATCH // processes,
         gradient_accumulation_steps=1, steps_per_generation=STEPS_PER_ROLLOUT, num_generations=NUM_GENERATIONS,
         max_completion_length=args.max_completion_length, max_steps=total_steps, learning_rate=1e-6,
-        layout_independent_sampling=True, use_cpu=True, bf16=False, deepspeed=deepspeed_config(mode, not args.deepspeed_defaults),
+        layout_independent_sampling=True, use_cpu=not gpu, bf16=gpu,
+        model_init_kwargs={"dtype": "bfloat16" if gpu else "float32"},
+        deepspeed=deepspeed_config(mode, not args.deepspeed_defaults),
         logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True, **fsdp,
     )
-    model = args.model or default_model_path()
-    trainer = GSPOTrainer(model, default_task_reward(), args=config, train_dataset=default_task_dataset(64),
-                          callbacks=[StepClock()])
+    model, dataset, reward = args.model or default_model_path(), default_task_dataset(64), default_task_reward()
+    if args.architecture:  # the model the driver built; synthetic chat prompts, a length reward
+        from architectures import length_reward, synthetic_prompts
+
+        dataset, reward = synthetic_prompts(64), length_reward
+    trainer = GSPOTrainer(model, reward, args=config, train_dataset=dataset, callbacks=[StepClock()])
     start = time.perf_counter()
     trainer.train()
     ends = [start] + step_ends
@@ -141,6 +171,11 @@ def worker(args) -> None:
     gc.collect()
     storages = live_tensor_storages()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if gpu:  # the device's side: its peak over the run, and what stays allocated after training (model states)
+        device_figures = {"peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20,
+                          "gpu_allocated_mib": torch.cuda.memory_allocated() / 2**20}
+    else:
+        device_figures = {}
     result = {
         "mode": mode, "processes": processes, "rank": rank,
         "distributed_type": str(trainer.accelerator.distributed_type),
@@ -149,7 +184,7 @@ def worker(args) -> None:
         "largest_storages_mib": sorted((round(b / 2**20, 1) for b in storages.values()), reverse=True)[:12], "parameter_share": held / full,
         "step_s": statistics.median(step_times), "round_s": sum(step_times) / args.rollouts,
         "threads": torch.get_num_threads(),
-        "reward": [e["reward"] for e in trainer.state.log_history if "reward" in e],
+        "reward": [e["reward"] for e in trainer.state.log_history if "reward" in e], **device_figures,
     }
     with open(f"{args.worker_out}.rank{rank}.json", "w", encoding="utf-8") as handle:
         json.dump(result, handle)
@@ -163,9 +198,12 @@ def launch(args, mode: str, processes: int, folder: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                str(Path(__file__).resolve()), "--worker", mode, "--worker_out", str(out),
-               "--rollouts", str(args.rollouts), "--max_completion_length", str(args.max_completion_length)]
+               "--rollouts", str(args.rollouts), "--max_completion_length", str(args.max_completion_length),
+               "--device", args.device]
     if args.model:
         command += ["--model", args.model]
+    if args.architecture:
+        command += ["--architecture", args.architecture]
     if args.deepspeed_defaults:
         command += ["--deepspeed_defaults"]
     print("[distributed] " + " ".join(command), flush=True)
@@ -190,14 +228,17 @@ def load_rows(path: str | Path = HERE / "results" / "distributed.json") -> list[
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| mode | processes | rank | peak RSS (MiB) | live tensors (MiB) | parameter share | step (s) |",
-             "|---|---|---|---|---|---|---|"]
+    gpu = any("peak_gpu_mib" in r for r in rows)
+    lines = ["| mode | processes | rank | peak RSS (MiB) | live tensors (MiB) | parameter share | step (s) |"
+             + (" peak GPU (MiB) | GPU after training (MiB) |" if gpu else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if gpu else "")]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['mode']} | {r['processes']} | — | failed | | | |")
+            lines.append(f"| {r['mode']} | {r['processes']} | — | failed | | | |" + (" | |" if gpu else ""))
             continue
         lines.append(f"| {r['mode']} | {r['processes']} | {r['rank']} | {r['peak_rss_mib']:.0f} | "
-                     f"{r['tensor_mib']:.0f} | {r['parameter_share']:.2f} | {r['step_s']:.2f} |")
+                     f"{r['tensor_mib']:.0f} | {r['parameter_share']:.2f} | {r['step_s']:.2f} |"
+                     + (f" {r['peak_gpu_mib']:.0f} | {r['gpu_allocated_mib']:.0f} |" if gpu else ""))
     return "\n".join(lines)
 
 
@@ -210,9 +251,14 @@ def main(argv=None) -> None:
 
     from gspo_trl.default_model import default_model_path
 
-    args.model = args.model or default_model_path()  # build the cached checkpoint once, before any launch
     rows = []
     with tempfile.TemporaryDirectory() as folder:
+        if args.architecture:  # one random-init checkpoint for every cell
+            from architectures import build_random_model, smollm2_tokenizer_dir
+
+            tokenizer = args.tokenizer or smollm2_tokenizer_dir(HERE.parent / ".bench")
+            args.model = build_random_model(args.architecture, tokenizer, Path(folder) / "model")
+        args.model = args.model or default_model_path()  # build the cached checkpoint once, before any launch
         for mode in args.modes.split(","):
             for processes in (int(p) for p in args.processes.split(",")):
                 if mode == "fsdp2" and processes == 1:
@@ -223,11 +269,14 @@ def main(argv=None) -> None:
 
     record = {
         "date": _dt.date.today().isoformat(), "machine": cpu_model(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-        "work": {"model": args.model, "global_batch": GLOBAL_BATCH, "num_generations": NUM_GENERATIONS,
+        "work": {"model": args.architecture and f"{args.architecture} (random init)" or args.model,
+                 "device": args.device, "global_batch": GLOBAL_BATCH, "num_generations": NUM_GENERATIONS,
                  "steps_per_rollout": STEPS_PER_ROLLOUT, "max_completion_length": args.max_completion_length,
                  "timed_rollouts": args.rollouts},
-        "deepspeed": {mode: deepspeed_config(mode, not args.deepspeed_defaults) for mode in ("zero2", "zero3")},
+        "deepspeed": {mode: deepspeed_config(mode, not args.deepspeed_defaults)
+                      for mode in args.modes.split(",") if mode.startswith("zero")},
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

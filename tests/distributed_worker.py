@@ -130,7 +130,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         max_completion_length=16 if "episodes" in options else 6,
         learning_rate=5e-3, epsilon=0.2,
         epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
-        use_cpu=mode not in ("ddp_no_flag", "launcher"),  # no flag: gspo-trl must choose gloo itself on a GPU-less machine
+        use_cpu=mode not in ("ddp_no_flag", "launcher"),  # no flag: gspo-trl must choose gloo on a GPU-less machine
         async_rollouts="async" in options,
         bf16="bf16" in options, gradient_checkpointing="gc" in options,
         deepspeed=deepspeed_config, fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
@@ -185,7 +185,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
                    "distributed_type": str(trainer.accelerator.distributed_type),
                    "fsdp": bool(trainer.is_fsdp_enabled), "whole_at_generation": whole_at_generation,
-                   "optimizer": type(getattr(trainer.deepspeed, "basic_optimizer", trainer.optimizer.optimizer)).__name__,
+                   "optimizer": type(getattr(trainer.deepspeed, "basic_optimizer",
+                                             trainer.optimizer.optimizer)).__name__,
                    "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes)}, handle)
     # End together, as a distributed script should: a rank that exits while its peer still talks to it can make the
     # peer's gloo transport abort. (One full-suite run lost rank 1 of `ddp+scripted` to SIGABRT; its log was not

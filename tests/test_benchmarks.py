@@ -1,6 +1,6 @@
 """Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
-the GPU suite's CPU mode, with both libraries' workers, the static-decoding agreement check, one ZeRO-3 cell of the distributed benchmark, the
-decoding, async-rollouts and training-length benchmarks."""
+the GPU suite's CPU mode, with both libraries' workers, the static-decoding agreement check, the sharded and offload
+cells of the distributed benchmark, the decoding, async-rollouts and training-length benchmarks."""
 
 from __future__ import annotations
 
@@ -152,3 +152,20 @@ def test_packed_microbatch_benchmark_smoke_runs_two_passes(tmp_path, tiny_model_
                                    "dense_mask": True}]  # one forward: cutting would not save 10%
     assert [line["pass"] for line in lines[1:]] == [0, 1]
     assert all(line["after_backward"]["peak_mib"] > 0 for line in lines[1:])
+
+
+def test_distributed_benchmark_smoke_runs_zero_offload_on_a_random_architecture(tmp_path):
+    # the GPU row's cell (ZeRO-3 with optimizer and parameter offload, one process, a random-init architecture
+    # on synthetic prompts), here on CPU
+    out = tmp_path / "distributed.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "distributed.py"), "--modes", "zero3_offload",
+               "--processes", "1", "--architecture", "tiny", "--rollouts", "1", "--max_completion_length", "4",
+               "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["work"]["model"] == "tiny (random init)"
+    assert record["deepspeed"]["zero3_offload"]["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    [row] = record["rows"]
+    assert row["mode"] == "zero3_offload" and row["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert row["step_s"] > 0 and len(row["reward"]) == 2  # the warm-up rollout and the timed one
