@@ -195,11 +195,14 @@ def unshard_fsdp2_owner(model: torch.nn.Module, module: torch.nn.Module) -> torc
     FSDP2 reduces across processes like any other. Returns the owner the caller must reshard when no backward pass
     follows (None if none): the one it gathered, or a frozen model's owner that kept its parameters after its
     forward (`shard_frozen_model` without resharding the root), which no backward pass will ever reshard."""
+    sharded = hasattr(getattr(module, "weight", None), "full_tensor")
+    if not sharded and not is_fsdp2_module(model):  # no FSDP2 here (its root is always a unit): nothing to look up
+        return None
     owners = [owner for owner in fsdp2_modules(model) if any(sub is module for sub in owner.modules())]
     if not owners:
         return None
     owner = owners[-1]
-    if hasattr(getattr(module, "weight", None), "full_tensor"):  # sharded now
+    if sharded:
         owner.unshard()
         return owner
     return None if any(p.requires_grad for p in owner.parameters()) else owner
