@@ -133,13 +133,14 @@ def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
         assert checksum == pytest.approx(fsdp[0]["checksum"], rel=1e-9)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+offload", "fsdp2"])
 def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_path, tiny_model_dir, mode):
     whole = launch(tmp_path, tiny_model_dir, f"{mode}+checkpoints", name="whole")
     killed = launch(tmp_path, tiny_model_dir, f"{mode}+kill", name="cut", must_succeed=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
     # Rank 1 died inside optimizer step 3; checkpoint-2 (inside a 3-step rollout) is the last complete one.
-    # Under ZeRO-3 it holds each rank's partition of the weights and optimizer (DeepSpeed's own checkpoint).
+    # Under ZeRO-3 it holds each rank's partition of the weights and optimizer (DeepSpeed's own checkpoint; with
+    # offload, DeepSpeedCPUAdam's states).
     resumed = launch(tmp_path, tiny_model_dir, f"{mode}+resume", name="cut")
     assert_same_run(whole[0], resumed[0], 1e-6, steps=4)
     assert_same_run(resumed[0], resumed[1], 0, steps=4)
