@@ -57,7 +57,8 @@ HERE = Path(__file__).resolve().parent
 # from the hidden size (hidden² elements); DeepSpeed's own bucket default (5e8 elements) allocates 1.9 GiB per
 # bucket on CPU, which `--deepspeed_defaults` measures instead.
 AUTO_BATCH = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto"}
+              "train_batch_size": "auto", "gradient_clipping": "auto",
+              "bf16": {"enabled": "auto"}}  # from GSPOConfig's bf16: on with --device cuda, off on CPU
 AUTO_BUCKETS = {
     "zero2": {"reduce_bucket_size": "auto"},
     "zero3": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
