@@ -233,6 +233,19 @@ def only_scales(processors: LogitsProcessorList, temperature: float) -> bool:
             and processors[0].temperature == temperature)
 
 
+def draw(scores: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor, logp_temperature: float | None,
+         scores_are_scaled_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decoding step's (n,) tokens, drawn from softmax(scores), and with `logp_temperature` their `token_logps`
+    (None without): taken from the sampling weights when the scores are the logits / that temperature
+    (`only_scales`), otherwise by a pass over `logits`."""
+    if logp_temperature is None:
+        return inverse_cdf_sample(scores, uniforms), None
+    if scores_are_scaled_logits:
+        return inverse_cdf_sample(scores, uniforms, with_logps=True)
+    tokens = inverse_cdf_sample(scores, uniforms)
+    return tokens, token_logps(logits, tokens, logp_temperature)
+
+
 def random_uniforms(rows: torch.Tensor, position: int) -> torch.Tensor:
     return torch.rand(rows.shape[0], dtype=torch.float64, device=rows.device)
 
@@ -287,12 +300,9 @@ def sample(
         if t == 0:  # the cache now holds every prompt token: give it room for the completions
             preallocate(cache, prompt_length + max_new_tokens)
         scores = processors(sequences, logits.float())
-        if logps is not None and scores_are_scaled_logits:  # the sampling weights give the log-probs too
-            tokens, logps[rows, t] = inverse_cdf_sample(scores, uniforms(rows, t), with_logps=True)
-        else:
-            tokens = inverse_cdf_sample(scores, uniforms(rows, t))  # (n,)
-            if logps is not None:
-                logps[rows, t] = token_logps(logits, tokens, logp_temperature)
+        tokens, step_logps = draw(scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits)
+        if logps is not None:
+            logps[rows, t] = step_logps
         completions[rows, t] = tokens
         length = t + 1
         sequences = torch.cat([sequences, tokens.unsqueeze(1)], dim=1)

@@ -22,15 +22,7 @@ from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging
 
-from gspo_trl.decoding import (
-    Decoded,
-    RowState,
-    UniformSource,
-    inverse_cdf_sample,
-    only_scales,
-    random_uniforms,
-    token_logps,
-)
+from gspo_trl.decoding import Decoded, RowState, UniformSource, draw, only_scales, random_uniforms
 from gspo_trl.distributed import fsdp2_modules
 from gspo_trl.kv_cache import cache_kwargs
 from gspo_trl.prefix_sharing import prefill
@@ -230,12 +222,9 @@ def sample(
         logits = decoder.logits(step_ids, positions, t)
         scores = processors(sequences[:, : history.shape[1] + t], logits.float())
         # A finished row's draw is replaced by the pad token, its log-prob dropped below.
-        if logps is not None and scores_are_scaled_logits:  # the sampling weights give the log-probs too
-            tokens, logps[rows, t] = inverse_cdf_sample(scores, uniforms(rows, t), with_logps=True)
-        else:
-            tokens = inverse_cdf_sample(scores, uniforms(rows, t))
-            if logps is not None:
-                logps[rows, t] = token_logps(logits, tokens, logp_temperature)
+        tokens, step_logps = draw(scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits)
+        if logps is not None:
+            logps[rows, t] = step_logps
         tokens = tokens.masked_fill(~live, pad_token_id)
         completions[rows, t] = tokens
         sequences[:, history.shape[1] + t] = tokens
