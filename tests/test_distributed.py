@@ -309,15 +309,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def accelerate_launch(tmp_path, model_dir, config: str, machines: int = 1) -> list[dict]:
+def accelerate_launch(tmp_path, model_dir, config: str, machines: int = 1, bf16: bool = False) -> list[dict]:
     """`accelerate launch --config_file examples/accelerate_configs/<config>.yaml` of the worker, as a user runs it,
-    with two processes in all and no mixed precision (a CPU run's overrides on the command line); a multi-machine
-    config starts one launcher per machine rank, all on this host. The worker's `launcher` mode sets nothing about
-    the sharding: it comes from the config, through accelerate's environment."""
-    out, port = tmp_path / f"launched_{config}", free_port()
+    with two processes in all and no mixed precision (a CPU run's overrides on the command line), or with `bf16` the
+    file's own bf16 and `bf16=True` in the script; a multi-machine config starts one launcher per machine rank, all
+    on this host. The worker's `launcher` mode sets nothing about the sharding: it comes from the config, through
+    accelerate's environment."""
+    out, port = tmp_path / f"launched_{config}{'_bf16' if bf16 else ''}", free_port()
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-               "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port)]
-    worker = [str(WORKER), model_dir, "launcher+beta", str(out)]
+               "--num_processes", "2", "--main_process_port", str(port)] + ([] if bf16 else ["--mixed_precision", "no"])
+    worker = [str(WORKER), model_dir, "launcher+beta" + ("+bf16" if bf16 else ""), str(out)]
     launchers = [subprocess.Popen(command + (["--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
                                              if machines > 1 else []) + worker,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -333,7 +334,8 @@ def test_example_accelerate_configs_run_as_is_under_accelerate_launch(tmp_path, 
     `accelerate launch` on 2 CPU processes, with only the process count and precision overridden: DDP (multi_gpu:
     gloo chosen without a GPU), ZeRO-2, ZeRO-3 (partitioned while loading), FSDP2 (its GPU-only gate lifted,
     `fsdp_cpu_ram_efficient_loading` and a full state dict as in the file) and the two-machine ZeRO-3 config as two
-    launchers (machine ranks 0 and 1, one process each)."""
+    launchers (machine ranks 0 and 1, one process each). The ZeRO-3 and FSDP2 files also with their own bf16, within
+    bf16 rounding of DDP's fp32 run."""
     runs = {config: accelerate_launch(tmp_path, tiny_model_dir, config)
             for config in ("multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2")}
     runs["multi_node_zero3"] = accelerate_launch(tmp_path, tiny_model_dir, "multi_node_zero3", machines=2)
@@ -350,6 +352,11 @@ def test_example_accelerate_configs_run_as_is_under_accelerate_launch(tmp_path, 
     for config in ("deepspeed_zero3", "multi_node_zero3", "fsdp2"):  # sharded: half the weights per rank
         assert runs[config][0]["local_parameters"] <= 0.55 * ddp["local_parameters"]
         assert runs[config][0]["whole_at_generation"] == [True, True]
+    # the files' own mixed precision (bf16, CPU autocast / FSDP2's bf16 policy), the script asking for bf16 too
+    for config in ("deepspeed_zero3", "fsdp2"):
+        ranks = accelerate_launch(tmp_path, tiny_model_dir, config, bf16=True)
+        assert_same_run(ranks[0], ranks[1], 0)
+        assert_same_run(ddp, ranks[0], 2e-2)  # bf16 rounding: 6.8e-3 seen (ratio/max of step 1)
 
 
 def test_example_accelerate_configs_load():
