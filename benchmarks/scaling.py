@@ -37,12 +37,19 @@ def run_length(args, length: int) -> Path:
         "--rounds", str(args.rounds),
         "--warmup_rounds", str(args.warmup_rounds),
         "--impls", args.impls,
+        "--seed", str(args.seed),
         "--out", str(out),
     ] + (["--gradient_checkpointing"] if args.gradient_checkpointing else [])
     print("[scaling] " + " ".join(command), flush=True)
     # A worker that fails (e.g. killed for memory) is recorded in the JSON; the other lengths still run.
     subprocess.run(command, check=False)
     return out
+
+
+def _source(path: Path) -> str:
+    """The JSON file's path relative to the repository, or as given when it lies outside."""
+    path = path.resolve()
+    return str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else str(path)
 
 
 def collect(paths: dict[int, Path]) -> list[dict]:
@@ -52,7 +59,7 @@ def collect(paths: dict[int, Path]) -> list[dict]:
         for run in data["runs"]:
             if run.get("error"):
                 rows.append({"max_completion_length": length, "impl": run["impl"], "error": run["error"],
-                             "source": str(path.resolve().relative_to(HERE.parent))})
+                             "source": _source(path)})
         for impl, figures in data["summary"]["per_impl"].items():
             if "step_s" not in figures:
                 continue
@@ -68,7 +75,7 @@ def collect(paths: dict[int, Path]) -> list[dict]:
                 "mean_completion_length": figures["mean_completion_length"]["median"],
                 "padding_share": figures.get("padding_share", {}).get("median"),
                 "runs": len(figures["step_s"]["values"]),
-                "source": str(path.resolve().relative_to(HERE.parent)),
+                "source": _source(path),
             })
     return rows
 
@@ -118,6 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup_rounds", type=int, default=1)
     parser.add_argument("--out_dir", default=str(DEFAULT_DIR))
     parser.add_argument("--gradient_checkpointing", action="store_true", help="Activation checkpointing in training.")
+    parser.add_argument("--seed", type=int, default=0, help="step_time.py's seed (prompts' order, sampling).")
     parser.add_argument("--reuse", action="store_true", help="Skip lengths whose JSON already exists.")
     parser.add_argument("--plot_only", action="store_true", help="Only redraw from existing JSON files.")
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .decode_linear import fast_decode_linears
 from .kv_cache import cache_kwargs
 
 # GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram
@@ -294,31 +295,32 @@ def sample(
     logps = None if logp_temperature is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
     length = 0
-    for t in range(max_new_tokens):
-        logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
-                       **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (n, V)
-        if t == 0:  # the cache now holds every prompt token: give it room for the completions
-            preallocate(cache, prompt_length + max_new_tokens)
-        scores = processors(sequences, logits.float())
-        tokens, step_logps = draw(scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits)
-        if logps is not None:
-            logps[rows, t] = step_logps
-        completions[rows, t] = tokens
-        length = t + 1
-        sequences = torch.cat([sequences, tokens.unsqueeze(1)], dim=1)
-        attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
-        step_ids, step_positions = tokens.unsqueeze(1), step_positions[:, -1:] + 1
-        finished = torch.isin(tokens, eos)  # (n,)
-        if bool(finished.any()):
-            if keep_states and keeps_states(cache.layers):
-                ended = finished.nonzero().squeeze(1)
-                for row, state in zip(rows[ended].tolist(), row_states(cache, ended, attention[:, :-1])):
-                    states[row] = state
-            if bool(finished.all()):
-                break
-            keep = drop_rows(cache, finished)
-            rows, sequences, attention = rows[keep], sequences[keep], attention[keep]
-            step_ids, step_positions = step_ids[keep], step_positions[keep]
+    with fast_decode_linears(model):
+        for t in range(max_new_tokens):
+            logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
+                           **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (n, V)
+            if t == 0:  # the cache now holds every prompt token: give it room for the completions
+                preallocate(cache, prompt_length + max_new_tokens)
+            scores = processors(sequences, logits.float())
+            tokens, step_logps = draw(scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits)
+            if logps is not None:
+                logps[rows, t] = step_logps
+            completions[rows, t] = tokens
+            length = t + 1
+            sequences = torch.cat([sequences, tokens.unsqueeze(1)], dim=1)
+            attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
+            step_ids, step_positions = tokens.unsqueeze(1), step_positions[:, -1:] + 1
+            finished = torch.isin(tokens, eos)  # (n,)
+            if bool(finished.any()):
+                if keep_states and keeps_states(cache.layers):
+                    ended = finished.nonzero().squeeze(1)
+                    for row, state in zip(rows[ended].tolist(), row_states(cache, ended, attention[:, :-1])):
+                        states[row] = state
+                if bool(finished.all()):
+                    break
+                keep = drop_rows(cache, finished)
+                rows, sequences, attention = rows[keep], sequences[keep], attention[keep]
+                step_ids, step_positions = step_ids[keep], step_positions[keep]
     return Decoded(completions[:, :length], None if logps is None else logps[:, :length],
                    states if keep_states else None)
 

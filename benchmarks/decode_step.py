@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""One decoding step's time by rows and context length, with `F.linear` and with `decode_linear`'s measured forms.
+
+A step is one forward of one new token per row over a KV cache of `--contexts` positions (random keys and values,
+held at that length), as the decoding loop runs it: SmolLM2-135M-Instruct fp32 on
+CPU, the loop's growing KV buffers, `logits_to_keep=1`. For each (rows, context) the two forms alternate, the
+median of `--repeats` steps each after two untimed ones, in one process:
+
+    python benchmarks/decode_step.py                                  # rows 1,2,4,8,16 x contexts 128,2048
+    python benchmarks/decode_step.py --rows 1,2,3,4 --contexts 1024,4000
+
+Prints a table and writes `--out` (JSON). The choices `decode_linear` measured for the model are recorded too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--contexts", default="128,2048")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
+    parser.add_argument("--out", default=str(HERE / "results" / "decode_step.json"))
+    return parser.parse_args(argv)
+
+
+def filled_cache(model, rows: int, context: int):
+    """A KV cache of `context` positions per row, random keys and values (a step's cost does not depend on them), in
+    the decoding loop's growing buffers."""
+    from transformers import DynamicCache
+
+    from gspo_trl.decoding import preallocate
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = DynamicCache(config=config)
+    for layer in range(config.num_hidden_layers):
+        keys = torch.randn(rows, config.num_key_value_heads, context, head_dim)
+        cache.update(keys, torch.randn_like(keys), layer)
+    preallocate(cache, context + 1)
+    return cache
+
+
+@torch.no_grad()
+def step_ms(model, cache, rows: int, context: int, repeats: int) -> float:
+    from gspo_trl.kv_cache import cache_kwargs
+
+    vocab = model.config.vocab_size
+    token, mask = torch.randint(0, vocab, (rows, 1)), torch.ones(rows, context + 1, dtype=torch.long)
+    positions = torch.full((rows, 1), context)
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        model(input_ids=token, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache),
+              use_cache=True, logits_to_keep=1)
+        times.append(time.perf_counter() - start)
+        for layer in cache.layers:  # back to `context` positions: the next step writes the same slot
+            layer._expose(context)
+    return 1e3 * statistics.median(times[2:])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    from distributed import cpu_model  # benchmarks/, on the path when this script runs
+
+    from gspo_trl import decode_linear
+    from gspo_trl.default_model import default_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(args.model or default_model_path(), dtype=torch.float32).eval()
+    results = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for rows in (int(r) for r in args.rows.split(",")):
+            cache = filled_cache(model, rows, context)
+            plain = step_ms(model, cache, rows, context, args.repeats)
+            with decode_linear.fast_decode_linears(model):
+                fast = step_ms(model, cache, rows, context, args.repeats)
+            results.append({"rows": rows, "context": context, "plain_ms": plain, "decode_linear_ms": fast})
+            print(f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, decode_linear {fast:.1f} ms",
+                  flush=True)
+    choices = {f"{out}x{inp}": rows for (out, inp), rows in
+               next(iter(decode_linear._choices.values()), {}).items()}
+    record = {"date": _dt.date.today().isoformat(), "cpus": os.cpu_count(), "processor": cpu_model(),
+              "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
+              "transposed_form_by_shape_and_rows": choices, "steps": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    print(render_table(record))
+    print(f"[decode_step] wrote {args.out}")
+
+
+def render_table(record: dict) -> str:
+    lines = ["| rows | context | `F.linear` (ms) | `decode_linear` (ms) | ratio |", "|---|---|---|---|---|"]
+    for step in record["steps"]:
+        lines.append(f"| {step['rows']} | {step['context']} | {step['plain_ms']:.1f} | {step['decode_linear_ms']:.1f} | "
+                     f"{step['decode_linear_ms'] / step['plain_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

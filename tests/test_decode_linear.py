@@ -1,0 +1,153 @@
+"""gspo_trl.decode_linear: the transposed product equals `F.linear`, the measured choice, and the context that
+swaps the forwards of a model's linear layers in and out (also around a whole decoding loop)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessorList
+
+from gspo_trl import decode_linear
+from gspo_trl.decode_linear import MAX_ROWS, fast_decode_linears, measure_choices
+from gspo_trl.decoding import logits_processors, sample, token_logps
+from gspo_trl.rollout import keyed_uniform, stream_keys
+
+
+def force_choices(monkeypatch, transposed: bool, calls: list | None = None):
+    """Every model qualifies, and every weight shape takes `transposed` at every row count up to MAX_ROWS, whatever
+    this machine would measure (a tiny model's weights stay in cache, where the measurement means nothing)."""
+    def measure(weights):
+        if calls is not None:
+            calls.append([tuple(weight.shape) for weight in weights])
+        return {tuple(weight.shape): dict.fromkeys(range(1, MAX_ROWS + 1), transposed) for weight in weights}
+
+    monkeypatch.setattr(decode_linear, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(decode_linear, "_choices", {})
+    monkeypatch.setattr(decode_linear, "measure_choices", measure)
+
+
+@pytest.fixture()
+def always_transposed(monkeypatch):
+    force_choices(monkeypatch, True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_transposed_form_computes_what_f_linear_computes(rows, bias, always_transposed):
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 1, 48)  # (rows, one position, in): a decoding step's shape
+    expected = nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.no_grad(), fast_decode_linears(layer):
+        assert "forward" in layer.__dict__
+        got = layer(x)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, expected) or rows == 1  # the other summation order did run (one row may agree)
+    assert "forward" not in layer.__dict__  # the class's forward again
+
+
+def test_plain_form_where_the_transposed_one_does_not_apply(always_transposed):
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16)
+    many = torch.randn(MAX_ROWS + 1, 32)
+    with fast_decode_linears(layer):
+        with torch.no_grad():  # more rows than measured: F.linear itself, bit for bit
+            assert torch.equal(layer(many), nn.functional.linear(many, layer.weight, layer.bias))
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bf16 product, as without the context
+                assert layer(many[:2]).dtype == torch.bfloat16
+        few = torch.randn(2, 32, requires_grad=True)
+        layer(few).sum().backward()  # with autograd: F.linear, gradients as usual
+    expected = torch.ones(2, 16) @ layer.weight
+    torch.testing.assert_close(few.grad, expected)
+
+
+def test_layers_it_leaves_alone(always_transposed):
+    wrapped, half, plain = nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8)
+
+    def own_forward(x):  # what accelerate's hooks do: a forward of the instance's own
+        return x
+
+    wrapped.forward = own_forward
+    model = nn.Sequential(wrapped, half, plain)
+    with fast_decode_linears(model):
+        assert wrapped.forward is own_forward and "forward" not in half.__dict__ and "forward" in plain.__dict__
+    assert wrapped.forward is own_forward and "forward" not in plain.__dict__
+
+
+def test_forwards_are_restored_when_the_loop_raises(always_transposed):
+    layer = nn.Linear(8, 8)
+    with pytest.raises(RuntimeError, match="stop"), fast_decode_linears(layer):
+        raise RuntimeError("stop")
+    assert "forward" not in layer.__dict__
+
+
+def test_small_models_and_measured_losses_keep_f_linear(monkeypatch):
+    layer = nn.Linear(64, 64)  # 16 KiB of weights: below MIN_WEIGHT_BYTES, they stay in cache
+    with fast_decode_linears(layer):
+        assert "forward" not in layer.__dict__
+    force_choices(monkeypatch, False)
+    with fast_decode_linears(layer):  # the transposed form was nowhere faster: nothing to swap
+        assert "forward" not in layer.__dict__
+
+
+def test_measure_choices_times_every_shape_and_row_count():
+    weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(64, 32)]
+    choices = measure_choices(weights, repeats=1)
+    assert set(choices) == {(64, 32), (32, 64)}
+    for by_rows in choices.values():
+        assert sorted(by_rows) == list(range(1, MAX_ROWS + 1))
+        assert all(isinstance(choice, bool) for choice in by_rows.values())
+
+
+def test_choices_are_measured_once_per_model_shape(monkeypatch):
+    calls = []
+    force_choices(monkeypatch, True, calls)
+    first, same_shapes, other = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(4, 8)
+    for layer in (first, same_shapes, other, first):
+        with fast_decode_linears(layer):
+            pass
+    assert calls == [[(4, 8)], [(8, 4)]]  # a snapshot of a model (same shapes) reuses the original's choices
+
+
+def test_decoding_loop_with_transposed_linears_samples_and_scores_like_without(tiny_model, tiny_tokenizer,
+                                                                             monkeypatch):
+    """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
+    rounding of the plain run's and of a training-style forward."""
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2, return_tensors="pt",
+                             padding=True, padding_side="left")
+    keys = stream_keys(11, torch.arange(6))
+    def favour_eos(ids, scores):  # rows end at different steps, the last one alone
+        return scores + 3.0 * (torch.arange(scores.shape[-1]) == eos)
+
+    processors = LogitsProcessorList([favour_eos, *logits_processors(GenerationConfig(do_sample=True,
+                                                                                      temperature=0.8))])
+    calls = []
+
+    def run():
+        return sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=16,
+                      eos_token_ids=[eos], pad_token_id=pad, processors=processors, logp_temperature=0.8,
+                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+
+    plain = run()
+    force_choices(monkeypatch, True)
+    monkeypatch.setattr(decode_linear, "_transposed_product",
+                        lambda w, x, form=decode_linear._transposed_product: calls.append(x.shape[0]) or form(w, x))
+    fast = run()
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(fast.logps, plain.logps, rtol=0, atol=1e-5)
+    assert min(calls) == 1 and max(calls) == 6  # every row count, down to the last row alone
+    assert all("forward" not in layer.__dict__ for layer in tiny_model.modules())
+    # against a forward over each whole sequence, as training scores it
+    mask = fast.completion_ids != pad
+    ids = torch.cat([encoded.input_ids, fast.completion_ids], dim=1)
+    attention = torch.cat([encoded.attention_mask, mask.long()], dim=1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = tiny_model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+    width = fast.completion_ids.shape[1]
+    scored = logits[:, -width - 1:-1]
+    expected = token_logps(scored.reshape(-1, scored.shape[-1]), fast.completion_ids.reshape(-1), 0.8).view_as(mask)
+    torch.testing.assert_close(fast.logps[mask], expected[mask], rtol=0, atol=2e-5)
