@@ -91,7 +91,7 @@ def _applies(layer: nn.Module) -> bool:
     weight = getattr(layer, "weight", None)
     return (type(layer) is nn.Linear and "forward" not in layer.__dict__  # no hook wraps its forward already
             and type(weight) in (torch.Tensor, nn.Parameter) and weight.device.type == "cpu"
-            and weight.dtype == torch.float32)
+            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.numel() > 0)  # not a ZeRO-3 shard
 
 
 def _forward(layer: nn.Linear, transposed: dict[int, bool], x: torch.Tensor) -> torch.Tensor:

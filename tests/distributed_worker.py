@@ -10,7 +10,9 @@ reward function that raises on rank 1 only, `+seeded` samples with layout-indepe
 completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
 the top-half-entropy tokens with an entropy bonus (quantities that span every process), `+episodes` plays
 two-turn episodes of a text environment with turn-level ratios and advantages, `+async` samples the second
-rollout in the background during the first one's training (async_rollouts), `+scripted` gets its completions from
+rollout in the background during the first one's training (async_rollouts), `+linears` decodes with
+`decode_linear`'s transposed products at every row count (the tiny model is too small to qualify by itself),
+`+scripted` gets its completions from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
 completions per micro-step over however many processes run. Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
@@ -101,6 +103,19 @@ def scripted_rollout(prompts, trainer):
     return output
 
 
+def force_transposed_linears() -> list:
+    """Every linear layer of every model decodes in decode_linear's transposed form at every row count; returns the
+    list that each transposed product appends its row count to."""
+    from gspo_trl import decode_linear
+
+    calls, product = [], decode_linear._transposed_product
+    decode_linear.MIN_WEIGHT_BYTES = 0
+    decode_linear.measure_choices = lambda weights: {tuple(weight.shape): dict.fromkeys(
+        range(1, decode_linear.MAX_ROWS + 1), True) for weight in weights}
+    decode_linear._transposed_product = lambda weight, x: calls.append(x.shape[0]) or product(weight, x)
+    return calls
+
+
 def main(model_dir: str, mode: str, out: str) -> None:
     mode, *options = mode.split("+")
     if mode == "fsdp2" or os.environ.get("ACCELERATE_USE_FSDP") == "true":
@@ -140,6 +155,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 generation_kwargs={"sequence_bias": [[[2], 4.0]]})  # id 2 ends a turn: favour it
            if "episodes" in options else {}),
     )
+    transposed_products = force_transposed_linears() if "linears" in options else []
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
     trainer = GSPOTrainer(model_dir, rewards, args=config, train_dataset=dataset,
@@ -187,7 +203,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
                    "fsdp": bool(trainer.is_fsdp_enabled), "whole_at_generation": whole_at_generation,
                    "optimizer": type(getattr(trainer.deepspeed, "basic_optimizer",
                                              trainer.optimizer.optimizer)).__name__,
-                   "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes)}, handle)
+                   "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes),
+                   "transposed_products": len(transposed_products)}, handle)
     # End together, as a distributed script should: a rank that exits while its peer still talks to it can make the
     # peer's gloo transport abort. (One full-suite run lost rank 1 of `ddp+scripted` to SIGABRT; its log was not
     # kept and 6 reruns under load passed, so where it aborted is not established.)
