@@ -64,15 +64,17 @@ def test_plain_form_where_the_transposed_one_does_not_apply(always_transposed):
 
 
 def test_layers_it_leaves_alone(always_transposed):
-    wrapped, half, plain = nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8)
+    wrapped, half, shard, plain = nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8), nn.Linear(8, 8)
+    shard.weight = nn.Parameter(torch.empty(0))  # what a ZeRO-3 partitioned layer holds outside its forward
 
     def own_forward(x):  # what accelerate's hooks do: a forward of the instance's own
         return x
 
     wrapped.forward = own_forward
-    model = nn.Sequential(wrapped, half, plain)
+    model = nn.Sequential(wrapped, half, shard, plain)
     with fast_decode_linears(model):
-        assert wrapped.forward is own_forward and "forward" not in half.__dict__ and "forward" in plain.__dict__
+        assert wrapped.forward is own_forward and "forward" in plain.__dict__
+        assert "forward" not in half.__dict__ and "forward" not in shard.__dict__
     assert wrapped.forward is own_forward and "forward" not in plain.__dict__
 
 
