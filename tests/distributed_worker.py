@@ -33,7 +33,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from helpers import count_digits, length_reward
+from helpers import count_digits, leave_worker, length_reward
 
 DEEPSPEED = {
     "zero1": {
@@ -205,20 +205,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
                                              trainer.optimizer.optimizer)).__name__,
                    "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes),
                    "transposed_products": len(transposed_products)}, handle)
-    # End together, as a distributed script should: a rank that exits while its peer still talks to it can make the
-    # peer's gloo transport abort. (One full-suite run lost rank 1 of `ddp+scripted` to SIGABRT; its log was not
-    # kept and 6 reruns under load passed, so where it aborted is not established.)
-    trainer.accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
-    # The rank's results are written and the process group is destroyed: leave without the interpreter's teardown.
-    # Twice in full-suite runs (ddp+scripted on 2026-11-24, ddp+seeded on 2026-11-25) rank 1 aborted there, after
-    # its results were written ("terminate called without an active exception": a C++ thread still joinable while
-    # the process exits; 24 reruns of those two modes under load did not reproduce it), which failed a finished run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker()

@@ -28,6 +28,7 @@ from gspo_trl import decoding, static_decoding
 from gspo_trl.distributed import fsdp2_modules, fsdp2_whole_weights, prepare_frozen_model
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.prefix_sharing import prefill
+from helpers import leave_worker
 from gspo_trl.rollout import keyed_uniform, stream_keys
 
 PROMPTS = [["What is 2 + 3?", "Hi there"], ["Solve: 7 - 4", "Say ok"]]  # rank r scores PROMPTS[r]
@@ -172,3 +173,4 @@ def main(model_dir: str, mode: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    leave_worker()

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+import torch
 from datasets import Dataset
 
 from gspo_trl import GSPOConfig
@@ -39,3 +43,23 @@ def small_config(output_dir, **overrides) -> GSPOConfig:
     )
     values.update(overrides)
     return GSPOConfig(**values)
+
+
+def worker_env() -> dict:
+    """The environment a test launches torchrun workers in: this process's, with Python's fault handler on (a rank
+    that aborts prints every thread's Python stack)."""
+    return {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+
+def leave_worker() -> None:
+    """End a torchrun worker whose results are written: every rank together, the process group destroyed, then out
+    without the interpreter's teardown. In full-suite runs a rank has aborted in that teardown, after its results
+    were written ("terminate called without an active exception": a C++ thread still joinable while the process
+    exits; seen three times, in ddp+scripted, ddp+seeded and the schedule worker, never in 54 reruns of those alone),
+    which failed a finished run. The launchers set PYTHONFAULTHANDLER, so an abort before this point shows its stack."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

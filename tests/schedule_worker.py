@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from helpers import count_digits, length_reward
+from helpers import count_digits, leave_worker, length_reward
 
 
 def run(model_dir: str, out_dir: str, reference: bool) -> dict:
@@ -36,3 +36,4 @@ if __name__ == "__main__":
     if torch.distributed.get_rank() == 0:
         with open(result_path, "w", encoding="utf-8") as handle:
             json.dump(results, handle)
+    leave_worker()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gspo_trl.distributed import needs_cpu_process_group, unwrap_model
+from helpers import worker_env
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "accelerate_configs"
@@ -26,7 +27,7 @@ def launch(tmp_path, model_dir, mode, processes=2, name=None, must_succeed=True)
     # --standalone: a free rendezvous port for every launch (a killed run must not block the next one)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                str(WORKER), model_dir, mode, str(out)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=worker_env())
     if not must_succeed:
         return completed
     assert completed.returncode == 0, failure_report(completed.stderr)
@@ -228,7 +229,7 @@ def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, t
     out = tmp_path / "fsdp2"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(WORKER.with_name("fsdp2_worker.py")), tiny_model_dir, mode or "plain", str(out)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=worker_env())
     assert completed.returncode == 0, failure_report(completed.stderr)
     for rank in range(2):
         result = json.loads(Path(f"{out}.rank{rank}.json").read_text())
@@ -345,7 +346,7 @@ def accelerate_launch(tmp_path, model_dir, config: str, machines: int = 1, bf16:
     worker = [str(WORKER), model_dir, "launcher+beta" + ("+bf16" if bf16 else ""), str(out)]
     launchers = [subprocess.Popen(command + (["--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
                                              if machines > 1 else []) + worker,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
                  for rank in range(machines)]
     for launcher in launchers:
         _, stderr = launcher.communicate(timeout=600)

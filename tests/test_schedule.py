@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
-from helpers import count_digits, length_reward, small_config, text_dataset
+from helpers import count_digits, length_reward, small_config, text_dataset, worker_env
 
 
 def needs(spg, mu, ga, offset=0, first_use=0):
@@ -187,7 +187,7 @@ def test_shortcut_equals_reference_on_two_processes(tmp_path, tiny_model_dir):
     worker = Path(__file__).with_name("schedule_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
                tiny_model_dir, str(result)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=worker_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
     runs = json.loads(result.read_text())
     shortcut, reference = runs["shortcut"], runs["reference"]

@@ -21,7 +21,7 @@ from conftest import build_tiny_tokenizer
 from gspo_trl import GSPOTrainer
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.vllm.client import VLLMServerError
-from helpers import count_digits, small_config, text_dataset
+from helpers import count_digits, small_config, text_dataset, worker_env
 
 # One server for the whole module (session-scoped: under `pytest -n`, a worker may run other files' tests between
 # this module's, which would tear a module-scoped server down and start it again); every test of it on one worker.
@@ -276,7 +276,7 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
     worker = Path(__file__).with_name("vllm_worker.py")
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-         served_model_dir, mode, server["url"], str(out)], capture_output=True, text=True, timeout=600)
+         served_model_dir, mode, server["url"], str(out)], capture_output=True, text=True, timeout=600, env=worker_env())
     assert completed.returncode == 0, completed.stderr[-4000:]
     ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
     assert all(r["world_size"] == 2 for r in ranks)

@@ -14,7 +14,7 @@ from datasets import Dataset
 from distributed_worker import DEEPSPEED
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.logprobs import completion_logprobs
-from helpers import count_digits
+from helpers import count_digits, leave_worker
 
 FIXED_TEXT = [5, 17, 40, 99, 120, 7, 33, 250, 12, 64, 3, 81]
 
@@ -48,3 +48,4 @@ def main(model_dir: str, mode: str, url: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:5])
+    leave_worker()
