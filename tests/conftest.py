@@ -12,6 +12,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # trackio fixes its folder when first imported (TRL imports it): keep test runs out of the user's cache.
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="gspo-trl-tests-trackio-"))
+# DeepSpeed JIT-builds its CPU ops (the shm all-reduce, cpu_adam) under torch's extensions folder, and every process
+# that loads one takes that folder's `lock` file for the build check: a process killed while holding it leaves the
+# file behind, and every later DeepSpeed launch waits on it forever (a run killed mid-load once hung all 13 DeepSpeed
+# tests of a CI run, 600 s each). The suite builds into a folder of its own, whose locks only the controlling process
+# clears, before any test starts; a folder the user chose is left as it is.
+_EXTENSIONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "torch_extensions")
+if os.environ.setdefault("TORCH_EXTENSIONS_DIR", _EXTENSIONS) == _EXTENSIONS and not os.environ.get("PYTEST_XDIST_WORKER"):
+    for folder, _, files in os.walk(_EXTENSIONS):
+        if "lock" in files:
+            os.remove(os.path.join(folder, "lock"))
 # Under pytest-xdist (`-n N`), the cores are shared: each worker's torch gets its share of the threads, since
 # OpenMP threads that outnumber the cores spin against each other.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
