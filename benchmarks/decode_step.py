@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""One decoding step's time by rows and context length, with `F.linear` and with `decode_linear`'s measured forms.
+"""One decoding step's time by rows and context length, in three forms: `F.linear` with transformers' SDPA attention,
+`decode_linear`'s measured linear forms, and those with `decode_attention`'s packed query heads.
 
 A step is one forward of one new token per row over a KV cache of `--contexts` positions (random keys and values,
 held at that length), as the decoding loop runs it: SmolLM2-135M-Instruct fp32 on
-CPU, the loop's growing KV buffers, `logits_to_keep=1`. For each (rows, context) the two forms alternate, the
-median of `--repeats` steps each after two untimed ones, in one process:
+CPU, the loop's growing KV buffers, `logits_to_keep=1`. For each (rows, context) the three forms run one after the
+other, the median of `--repeats` steps each after two untimed ones, in one process:
 
     python benchmarks/decode_step.py                                  # rows 1,2,4,8,16 x contexts 128,2048
     python benchmarks/decode_step.py --rows 1,2,3,4 --contexts 1024,4000
@@ -80,6 +81,7 @@ def main(argv=None) -> None:
     from distributed import cpu_model  # benchmarks/, on the path when this script runs
 
     from gspo_trl import decode_linear
+    from gspo_trl.decode_attention import packed_gqa_decoding
     from gspo_trl.default_model import default_model_path
 
     model = AutoModelForCausalLM.from_pretrained(args.model or default_model_path(), dtype=torch.float32).eval()
@@ -90,9 +92,12 @@ def main(argv=None) -> None:
             plain = step_ms(model, cache, rows, context, args.repeats)
             with decode_linear.fast_decode_linears(model):
                 fast = step_ms(model, cache, rows, context, args.repeats)
-            results.append({"rows": rows, "context": context, "plain_ms": plain, "decode_linear_ms": fast})
-            print(f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, decode_linear {fast:.1f} ms",
-                  flush=True)
+                with packed_gqa_decoding(model):
+                    packed = step_ms(model, cache, rows, context, args.repeats)
+            results.append({"rows": rows, "context": context, "plain_ms": plain, "decode_linear_ms": fast,
+                            "packed_gqa_ms": packed})
+            print(f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, decode_linear {fast:.1f} ms, "
+                  f"with packed GQA heads {packed:.1f} ms", flush=True)
     choices = {f"{out}x{inp}": rows for (out, inp), rows in
                next(iter(decode_linear._choices.values()), {}).items()}
     record = {"date": _dt.date.today().isoformat(), "cpus": os.cpu_count(), "processor": cpu_model(),
@@ -105,10 +110,13 @@ def main(argv=None) -> None:
 
 
 def render_table(record: dict) -> str:
-    lines = ["| rows | context | `F.linear` (ms) | `decode_linear` (ms) | ratio |", "|---|---|---|---|---|"]
+    lines = ["| rows | context | `F.linear` (ms) | `decode_linear` (ms) | ratio | + packed GQA heads (ms) | ratio |",
+             "|---|---|---|---|---|---|---|"]
     for step in record["steps"]:
-        lines.append(f"| {step['rows']} | {step['context']} | {step['plain_ms']:.1f} | {step['decode_linear_ms']:.1f} | "
-                     f"{step['decode_linear_ms'] / step['plain_ms']:.2f} |")
+        plain, fast = step["plain_ms"], step["decode_linear_ms"]
+        packed = step.get("packed_gqa_ms")  # absent from records made before decode_attention
+        lines.append(f"| {step['rows']} | {step['context']} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f} | "
+                     + ("– | – |" if packed is None else f"{packed:.1f} | {packed / plain:.2f} |"))
     return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .decode_attention import packed_gqa_decoding
 from .decode_linear import fast_decode_linears
 from .kv_cache import cache_kwargs
 
@@ -295,7 +296,7 @@ def sample(
     logps = None if logp_temperature is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
     length = 0
-    with fast_decode_linears(model):
+    with fast_decode_linears(model), packed_gqa_decoding(model):
         for t in range(max_new_tokens):
             logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
                            **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (n, V)

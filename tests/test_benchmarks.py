@@ -105,7 +105,7 @@ def test_decoding_benchmark_runs_the_ab_loops(tmp_path, tiny_model_dir):
     assert "| gspo_full_buffers |" in completed.stdout and "| gspo_plain_linears |" in completed.stdout
 
 
-def test_decode_step_benchmark_smoke_times_both_forms(tmp_path, tiny_model_dir):
+def test_decode_step_benchmark_smoke_times_the_three_forms(tmp_path, tiny_model_dir):
     out = tmp_path / "step.json"
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "decode_step.py"), "--rows", "1,2", "--contexts", "8",
                "--repeats", "1", "--model", tiny_model_dir, "--out", str(out)]
@@ -113,7 +113,7 @@ def test_decode_step_benchmark_smoke_times_both_forms(tmp_path, tiny_model_dir):
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     steps = json.loads(out.read_text())["steps"]
     assert [(step["rows"], step["context"]) for step in steps] == [(1, 8), (2, 8)]
-    assert all(step["plain_ms"] > 0 and step["decode_linear_ms"] > 0 for step in steps)
+    assert all(step["plain_ms"] > 0 and step["decode_linear_ms"] > 0 and step["packed_gqa_ms"] > 0 for step in steps)
     assert "| 2 | 8 |" in completed.stdout
 
 

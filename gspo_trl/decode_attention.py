@@ -1,0 +1,73 @@
+"""The attention of decoding steps on CPU: one new token per row over its KV cache, the query heads of each
+key/value head packed together.
+
+With grouped-query attention (SmolLM2-135M: 9 query heads over 3 key/value heads) a decoding step's query is
+(rows, 9, 1, head_dim). transformers' SDPA path hands it to `scaled_dot_product_attention(..., enable_gqa=True)`
+whenever there is no mask, and on CPU that kernel reads each key/value head once per query head of its group: at a
+4000-token context a step's attention reads the 184 MB cache three times over. Written as (rows, 3, 3, head_dim),
+the query heads of a group as three query positions over their shared key/value head, the same attention reads it
+once (transformers does this itself only when a mask is present). On the 2-core EPYC a one-row step over 4000
+positions went from 53.6 to 49.6 ms, a four-row one from 97.5 to 84.4 (`benchmarks/decode_step.py`); at 128
+positions the two forms are within noise. Same softmax over the same keys, fp32: the forms differ by
+summation order (about 1e-7).
+
+Owns `packed_gqa_decoding(model)`, the context the decoding loop runs its steps in: it switches an SDPA model on
+CPU to an attention function registered with transformers (`NAME`, with SDPA's masks), which packs the heads for
+one-token, no-autograd steps and leaves every other call to transformers' SDPA function. What it does not own: the
+decoding loop (`decoding.py`), the linear layers of a step (`decode_linear.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "gspo_trl_decode_sdpa"
+
+# Switched off by benchmarks that time transformers' own form (A/B in one process).
+enabled = True
+
+
+def packed_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention-function signature. One query token per row, grouped key/value heads, no autograd
+    and nothing but a mask shared by all heads: the packed form; anything else: `sdpa_attention_forward`."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    rows, heads, length, head_dim = query.shape
+    if (length != 1 or groups <= 1 or dropout or torch.is_grad_enabled() or query.device.type != "cpu"
+            or (attention_mask is not None and attention_mask.shape[1] != 1)
+            or any(kwargs.get(name) for name in ("softcap", "output_attentions"))
+            or any(kwargs.get(name) is not None for name in ("position_bias", "s_aux"))):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    packed = query.reshape(rows, heads // groups, groups, head_dim)  # a group's query heads as query positions
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(rows, 1, heads, value.shape[-1]), None  # (rows, 1, heads, head_dim), as SDPA's path returns
+
+
+def _register() -> None:
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, packed_gqa_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def packed_gqa_decoding(model: torch.nn.Module):
+    """While active, `model` (SDPA attention, grouped key/value heads, on CPU) attends with `packed_gqa_attention`;
+    its configuration's attention implementation is restored on exit. Other models are left as they are."""
+    config = getattr(model, "config", None)
+    parameter = next(model.parameters(), None)
+    if (not enabled or config is None or getattr(config, "_attn_implementation", None) != "sdpa"
+            or parameter is None or parameter.device.type != "cpu"
+            or getattr(config, "num_key_value_heads", None) in (None, getattr(config, "num_attention_heads", None))):
+        yield
+        return
+    _register()
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"

@@ -1,0 +1,132 @@
+"""gspo_trl.decode_attention: the packed-GQA attention of one-token steps equals transformers' SDPA attention, every
+other call goes to transformers' own function, and the context switches a model's attention in and out (also around
+a whole decoding loop)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from gspo_trl import decode_attention
+from gspo_trl.decode_attention import NAME, packed_gqa_attention, packed_gqa_decoding
+from gspo_trl.decoding import logits_processors, sample
+from gspo_trl.rollout import keyed_uniform, stream_keys
+
+
+class Attention(torch.nn.Module):
+    """What transformers' attention functions read from the calling layer."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def qkv(rows: int, heads: int, kv_heads: int, query_length: int, context: int, head_dim: int = 16):
+    torch.manual_seed(0)
+    return (torch.randn(rows, heads, query_length, head_dim), torch.randn(rows, kv_heads, context, head_dim),
+            torch.randn(rows, kv_heads, context, head_dim))
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+@pytest.mark.parametrize("rows,heads,kv_heads", [(1, 9, 3), (3, 4, 2), (2, 6, 1)])
+def test_one_token_steps_attend_like_transformers_sdpa(rows, heads, kv_heads, with_mask):
+    query, key, value = qkv(rows, heads, kv_heads, 1, 37)
+    mask = None
+    if with_mask:  # SDPA's decoding mask: (rows, 1, 1, context), left padding masked out
+        mask = torch.ones(rows, 1, 1, 37, dtype=torch.bool)
+        mask[0, ..., :5] = False
+    module = Attention(heads // kv_heads)
+    with torch.no_grad():
+        expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+        got, weights = packed_gqa_attention(module, query, key, value, mask, scaling=0.3)
+    assert weights is None and got.shape == expected.shape == (rows, 1, heads, 16)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if with_mask:  # the masked positions are out of row 0's softmax: its first query head as a hand-made softmax
+        scores = (key[0, 0, 5:] @ query[0, 0, 0]) * 0.3
+        torch.testing.assert_close(got[0, 0, 0], torch.softmax(scores, 0) @ value[0, 0, 5:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["prefill", "no groups", "autograd", "per-head mask", "dropout"])
+def test_other_calls_are_transformers_sdpa_bit_for_bit(case):
+    heads, kv_heads = (4, 4) if case == "no groups" else (4, 2)
+    query, key, value = qkv(2, heads, kv_heads, 5 if case == "prefill" else 1, 11)
+    mask = torch.ones(2, heads, query.shape[2], 11, dtype=torch.bool) if case == "per-head mask" else None
+    dropout = 0.5 if case == "dropout" else 0.0
+    module = Attention(heads // kv_heads)
+    with torch.set_grad_enabled(case == "autograd"):
+        torch.manual_seed(1)
+        expected, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout)
+        torch.manual_seed(1)
+        got, _ = packed_gqa_attention(module, query, key, value, mask, dropout=dropout)
+    assert torch.equal(got, expected)
+
+
+def test_the_context_switches_sdpa_models_on_cpu_and_restores_them(tiny_model):
+    config = tiny_model.config
+    assert config._attn_implementation == "sdpa" and config.num_key_value_heads < config.num_attention_heads
+    with packed_gqa_decoding(tiny_model):
+        assert config._attn_implementation == NAME
+    assert config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="stop"), packed_gqa_decoding(tiny_model):
+        raise RuntimeError("stop")
+    assert config._attn_implementation == "sdpa"
+
+
+def test_models_it_leaves_alone(tiny_model, monkeypatch):
+    config = tiny_model.config
+    config._attn_implementation = "eager"
+    with packed_gqa_decoding(tiny_model):  # not SDPA: the user's choice stands
+        assert config._attn_implementation == "eager"
+    config._attn_implementation = "sdpa"
+    config.num_key_value_heads = config.num_attention_heads
+    with packed_gqa_decoding(tiny_model):  # no grouped heads: nothing to pack
+        assert config._attn_implementation == "sdpa"
+    config.num_key_value_heads = 2
+    monkeypatch.setattr(decode_attention, "enabled", False)
+    with packed_gqa_decoding(tiny_model):
+        assert config._attn_implementation == "sdpa"
+
+
+def test_decoding_loop_with_packed_heads_samples_and_scores_like_transformers_sdpa(tiny_model, tiny_tokenizer,
+                                                                                  monkeypatch):
+    """The whole loop, left padding and rows leaving the batch down to one: the same tokens, and π_old's log-probs
+    within float rounding of those with transformers' SDPA attention."""
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2, return_tensors="pt",
+                             padding=True, padding_side="left")
+    keys = stream_keys(11, torch.arange(6))
+
+    def favour_eos(ids, scores):  # rows end at different steps, the last one alone
+        return scores + 3.0 * (torch.arange(scores.shape[-1]) == eos)
+
+    processors = LogitsProcessorList([favour_eos, *logits_processors(GenerationConfig(do_sample=True,
+                                                                                      temperature=0.8))])
+    packed_rows = []
+
+    def run():
+        return sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=16,
+                      eos_token_ids=[eos], pad_token_id=pad, processors=processors, logp_temperature=0.8,
+                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+
+    monkeypatch.setattr(decode_attention, "enabled", False)
+    plain = run()
+    monkeypatch.setattr(decode_attention, "enabled", True)
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query, *args, **kwargs):  # the packed form's calls: (rows, kv heads, group, head_dim) queries
+        if query.shape[2] == tiny_model.config.num_attention_heads // tiny_model.config.num_key_value_heads:
+            packed_rows.append(query.shape[0])
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    packed = run()
+    assert torch.equal(packed.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(packed.logps, plain.logps, rtol=0, atol=1e-5)
+    # every step after the prefill, each layer, with the rows still decoding (a row is in the steps before its EOS)
+    lengths = (packed.completion_ids != pad).sum(1)
+    live = [int((lengths > t).sum()) for t in range(1, packed.completion_ids.shape[1])]
+    assert packed_rows == [rows for rows in live for _ in range(tiny_model.config.num_hidden_layers)]
+    assert live[-1] == 1 and live[0] > 1
+    assert tiny_model.config._attn_implementation == "sdpa"
