@@ -2,14 +2,15 @@
 key/value head packed together.
 
 With grouped-query attention (SmolLM2-135M: 9 query heads over 3 key/value heads) a decoding step's query is
-(rows, 9, 1, head_dim). transformers' SDPA path hands it to `scaled_dot_product_attention(..., enable_gqa=True)`
-whenever there is no mask, and on CPU that kernel reads each key/value head once per query head of its group: at a
-4000-token context a step's attention reads the 184 MB cache three times over. Written as (rows, 3, 3, head_dim),
-the query heads of a group as three query positions over their shared key/value head, the same attention reads it
-once (transformers does this itself only when a mask is present). On the 2-core EPYC a one-row step over 4000
-positions went from 53.6 to 49.6 ms, a four-row one from 97.5 to 84.4 (`benchmarks/decode_step.py`); at 128
-positions the two forms are within noise. Same softmax over the same keys, fp32: the forms differ by
-summation order (about 1e-7).
+(rows, 9, 1, head_dim). When the step needs no mask (no left padding among the rows still decoding: a batch of one
+prompt or of prompts of one length, or the rows of the longest prompt once the others have ended), transformers'
+SDPA path hands it to `scaled_dot_product_attention(..., enable_gqa=True)`, and on CPU that kernel reads each
+key/value head once per query head of its group: at a 4000-token context a step's attention reads the 184 MB cache
+three times over. Written as (rows, 3, 3, head_dim), the query heads of a group as three query positions over their
+shared key/value head, the same attention reads it once; transformers does this itself when there is a mask. On
+the 2-core EPYC an unpadded one-row step over 4000 positions went from 51.4 to 47.4 ms, a four-row one from 95.1
+to 83.9 (`benchmarks/decode_step.py`); at 128 positions the forms are within noise. Same softmax over the same
+keys, fp32: the forms differ by summation order (about 1e-7).
 
 Owns `packed_gqa_decoding(model)`, the context the decoding loop runs its steps in: it switches an SDPA model on
 CPU to an attention function registered with transformers (`NAME`, with SDPA's masks), which packs the heads for

@@ -89,13 +89,16 @@ def test_models_it_leaves_alone(tiny_model, monkeypatch):
         assert config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("prompts", [["What is 2 + 3? Reply with just the number.", "Hi", "Solve: 7 - 4"] * 2,
+                                     ["Solve: 7 - 4"] * 6], ids=["left padding", "no padding"])
 def test_decoding_loop_with_packed_heads_samples_and_scores_like_transformers_sdpa(tiny_model, tiny_tokenizer,
-                                                                                  monkeypatch):
-    """The whole loop, left padding and rows leaving the batch down to one: the same tokens, and π_old's log-probs
-    within float rounding of those with transformers' SDPA attention."""
+                                                                                  monkeypatch, prompts):
+    """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
+    rounding of those with transformers' SDPA attention. With left padding every step has a mask (transformers
+    packs the heads itself then); without, none (transformers' own path reads the cache once per query head)."""
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
-    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2, return_tensors="pt",
-                             padding=True, padding_side="left")
+    encoded = tiny_tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    assert bool((encoded.attention_mask == 0).any()) == (len(set(prompts)) > 1)
     keys = stream_keys(11, torch.arange(6))
 
     def favour_eos(ids, scores):  # rows end at different steps, the last one alone
