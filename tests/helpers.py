@@ -63,3 +63,29 @@ def leave_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
+    """A call that runs the decoding loop on `prompts` (left-padded), seeded per row, with EOS favoured so rows end
+    at different steps and the last one decodes alone; returns (the call, the encoded prompts)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from gspo_trl.decoding import logits_processors, sample
+    from gspo_trl.rollout import keyed_uniform, stream_keys
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    keys = stream_keys(11, torch.arange(len(prompts)))
+
+    def favour_eos(ids, scores):
+        return scores + 3.0 * (torch.arange(scores.shape[-1]) == eos)
+
+    processors = LogitsProcessorList([favour_eos, *logits_processors(GenerationConfig(do_sample=True,
+                                                                                      temperature=0.8))])
+
+    def run():
+        return sample(model, encoded.input_ids, encoded.attention_mask, max_new_tokens=16, eos_token_ids=[eos],
+                      pad_token_id=pad, processors=processors, logp_temperature=0.8,
+                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+
+    return run, encoded

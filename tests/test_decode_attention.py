@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from helpers import sampler_with_rows_ending_apart
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gspo_trl import decode_attention
 from gspo_trl.decode_attention import NAME, packed_gqa_attention, packed_gqa_decoding
-from gspo_trl.decoding import logits_processors, sample
-from gspo_trl.rollout import keyed_uniform, stream_keys
 
 
 class Attention(torch.nn.Module):
@@ -96,22 +94,10 @@ def test_decoding_loop_with_packed_heads_samples_and_scores_like_transformers_sd
     """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
     rounding of those with transformers' SDPA attention. With left padding every step has a mask (transformers
     packs the heads itself then); without, none (transformers' own path reads the cache once per query head)."""
-    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
-    encoded = tiny_tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    run, encoded = sampler_with_rows_ending_apart(tiny_model, tiny_tokenizer, prompts)
     assert bool((encoded.attention_mask == 0).any()) == (len(set(prompts)) > 1)
-    keys = stream_keys(11, torch.arange(6))
-
-    def favour_eos(ids, scores):  # rows end at different steps, the last one alone
-        return scores + 3.0 * (torch.arange(scores.shape[-1]) == eos)
-
-    processors = LogitsProcessorList([favour_eos, *logits_processors(GenerationConfig(do_sample=True,
-                                                                                      temperature=0.8))])
+    pad = tiny_tokenizer.pad_token_id
     packed_rows = []
-
-    def run():
-        return sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=16,
-                      eos_token_ids=[eos], pad_token_id=pad, processors=processors, logp_temperature=0.8,
-                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
 
     monkeypatch.setattr(decode_attention, "enabled", False)
     plain = run()

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import sampler_with_rows_ending_apart
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessorList
 
 from gspo_trl import decode_linear
 from gspo_trl.decode_linear import MAX_ROWS, fast_decode_linears, measure_choices
-from gspo_trl.decoding import logits_processors, sample, token_logps
-from gspo_trl.rollout import keyed_uniform, stream_keys
+from gspo_trl.decoding import token_logps
 
 
 def force_choices(monkeypatch, transposed: bool, calls: list | None = None):
@@ -117,21 +116,10 @@ def test_decoding_loop_with_transposed_linears_samples_and_scores_like_without(t
                                                                              monkeypatch):
     """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
     rounding of the plain run's and of a training-style forward."""
-    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
-    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2, return_tensors="pt",
-                             padding=True, padding_side="left")
-    keys = stream_keys(11, torch.arange(6))
-    def favour_eos(ids, scores):  # rows end at different steps, the last one alone
-        return scores + 3.0 * (torch.arange(scores.shape[-1]) == eos)
-
-    processors = LogitsProcessorList([favour_eos, *logits_processors(GenerationConfig(do_sample=True,
-                                                                                      temperature=0.8))])
+    run, encoded = sampler_with_rows_ending_apart(tiny_model, tiny_tokenizer,
+                                                  ["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2)
+    pad = tiny_tokenizer.pad_token_id
     calls = []
-
-    def run():
-        return sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=16,
-                      eos_token_ids=[eos], pad_token_id=pad, processors=processors, logp_temperature=0.8,
-                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
 
     plain = run()
     force_choices(monkeypatch, True)
