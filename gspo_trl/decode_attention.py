@@ -49,10 +49,8 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout: flo
     return out.reshape(rows, 1, heads, value.shape[-1]), None  # (rows, 1, heads, head_dim), as SDPA's path returns
 
 
-def _register() -> None:
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, packed_gqa_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+AttentionInterface.register(NAME, packed_gqa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 @contextlib.contextmanager
@@ -66,7 +64,6 @@ def packed_gqa_decoding(model: torch.nn.Module):
             or getattr(config, "num_key_value_heads", None) in (None, getattr(config, "num_attention_heads", None))):
         yield
         return
-    _register()
     config._attn_implementation = NAME
     try:
         yield

@@ -41,6 +41,12 @@ def test_one_token_steps_attend_like_transformers_sdpa(rows, heads, kv_heads, wi
         got, weights = packed_gqa_attention(module, query, key, value, mask, scaling=0.3)
     assert weights is None and got.shape == expected.shape == (rows, 1, heads, 16)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # bf16 weights (the GPU recipe's, on CPU): bf16 in, bf16 out, within bf16 rounding
+        half = [tensor.to(torch.bfloat16) for tensor in (query, key, value)]
+        expected_half, _ = sdpa_attention_forward(module, *half, mask, scaling=0.3)
+        got_half, _ = packed_gqa_attention(module, *half, mask, scaling=0.3)
+    assert got_half.dtype == torch.bfloat16
+    torch.testing.assert_close(got_half.float(), expected_half.float(), rtol=2e-2, atol=2e-2)
     if with_mask:  # the masked positions are out of row 0's softmax: its first query head as a hand-made softmax
         scores = (key[0, 0, 5:] @ query[0, 0, 0]) * 0.3
         torch.testing.assert_close(got[0, 0, 0], torch.softmax(scores, 0) @ value[0, 0, 5:], rtol=1e-5, atol=1e-6)
@@ -70,6 +76,16 @@ def test_the_context_switches_sdpa_models_on_cpu_and_restores_them(tiny_model):
     with pytest.raises(RuntimeError, match="stop"), packed_gqa_decoding(tiny_model):
         raise RuntimeError("stop")
     assert config._attn_implementation == "sdpa"
+
+
+def test_a_lora_model_attends_packed_through_its_base_models_config(tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    attention = model.base_model.model.model.layers[0].self_attn
+    with packed_gqa_decoding(model):
+        assert attention.config._attn_implementation == NAME
+    assert attention.config._attn_implementation == "sdpa"
 
 
 def test_models_it_leaves_alone(tiny_model, monkeypatch):
