@@ -10,7 +10,9 @@ that EPYC the plain form wins at 10 to 15 rows, on an Intel Xeon one row already
 measured, not guessed: the first decoding loop of a model times both forms for each weight shape and row count up
 to `MAX_ROWS` on the model's own weights, and those choices hold for the rest of the process. One row is padded to two in the transposed form (MKL takes a single
 column as a matrix-vector product, the slow path again). Both forms are IEEE fp32 products of the same numbers;
-they differ in summation order, by about 1e-6 relative, as `F.linear` itself differs between row counts.
+they differ in summation order, by about 1e-6 relative, as `F.linear` itself differs between row counts. A timing
+can come out differently from one run to the next, so the trainer turns this off under `full_determinism`
+(`decoding.sample(timed_forms=False)`).
 
 Owns `fast_decode_linears(model)`, the context the decoding loop runs its steps in, and the per-process table of
 measured choices. Applies only where it was measured to matter: plain `nn.Linear` layers with fp32 weights on CPU,

@@ -15,6 +15,7 @@ loop also records each sampled token's log-prob under the model, temperature-sca
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -267,6 +268,7 @@ def sample(
     history: torch.Tensor | None = None,
     keep_states: bool = False,
     logp_temperature: float | None = None,
+    timed_forms: bool = True,
 ) -> Decoded:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt row; returns the (N, C) completion ids,
     `pad_token_id` after a row's first EOS, C the longest completion, and with `logp_temperature` each sampled
@@ -279,6 +281,8 @@ def sample(
     that samples an EOS leaves the batch, its KV cache rows with it. With `keep_states`, the cache of each row
     that ended with an EOS is kept as its `RowState` (its prompt and completion, the EOS excepted: the EOS is
     sampled, never run through the model) and returned with the completions, None for rows without an EOS.
+    `timed_forms=False` keeps `F.linear` for every product instead of the form `decode_linear` timed fastest on this
+    machine (the two differ in the last bits, so timings that vary between runs could vary the samples).
     """
     n, prompt_length = prompt_ids.shape
     device = prompt_ids.device
@@ -296,7 +300,8 @@ def sample(
     logps = None if logp_temperature is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
     length = 0
-    with fast_decode_linears(model), packed_gqa_decoding(model):
+    linears = fast_decode_linears(model) if timed_forms else contextlib.nullcontext()
+    with linears, packed_gqa_decoding(model):
         for t in range(max_new_tokens):
             logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
                            **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (n, V)

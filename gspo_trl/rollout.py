@@ -229,6 +229,8 @@ class HFGenerateBackend(RolloutBackend):
         self.cuda_graphs = args.decode_cuda_graphs
         self._static_refusal_logged = False
         self.max_decode_rows = args.decode_max_rows
+        # full_determinism: the same samples on every run, so no product form chosen by timing (decode_linear).
+        self.timed_forms = not args.full_determinism
         self._slicing_logged = False
         # Prefill each prefix that rows share once (False: identical rows only), and continue an episode's row from
         # the KV cache of its previous turn (False: prefill it again); switches for benchmarks/episode_rollout.py.
@@ -342,7 +344,7 @@ class HFGenerateBackend(RolloutBackend):
             if not self._static_refusal_logged:
                 logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
                 self._static_refusal_logged = True
-        return decoding.sample(model, ids, mask, cache=cache, **sampling)
+        return decoding.sample(model, ids, mask, cache=cache, timed_forms=self.timed_forms, **sampling)
 
     def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
         generation_config, processors = self.generation_config, None

@@ -1,14 +1,15 @@
 """gspo_trl.decode_linear: the transposed product equals `F.linear`, the measured choice, and the context that
-swaps the forwards of a model's linear layers in and out (also around a whole decoding loop)."""
+swaps the forwards of a model's linear layers in and out (also around a whole decoding loop, and its opt-out under
+`full_determinism`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import sampler_with_rows_ending_apart
+from helpers import count_digits, sampler_with_rows_ending_apart, small_config, text_dataset
 from torch import nn
 
-from gspo_trl import decode_linear
+from gspo_trl import GSPOTrainer, decode_linear
 from gspo_trl.decode_linear import MAX_ROWS, fast_decode_linears, measure_choices
 from gspo_trl.decoding import token_logps
 
@@ -141,3 +142,33 @@ def test_decoding_loop_with_transposed_linears_samples_and_scores_like_without(t
     scored = logits[:, -width - 1:-1]
     expected = token_logps(scored.reshape(-1, scored.shape[-1]), fast.completion_ids.reshape(-1), 0.8).view_as(mask)
     torch.testing.assert_close(fast.logps[mask], expected[mask], rtol=0, atol=2e-5)
+
+
+@pytest.fixture()
+def determinism_flags_restored(monkeypatch):
+    """`full_determinism` switches torch to deterministic algorithms and sets environment variables for the whole
+    process: put both back after the test."""
+    for name in ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC",
+                 "FLASH_ATTENTION_DETERMINISTIC"):
+        monkeypatch.delenv(name, raising=False)  # restored (or removed again) at teardown
+    deterministic, cudnn = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
+    benchmark = torch.backends.cudnn.benchmark
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn, benchmark
+
+
+@pytest.mark.parametrize("full_determinism", [False, True])
+def test_full_determinism_keeps_f_linear_in_the_rollouts(tmp_path, tiny_model_dir, monkeypatch, full_determinism,
+                                                         determinism_flags_restored):
+    """The forms are chosen by timing, which can differ between runs and flip the last bits of a logit, hence a
+    sample: with `full_determinism` the trainer's rollouts take `F.linear` throughout (and still train)."""
+    force_choices(monkeypatch, True)
+    calls = []
+    monkeypatch.setattr(decode_linear, "_transposed_product",
+                        lambda w, x, form=decode_linear._transposed_product: calls.append(x.shape[0]) or form(w, x))
+    config = small_config(tmp_path, max_steps=1, steps_per_generation=1, full_determinism=full_determinism)  # 4 rows
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert bool(calls) is not full_determinism
