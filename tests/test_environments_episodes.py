@@ -17,7 +17,7 @@ def episode_args(**overrides):
                   temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, cache_implementation=None,
                   generation_kwargs=None, decode_loop="gspo", decode_cuda_graphs=True, decode_logprobs_as_old=None,
                   bf16=False, fp16=False,
-                  decode_max_rows=None)
+                  decode_max_rows=None, full_determinism=False)
     values.update(overrides)
     return SimpleNamespace(**values)
 
