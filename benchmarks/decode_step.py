@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""One decoding step's time by rows and context length, in three forms: `F.linear` with transformers' SDPA attention,
-`decode_linear`'s measured linear forms, and those with `decode_attention`'s packed query heads.
+"""One decoding step's time by rows and context length, in four forms: `F.linear` with transformers' SDPA attention,
+`decode_linear`'s measured linear forms, those with `decode_attention`'s packed query heads (transformers' forward,
+as the loop ran every step before 2026-11-26), and that computation in `decode_forward`'s step (the loop's now).
 
 A step is one forward of one new token per row over a KV cache of `--contexts` positions (random keys and values,
 held at that length), as the decoding loop runs it: SmolLM2-135M-Instruct fp32 on
-CPU, the loop's growing KV buffers, `logits_to_keep=1`. For each (rows, context) the three forms run one after the
+CPU, the loop's growing KV buffers, `logits_to_keep=1`. For each (rows, context) the four forms run one after the
 other, the median of `--repeats` steps each after two untimed ones, in one process:
 
     python benchmarks/decode_step.py                                  # rows 1,2,4,8,16 x contexts 128,2048
@@ -57,7 +58,8 @@ def filled_cache(model, rows: int, context: int):
 
 
 @torch.no_grad()
-def step_ms(model, cache, rows: int, context: int, repeats: int) -> float:
+def step_ms(model, cache, rows: int, context: int, repeats: int, step_forward=None) -> float:
+    """The median milliseconds of `model`'s forward, or of `step_forward` (a `decode_forward.StepForward`)."""
     from gspo_trl.kv_cache import cache_kwargs
 
     vocab = model.config.vocab_size
@@ -66,8 +68,11 @@ def step_ms(model, cache, rows: int, context: int, repeats: int) -> float:
     times = []
     for _ in range(repeats + 2):
         start = time.perf_counter()
-        model(input_ids=token, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache),
-              use_cache=True, logits_to_keep=1)
+        if step_forward is None:
+            model(input_ids=token, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache),
+                  use_cache=True, logits_to_keep=1)
+        else:
+            step_forward(token, mask, positions, cache)
         times.append(time.perf_counter() - start)
         for layer in cache.layers:  # back to `context` positions: the next step writes the same slot
             layer._expose(context)
@@ -82,6 +87,7 @@ def main(argv=None) -> None:
 
     from gspo_trl import decode_linear
     from gspo_trl.decode_attention import packed_gqa_decoding
+    from gspo_trl.decode_forward import StepForward
     from gspo_trl.default_model import default_model_path
 
     model = AutoModelForCausalLM.from_pretrained(args.model or default_model_path(), dtype=torch.float32).eval()
@@ -92,12 +98,16 @@ def main(argv=None) -> None:
             plain = step_ms(model, cache, rows, context, args.repeats)
             with decode_linear.fast_decode_linears(model):
                 fast = step_ms(model, cache, rows, context, args.repeats)
-                with packed_gqa_decoding(model):
+                with packed_gqa_decoding(model), torch.no_grad():
                     packed = step_ms(model, cache, rows, context, args.repeats)
+                    step_forward = StepForward.of(model)
+                    own = None if step_forward is None else step_ms(model, cache, rows, context, args.repeats,
+                                                                    step_forward)
             results.append({"rows": rows, "context": context, "plain_ms": plain, "decode_linear_ms": fast,
-                            "packed_gqa_ms": packed})
+                            "packed_gqa_ms": packed, "step_forward_ms": own})
             print(f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, decode_linear {fast:.1f} ms, "
-                  f"with packed GQA heads {packed:.1f} ms", flush=True)
+                  f"with packed GQA heads {packed:.1f} ms, decode_forward's step "
+                  + ("(does not apply)" if own is None else f"{own:.1f} ms"), flush=True)
     choices = {f"{out}x{inp}": rows for (out, inp), rows in
                next(iter(decode_linear._choices.values()), {}).items()}
     record = {"date": _dt.date.today().isoformat(), "cpus": os.cpu_count(), "processor": cpu_model(),
@@ -110,13 +120,15 @@ def main(argv=None) -> None:
 
 
 def render_table(record: dict) -> str:
-    lines = ["| rows | context | `F.linear` (ms) | `decode_linear` (ms) | ratio | + packed GQA heads (ms) | ratio |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| rows | context | `F.linear` (ms) | `decode_linear` (ms) | ratio | + packed GQA heads (ms) | ratio "
+             "| `decode_forward` (ms) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
     for step in record["steps"]:
         plain, fast = step["plain_ms"], step["decode_linear_ms"]
         packed = step.get("packed_gqa_ms")  # absent from records made before decode_attention
+        own = step.get("step_forward_ms")  # absent before decode_forward, None where it does not apply
         lines.append(f"| {step['rows']} | {step['context']} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f} | "
-                     + ("– | – |" if packed is None else f"{packed:.1f} | {packed / plain:.2f} |"))
+                     + ("– | – |" if packed is None else f"{packed:.1f} | {packed / plain:.2f} |")
+                     + (" – | – |" if own is None else f" {own:.1f} | {own / plain:.2f} |"))
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ loops alternate, `--repeats` times each after one untimed warm-up each, in one p
     python benchmarks/decoding.py --max_completion_length 256 --layout_independent_sampling
     python benchmarks/decoding.py --loops gspo,gspo_full_buffers --layout_independent_sampling  # KV buffers A/B
     python benchmarks/decoding.py --loops gspo,gspo_plain_linears --layout_independent_sampling  # linear forms A/B
+    python benchmarks/decoding.py --loops gspo,gspo_module_forward --layout_independent_sampling  # decode_forward A/B
 
 `generate` here already shares each prompt's prefill (gspo-trl's backend); TRL's `generate` path does not.
 Each row of the output gives seconds per rollout (min / median), the mean completion length and the number
@@ -36,6 +37,8 @@ LOOPS = ("gspo", "generate")
 FULL_BUFFERS = "gspo_full_buffers"
 # The gspo loop with every linear layer in `F.linear`'s form (as before 2026-11-25): an A/B of `decode_linear`.
 PLAIN_LINEARS = "gspo_plain_linears"
+# The gspo loop with transformers' forward at every step instead of `decode_forward`'s (as before 2026-11-26).
+MODULE_FORWARD = "gspo_module_forward"
 
 
 def parse_args(argv=None):
@@ -47,7 +50,7 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--layout_independent_sampling", action="store_true")
     parser.add_argument("--loops", default=",".join(LOOPS),
-                        help=f"comma-separated, from {LOOPS + (FULL_BUFFERS, PLAIN_LINEARS)}")
+                        help=f"comma-separated, from {LOOPS + (FULL_BUFFERS, PLAIN_LINEARS, MODULE_FORWARD)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     parser.add_argument("--seed", type=int, default=0)
@@ -59,7 +62,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo_trl import GSPOConfig, decode_linear, decoding
+    from gspo_trl import GSPOConfig, decode_forward, decode_linear, decoding
     from gspo_trl.default_model import default_model_path
     from gspo_trl.rollout import HFGenerateBackend, stream_keys
     from gspo_trl.tasks import default_task_dataset
@@ -89,6 +92,7 @@ def main(argv=None) -> None:
             torch.cuda.synchronize()
         decoding.INITIAL_ROOM = 1 << 40 if loop == FULL_BUFFERS else growing_room  # room capped at the longest row
         decode_linear.enabled = loop != PLAIN_LINEARS
+        decode_forward.enabled = loop != MODULE_FORWARD
         start = time.perf_counter()
         rollout = backends[loop].generate(prompts, keys)
         if args.device == "cuda":

@@ -14,9 +14,11 @@ they differ in summation order, by about 1e-6 relative, as `F.linear` itself dif
 can come out differently from one run to the next, so the trainer turns this off under `full_determinism`
 (`decoding.sample(timed_forms=False)`).
 
-Owns `fast_decode_linears(model)`, the context the decoding loop runs its steps in, and the per-process table of
-measured choices. Applies only where it was measured to matter: plain `nn.Linear` layers with fp32 weights on CPU,
-without autograd or autocast, up to `MAX_ROWS` rows. What it does not own: the decoding loop (`decoding.py`).
+Owns `fast_decode_linears(model)`, the context the decoding loop runs its steps in, the per-process table of
+measured choices, and the transposed product itself (`transposed_linear`, with `OneRow` buffers for a caller that
+keeps them across steps, as `decode_forward` does). Applies only where it was measured to matter: plain `nn.Linear`
+layers with fp32 weights on CPU, without autograd or autocast, up to `MAX_ROWS` rows. What it does not own: the
+decoding loop (`decoding.py`), the step's forward around the products (`decode_forward.py`).
 """
 
 from __future__ import annotations
@@ -80,20 +82,54 @@ _choices: dict[tuple, Choices] = {}
 _choices_lock = threading.Lock()
 
 
-def _transposed_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(rows, out) x @ weightᵀ computed as (weight @ xᵀ)ᵀ, for x (rows, in)."""
-    rows = x.shape[0]
-    if rows == 1:
-        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        return torch.mm(weight, x.t())[:, :1].t().contiguous()
-    return torch.mm(weight, x.t()).t().contiguous()
+class OneRow:
+    """Buffers of one weight's one-row transposed product, kept across decoding steps: the row padded with zeros to
+    two, the (out, 2) product, and the views a step uses."""
+
+    def __init__(self, weight: torch.Tensor):
+        padded, self.product = weight.new_zeros(2, weight.shape[1]), weight.new_empty(weight.shape[0], 2)
+        self.row, self.columns, self.result = padded[:1], padded.t(), self.product[:, :1].t()
+
+
+def _transposed_product(weight: torch.Tensor, x: torch.Tensor, buffers: OneRow | None = None) -> torch.Tensor:
+    """(rows, out) x @ weightᵀ computed as (weight @ xᵀ)ᵀ, for x (rows, in). For one row, `buffers` saves the
+    padded row's and the product's allocations."""
+    if x.shape[0] > 1:
+        return torch.mm(weight, x.t()).t().contiguous()
+    if buffers is None:
+        return torch.mm(weight, torch.cat([x, x.new_zeros(1, x.shape[1])]).t())[:, :1].t().contiguous()
+    buffers.row.copy_(x)
+    torch.mm(weight, buffers.columns, out=buffers.product)
+    return buffers.result.contiguous()
+
+
+def transposed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                      buffers: OneRow | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x (rows, in) in the transposed form."""
+    out = _transposed_product(weight, x, buffers)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def plain(layer: nn.Module) -> bool:
+    """Whether `layer` is a plain fp32 `nn.Linear` on CPU with its whole weight (not a ZeRO-3 shard), its forward
+    transformers' own or the one `fast_decode_linears` gave it."""
+    weight = getattr(layer, "weight", None)
+    forward = layer.__dict__.get("forward")
+    return (type(layer) is nn.Linear and (forward is None or hasattr(forward, "transposed_rows"))
+            and type(weight) in (torch.Tensor, nn.Parameter) and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.numel() > 0)
 
 
 def _applies(layer: nn.Module) -> bool:
-    weight = getattr(layer, "weight", None)
-    return (type(layer) is nn.Linear and "forward" not in layer.__dict__  # no hook wraps its forward already
-            and type(weight) in (torch.Tensor, nn.Parameter) and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.numel() > 0)  # not a ZeRO-3 shard
+    return plain(layer) and "forward" not in layer.__dict__  # no hook wraps its forward already
+
+
+def transposed_rows(layer: nn.Module) -> dict[int, bool]:
+    """For each row count, whether `layer` computes the transposed form while `fast_decode_linears` is active ({}
+    for a layer it left as it is)."""
+    return getattr(layer.__dict__.get("forward"), "transposed_rows", {})
 
 
 def _forward(layer: nn.Linear, transposed: dict[int, bool], x: torch.Tensor) -> torch.Tensor:
@@ -101,9 +137,7 @@ def _forward(layer: nn.Linear, transposed: dict[int, bool], x: torch.Tensor) -> 
     if (not transposed.get(rows) or x.dtype != torch.float32 or torch.is_grad_enabled()
             or torch.is_autocast_enabled("cpu") or type(layer.weight) not in (torch.Tensor, nn.Parameter)):
         return nn.functional.linear(x, layer.weight, layer.bias)
-    out = _transposed_product(layer.weight, x.reshape(rows, x.shape[-1]))
-    if layer.bias is not None:
-        out += layer.bias
+    out = transposed_linear(layer.weight, layer.bias, x.reshape(rows, x.shape[-1]))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -141,4 +175,5 @@ def fast_decode_linears(model: nn.Module):
 def _bound(layer: nn.Linear, transposed: dict[int, bool]):
     def forward(x: torch.Tensor) -> torch.Tensor:
         return _forward(layer, transposed, x)
+    forward.transposed_rows = transposed
     return forward

@@ -5,7 +5,8 @@ processors `generate` would apply for the same sampling settings (HF's own class
 sampling by inverse CDF (one uniform per row instead of `torch.multinomial` over the whole vocabulary),
 and dropping the rows that have emitted EOS from the batch and the cache, so the remaining steps cost what
 the unfinished rows need. What it does not own: prompt rendering and the EOS/truncation masks of the result
-(`rollout.py`), the prefill of shared prefixes (`prefix_sharing.py`).
+(`rollout.py`), the prefill of shared prefixes (`prefix_sharing.py`), how a step's forward runs on CPU
+(`decode_forward`, `decode_linear`, `decode_attention`).
 
 The uniforms come from the caller: `torch.rand` for ordinary sampling, or a pure function of each row's key
 and position (`rollout.keyed_uniform`) for sampling that does not depend on the batch layout. On request the
@@ -31,6 +32,7 @@ from transformers.generation.logits_process import (
 )
 
 from .decode_attention import packed_gqa_decoding
+from .decode_forward import StepForward
 from .decode_linear import fast_decode_linears
 from .kv_cache import cache_kwargs
 
@@ -302,11 +304,17 @@ def sample(
     length = 0
     linears = fast_decode_linears(model) if timed_forms else contextlib.nullcontext()
     with linears, packed_gqa_decoding(model):
+        step_forward = StepForward.of(model, timed_forms)  # None: every step runs the model's own forward
         for t in range(max_new_tokens):
-            logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
-                           **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (n, V)
+            if t and step_forward is not None:
+                logits = step_forward(step_ids, attention, step_positions, cache)  # (n, V)
+            else:
+                logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
+                               **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1, :]
             if t == 0:  # the cache now holds every prompt token: give it room for the completions
                 preallocate(cache, prompt_length + max_new_tokens)
+                if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
+                    step_forward = None
             scores = processors(sequences, logits.float())
             tokens, step_logps = draw(scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits)
             if logps is not None:

@@ -89,3 +89,19 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
                       uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
 
     return run, encoded
+
+
+def force_choices(monkeypatch, transposed: bool, calls: list | None = None):
+    """Every model qualifies, and every weight shape takes `transposed` at every row count up to MAX_ROWS, whatever
+    this machine would measure (a tiny model's weights stay in cache, where the measurement means nothing)."""
+    from gspo_trl import decode_linear
+    from gspo_trl.decode_linear import MAX_ROWS
+
+    def measure(weights):
+        if calls is not None:
+            calls.append([tuple(weight.shape) for weight in weights])
+        return {tuple(weight.shape): dict.fromkeys(range(1, MAX_ROWS + 1), transposed) for weight in weights}
+
+    monkeypatch.setattr(decode_linear, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(decode_linear, "_choices", {})
+    monkeypatch.setattr(decode_linear, "measure_choices", measure)

@@ -93,19 +93,20 @@ def test_decoding_benchmark_runs_the_ab_loops(tmp_path, tiny_model_dir):
     # A smoke test of --loops: the growing buffers themselves are tested against DynamicLayer in test_decoding.py, the
     # linear layers' forms in test_decode_linear.py (the tiny model's weights are too small for them to apply).
     out = tmp_path / "ab.json"
+    loops = "gspo,gspo_full_buffers,gspo_plain_linears,gspo_module_forward"
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "decoding.py"), "--repeats", "1", "--prompts", "2",
-               "--max_completion_length", "8", "--loops", "gspo,gspo_full_buffers,gspo_plain_linears",
+               "--max_completion_length", "8", "--loops", loops,
                "--layout_independent_sampling", "--model", tiny_model_dir, "--out", str(out)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]
-    assert set(summary) == {"gspo", "gspo_full_buffers", "gspo_plain_linears"}
+    assert set(summary) == {"gspo", "gspo_full_buffers", "gspo_plain_linears", "gspo_module_forward"}
     assert (summary["gspo"]["mean_length"] == summary["gspo_full_buffers"]["mean_length"]
-            == summary["gspo_plain_linears"]["mean_length"] > 0)
-    assert "| gspo_full_buffers |" in completed.stdout and "| gspo_plain_linears |" in completed.stdout
+            == summary["gspo_plain_linears"]["mean_length"] == summary["gspo_module_forward"]["mean_length"] > 0)
+    assert "| gspo_full_buffers |" in completed.stdout and "| gspo_module_forward |" in completed.stdout
 
 
-def test_decode_step_benchmark_smoke_times_the_three_forms(tmp_path, tiny_model_dir):
+def test_decode_step_benchmark_smoke_times_the_four_forms(tmp_path, tiny_model_dir):
     out = tmp_path / "step.json"
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "decode_step.py"), "--rows", "1,2", "--contexts", "8",
                "--repeats", "1", "--model", tiny_model_dir, "--out", str(out)]
@@ -113,7 +114,8 @@ def test_decode_step_benchmark_smoke_times_the_three_forms(tmp_path, tiny_model_
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     steps = json.loads(out.read_text())["steps"]
     assert [(step["rows"], step["context"]) for step in steps] == [(1, 8), (2, 8)]
-    assert all(step["plain_ms"] > 0 and step["decode_linear_ms"] > 0 and step["packed_gqa_ms"] > 0 for step in steps)
+    assert all(step["plain_ms"] > 0 and step["decode_linear_ms"] > 0 and step["packed_gqa_ms"] > 0
+               and step["step_forward_ms"] > 0 for step in steps)
     assert "| 2 | 8 |" in completed.stdout
 
 

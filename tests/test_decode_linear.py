@@ -6,25 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import count_digits, sampler_with_rows_ending_apart, small_config, text_dataset
+from helpers import count_digits, force_choices, sampler_with_rows_ending_apart, small_config, text_dataset
 from torch import nn
 
 from gspo_trl import GSPOTrainer, decode_linear
 from gspo_trl.decode_linear import MAX_ROWS, fast_decode_linears, measure_choices
 from gspo_trl.decoding import token_logps
-
-
-def force_choices(monkeypatch, transposed: bool, calls: list | None = None):
-    """Every model qualifies, and every weight shape takes `transposed` at every row count up to MAX_ROWS, whatever
-    this machine would measure (a tiny model's weights stay in cache, where the measurement means nothing)."""
-    def measure(weights):
-        if calls is not None:
-            calls.append([tuple(weight.shape) for weight in weights])
-        return {tuple(weight.shape): dict.fromkeys(range(1, MAX_ROWS + 1), transposed) for weight in weights}
-
-    monkeypatch.setattr(decode_linear, "MIN_WEIGHT_BYTES", 0)
-    monkeypatch.setattr(decode_linear, "_choices", {})
-    monkeypatch.setattr(decode_linear, "measure_choices", measure)
 
 
 @pytest.fixture()
@@ -125,7 +112,8 @@ def test_decoding_loop_with_transposed_linears_samples_and_scores_like_without(t
     plain = run()
     force_choices(monkeypatch, True)
     monkeypatch.setattr(decode_linear, "_transposed_product",
-                        lambda w, x, form=decode_linear._transposed_product: calls.append(x.shape[0]) or form(w, x))
+                        lambda w, x, *rest, form=decode_linear._transposed_product:
+                        calls.append(x.shape[0]) or form(w, x, *rest))
     fast = run()
     assert torch.equal(fast.completion_ids, plain.completion_ids)
     torch.testing.assert_close(fast.logps, plain.logps, rtol=0, atol=1e-5)
@@ -166,7 +154,8 @@ def test_full_determinism_keeps_f_linear_in_the_rollouts(tmp_path, tiny_model_di
     force_choices(monkeypatch, True)
     calls = []
     monkeypatch.setattr(decode_linear, "_transposed_product",
-                        lambda w, x, form=decode_linear._transposed_product: calls.append(x.shape[0]) or form(w, x))
+                        lambda w, x, *rest, form=decode_linear._transposed_product:
+                        calls.append(x.shape[0]) or form(w, x, *rest))
     config = small_config(tmp_path, max_steps=1, steps_per_generation=1, full_determinism=full_determinism)  # 4 rows
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.train()

@@ -1,0 +1,163 @@
+"""The forward of a one-token decoding step on CPU for Llama, Mistral, Qwen2 and Qwen3 models, without
+transformers' per-module glue.
+
+Near the end of a rollout a few rows decode alone for thousands of steps. A step of SmolLM2-135M reads 540 MB of
+weights in its 211 products, about 17 ms at the memory bandwidth of the 2-core EPYC, and transformers' forward
+spent another 8 ms or so in the small operators and Python around them: module calls, the attention interface's
+dispatch, the mask built again each step, `decode_linear`'s checks and allocations per product. `StepForward`
+runs the same computation with the model's own modules and weights (embedding, norms, rotary embedding and its
+`apply_rotary_pos_emb`, activation), the cache's own `update`, `decode_attention`'s packed attention call and
+the product form `decode_linear` chose for each weight and row count, in the same order, so its logits equal
+transformers' forward bit for bit (`tests/test_decode_forward.py`: with and without padding, one to nine rows,
+both product forms, and the real SmolLM2 with the forms measured on the machine running the tests).
+
+Applies only where that equality was checked: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` and
+`Qwen3ForCausalLM` built from transformers' own modules, full attention in every layer (no sliding window), fp32
+weights on CPU, plain `nn.Linear` projections or PEFT's LoRA layers over them (the step calls those, so their own
+forward runs), no hooks or replaced forwards on the modules the step does not call (accelerate's offloading,
+ZeRO-3), `decode_attention`'s packed attention in effect, no autograd or autocast, and the loop's preallocated
+cache. Anything else takes the model's own forward. Owns `StepForward`; the decoding loop (`decoding.py`) decides
+when to call it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from gspo_trl import decode_attention, decode_linear
+
+# Switched off by benchmarks that time transformers' forward (A/B in one process).
+enabled = True
+
+_ARCHITECTURES = {  # model class -> its decoder layer, attention and MLP classes, all by name
+    name: tuple(f"{family}{part}" for part in ("DecoderLayer", "Attention", "MLP"))
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3") for name in (f"{family}ForCausalLM",)
+}
+
+
+class Product:
+    """One linear layer's product in a decoding step, in the form `decode_linear` gives it in the loop."""
+
+    def __init__(self, layer: nn.Linear, timed_forms: bool):
+        self.weight, self.bias = layer.weight, layer.bias
+        self.transposed = decode_linear.transposed_rows(layer) if timed_forms else {}  # row count -> form
+        self.one_row: decode_linear.OneRow | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`layer(x)` for x (rows, in)."""
+        rows = x.shape[0]
+        if not self.transposed.get(rows):
+            return nn.functional.linear(x, self.weight, self.bias)
+        if rows == 1 and self.one_row is None:
+            self.one_row = decode_linear.OneRow(self.weight)
+        return decode_linear.transposed_linear(self.weight, self.bias, x, self.one_row if rows == 1 else None)
+
+
+class StepForward:
+    """One-token steps of `model`'s forward, built inside the decoding loop's `fast_decode_linears` and
+    `packed_gqa_decoding` contexts. `StepForward.of(model, timed_forms)` is None where it does not apply."""
+
+    def __init__(self, model: nn.Module, timed_forms: bool):
+        model = _unwrapped(model)
+        base = model.model
+        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
+        attention = base.layers[0].self_attn
+        self.rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        self.kv_heads = model.config.num_attention_heads // attention.num_key_value_groups
+        self.groups, self.head_dim, self.scale = attention.num_key_value_groups, attention.head_dim, attention.scaling
+
+        def product(layer: nn.Module):  # a LoRA layer is called: its forward runs, its base layer's product in it
+            return Product(layer, timed_forms) if type(layer) is nn.Linear else layer
+
+        self.head = product(model.lm_head)
+        self.layers = []  # each decoder layer's modules in the order a step runs them
+        for layer in base.layers:
+            q, k, v, o, gate, up, down = map(product, _projections(layer))
+            q_norm, k_norm = getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)  # Qwen3
+            self.layers.append((layer.input_layernorm, q, k, v, o, q_norm, k_norm, layer.post_attention_layernorm,
+                                gate, up, down, layer.mlp.act_fn))
+
+    @classmethod
+    def of(cls, model: nn.Module, timed_forms: bool = True) -> StepForward | None:
+        return cls(model, timed_forms) if enabled and applies(model) else None
+
+    def __call__(self, token_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 cache) -> torch.Tensor:
+        """The (rows, vocab) logits of one new token per row: `token_ids` and `position_ids` (rows, 1),
+        `attention_mask` (rows, cache length + 1) as the loop keeps it. Writes the token's keys and values into
+        `cache` (its layers `PreallocatedLayer`s)."""
+        rows, kv_heads, groups, head_dim = token_ids.shape[0], self.kv_heads, self.groups, self.head_dim
+        # transformers' SDPA mask for one query token: none without padding, else the padding as a boolean mask.
+        mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        hidden = self.embed(token_ids)[:, 0]  # (rows, hidden)
+        cos, sin = self.rotary(hidden, position_ids)  # (rows, 1, head_dim)
+        for (norm, q, k, v, o, q_norm, k_norm, mlp_norm, gate, up, down, act), cache_layer in zip(self.layers,
+                                                                                                  cache.layers):
+            x = norm(hidden)
+            query, key = q(x).view(rows, -1, 1, head_dim), k(x).view(rows, -1, 1, head_dim)
+            if q_norm is not None:
+                query, key = q_norm(query), k_norm(key)
+            query, key = self.rotate(query, key, cos, sin)
+            keys, values = cache_layer.update(key, v(x).view(rows, -1, 1, head_dim))
+            out = nn.functional.scaled_dot_product_attention(query.reshape(rows, kv_heads, groups, head_dim), keys,
+                                                             values, attn_mask=mask, scale=self.scale)
+            hidden = hidden + o(out.reshape(rows, -1))
+            x = mlp_norm(hidden)
+            hidden = hidden + down(act(gate(x)) * up(x))
+        return self.head(self.norm(hidden))
+
+
+def applies(model: nn.Module) -> bool:
+    """Whether `StepForward` computes `model`'s decoding steps exactly (see the module docstring)."""
+    inner = _unwrapped(model)
+    names = _ARCHITECTURES.get(type(inner).__name__)
+    config = getattr(inner, "config", None)
+    base = getattr(inner, "model", None)
+    if (names is None or config is None or base is None or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
+            or getattr(config, "_attn_implementation", None) != decode_attention.NAME
+            or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
+            or getattr(config, "pretraining_tp", 1) != 1
+            or (type(inner).__name__ == "MistralForCausalLM" and config.sliding_window is not None)):
+        return False
+    layer_class, attention_class, mlp_class = names
+    layers = getattr(base, "layers", ())
+    if not len(layers) or any(
+            type(layer).__name__ != layer_class or type(layer.self_attn).__name__ != attention_class
+            or type(layer.mlp).__name__ != mlp_class or getattr(layer.self_attn, "sliding_window", None)
+            for layer in layers):
+        return False
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return False
+    # The modules a step computes without calling them must have no hooks or forwards of their own (accelerate's
+    # offloading, ZeRO-3's gathering). The ones it calls (embedding, norms, rotary embedding, activation, LoRA
+    # layers) run theirs, as in transformers' forward: e.g. the hook on the input embeddings that gradient
+    # checkpointing adds.
+    linears = [inner.lm_head] + [projection for layer in layers for projection in _projections(layer)]
+    skipped = [model, *([model.base_model] if inner is not model else []), inner, base, *layers,
+               *(layer.self_attn for layer in layers), *(layer.mlp for layer in layers)]
+    if any(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+           for module in skipped) or any(layer._forward_hooks or layer._forward_pre_hooks for layer in linears):
+        return False
+    return all(decode_linear.plain(layer) or _lora(layer) for layer in linears) and all(
+        parameter.device.type == "cpu" and parameter.dtype == torch.float32 for parameter in model.parameters())
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT model (its LoRA layers in place), else `model`."""
+    return model.get_base_model() if type(model).__name__.startswith("PeftModel") else model
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attention, mlp = layer.self_attn, layer.mlp
+    return (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
+            mlp.down_proj)
+
+
+def _lora(layer: nn.Module) -> bool:
+    """Whether `layer` is PEFT's LoRA linear layer over a plain `nn.Linear`: the step calls it (its own forward)."""
+    return (type(layer).__name__ == "Linear" and type(layer).__module__.startswith("peft.tuners.lora")
+            and "forward" not in layer.__dict__ and decode_linear.plain(getattr(layer, "base_layer", None)))
