@@ -10,6 +10,7 @@ other, the median of `--repeats` steps each after two untimed ones, in one proce
 
     python benchmarks/decode_step.py                                  # rows 1,2,4,8,16 x contexts 128,2048
     python benchmarks/decode_step.py --rows 1,2,3,4 --contexts 1024,4000
+    python benchmarks/decode_step.py --rows 4,16,64 --contexts 128 --unpacked   # decode_linear before its packed form
 
 Prints a table and writes `--out` (JSON). The choices `decode_linear` measured for the model are recorded too.
 """
@@ -36,6 +37,8 @@ def parse_args(argv=None):
     parser.add_argument("--contexts", default="128,2048")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="decode_linear without its packed form (F.linear or transposed only, as before 2026-11-26)")
     parser.add_argument("--out", default=str(HERE / "results" / "decode_step.json"))
     return parser.parse_args(argv)
 
@@ -91,6 +94,7 @@ def main(argv=None) -> None:
     from gspo_trl.default_model import default_model_path
 
     model = AutoModelForCausalLM.from_pretrained(args.model or default_model_path(), dtype=torch.float32).eval()
+    decode_linear.packing = not args.unpacked
     results = []
     for context in (int(c) for c in args.contexts.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
@@ -108,11 +112,11 @@ def main(argv=None) -> None:
             print(f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, decode_linear {fast:.1f} ms, "
                   f"with packed GQA heads {packed:.1f} ms, decode_forward's step "
                   + ("(does not apply)" if own is None else f"{own:.1f} ms"), flush=True)
-    choices = {f"{out}x{inp}": rows for (out, inp), rows in
+    choices = {f"{out}x{inp}": decode_linear.describe_forms(by_rows) for (out, inp), by_rows in
                next(iter(decode_linear._choices.values()), {}).items()}
     record = {"date": _dt.date.today().isoformat(), "cpus": os.cpu_count(), "processor": cpu_model(),
               "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
-              "transposed_form_by_shape_and_rows": choices, "steps": results}
+              "decode_linear_forms_by_shape": choices, "steps": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(render_table(record))

@@ -11,6 +11,7 @@ loops alternate, `--repeats` times each after one untimed warm-up each, in one p
     python benchmarks/decoding.py --loops gspo,gspo_full_buffers --layout_independent_sampling  # KV buffers A/B
     python benchmarks/decoding.py --loops gspo,gspo_plain_linears --layout_independent_sampling  # linear forms A/B
     python benchmarks/decoding.py --loops gspo,gspo_module_forward --layout_independent_sampling  # decode_forward A/B
+    python benchmarks/decoding.py --loops gspo,gspo_unpacked --layout_independent_sampling  # decode_linear's packed form
 
 `generate` here already shares each prompt's prefill (gspo-trl's backend); TRL's `generate` path does not.
 Each row of the output gives seconds per rollout (min / median), the mean completion length and the number
@@ -39,6 +40,9 @@ FULL_BUFFERS = "gspo_full_buffers"
 PLAIN_LINEARS = "gspo_plain_linears"
 # The gspo loop with transformers' forward at every step instead of `decode_forward`'s (as before 2026-11-26).
 MODULE_FORWARD = "gspo_module_forward"
+# The gspo loop with `decode_linear` choosing between `F.linear` and the transposed form only (as before the packed
+# form, 2026-11-26).
+UNPACKED = "gspo_unpacked"
 
 
 def parse_args(argv=None):
@@ -93,6 +97,7 @@ def main(argv=None) -> None:
         decoding.INITIAL_ROOM = 1 << 40 if loop == FULL_BUFFERS else growing_room  # room capped at the longest row
         decode_linear.enabled = loop != PLAIN_LINEARS
         decode_forward.enabled = loop != MODULE_FORWARD
+        decode_linear.packing = loop != UNPACKED
         start = time.perf_counter()
         rollout = backends[loop].generate(prompts, keys)
         if args.device == "cuda":

@@ -9,7 +9,7 @@ runs the same computation with the model's own modules and weights (embedding, n
 `apply_rotary_pos_emb`, activation), the cache's own `update`, `decode_attention`'s packed attention call and
 the product form `decode_linear` chose for each weight and row count, in the same order, so its logits equal
 transformers' forward bit for bit (`tests/test_decode_forward.py`: with and without padding, one to nine rows,
-both product forms, and the real SmolLM2 with the forms measured on the machine running the tests).
+each product form, and the real SmolLM2 with the forms measured on the machine running the tests).
 
 Applies only where that equality was checked: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` and
 `Qwen3ForCausalLM` built from transformers' own modules, full attention in every layer (no sliding window), fp32
@@ -43,13 +43,17 @@ class Product:
 
     def __init__(self, layer: nn.Linear, timed_forms: bool):
         self.weight, self.bias = layer.weight, layer.bias
-        self.transposed = decode_linear.transposed_rows(layer) if timed_forms else {}  # row count -> form
+        self.forms = decode_linear.forms(layer) if timed_forms else {}  # row count -> form
+        self.packed = decode_linear.packed_weight(layer)
         self.one_row: decode_linear.OneRow | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`layer(x)` for x (rows, in)."""
         rows = x.shape[0]
-        if not self.transposed.get(rows):
+        form = self.forms.get(rows, decode_linear.LINEAR)
+        if form == decode_linear.PACKED:
+            return self.packed.linear(x, self.bias)
+        if form == decode_linear.LINEAR:
             return nn.functional.linear(x, self.weight, self.bias)
         if rows == 1 and self.one_row is None:
             self.one_row = decode_linear.OneRow(self.weight)

@@ -1,24 +1,33 @@
-"""The linear layers of decoding steps on CPU: the product `x @ Wᵀ` for a few rows, in the form MKL runs fastest.
+"""The linear layers of decoding steps on CPU: the product `x @ Wᵀ` for a few rows, in the form MKL or oneDNN runs
+fastest.
 
 A decoding step multiplies every weight matrix by one vector per row still decoding, so near the end of a rollout
 it reads the whole model for one to a few rows and should run at the memory bandwidth. `F.linear(x, W)` hands MKL
 a GEMM whose small dimension is the rows' N; on the AMD EPYC machines this project runs on, MKL's fp32 kernel for
 that shape reads the weights at a third of the bandwidth (SmolLM2-135M's 30 blocks, 425 MB: 35 ms for one row, 45
-for four, where a plain sum over as many bytes takes 12). The same product written `(W @ xᵀ)ᵀ`, the rows as the
-small M, takes 15 and 20 ms. Which form is faster depends on the processor, the MKL build and the row count (on
-that EPYC the plain form wins at 10 to 15 rows, on an Intel Xeon one row already runs at the bandwidth), so it is
-measured, not guessed: the first decoding loop of a model times both forms for each weight shape and row count up
-to `MAX_ROWS` on the model's own weights, and those choices hold for the rest of the process. One row is padded to two in the transposed form (MKL takes a single
-column as a matrix-vector product, the slow path again). Both forms are IEEE fp32 products of the same numbers;
-they differ in summation order, by about 1e-6 relative, as `F.linear` itself differs between row counts. A timing
-can come out differently from one run to the next, so the trainer turns this off under `full_determinism`
+for four, where a plain sum over as many bytes takes 12). Three forms of the same product:
+
+- `linear`: `F.linear` itself.
+- `transposed`: `(W @ xᵀ)ᵀ`, the rows as the small M (15 and 20 ms there). One row is padded to two (MKL takes a
+  single column as a matrix-vector product, the slow path again).
+- `packed`: oneDNN's matmul over a copy of the weight reordered into its blocked layout once per decoding loop
+  (`PackedWeight`). With 4 to 64 rows, the steps most of a rollout takes, MKL's GEMM reads weights that are not in
+  the CPU caches at 40-75% of the matmul peak; over SmolLM2-135M's layers the packed form took 29-35 ms for 16
+  rows where `F.linear` took 59-79, and 81-93 for 64 rows against 124-162 (2-core EPYC, 2026-11-26).
+
+Which form is faster depends on the processor, the MKL and oneDNN builds and the row count, so it is measured, not
+guessed: the first decoding loop of a model times the forms for each weight shape at each row count of
+`MEASURED_ROWS` on the model's own weights, and those choices hold for the rest of the process (a row count between
+two measured ones takes the larger one's choice). All forms are IEEE fp32 products of the same numbers; they differ
+in summation order, by about 1e-6 relative, as `F.linear` itself differs between row counts. A timing can come out
+differently from one run to the next, so the trainer turns this off under `full_determinism`
 (`decoding.sample(timed_forms=False)`).
 
 Owns `fast_decode_linears(model)`, the context the decoding loop runs its steps in, the per-process table of
-measured choices, and the transposed product itself (`transposed_linear`, with `OneRow` buffers for a caller that
-keeps them across steps, as `decode_forward` does). Applies only where it was measured to matter: plain `nn.Linear`
-layers with fp32 weights on CPU, without autograd or autocast, up to `MAX_ROWS` rows. What it does not own: the
-decoding loop (`decoding.py`), the step's forward around the products (`decode_forward.py`).
+measured choices, and the products themselves (`transposed_linear`, with `OneRow` buffers for a caller that keeps
+them across steps, as `decode_forward` does; `PackedWeight`). Applies only where it was measured to matter: plain
+`nn.Linear` layers with fp32 weights on CPU, without autograd or autocast, up to `MAX_ROWS` rows. What it does not
+own: the decoding loop (`decoding.py`), the step's forward around the products (`decode_forward.py`).
 """
 
 from __future__ import annotations
@@ -33,51 +42,99 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# Row counts up to this are measured; more rows always take `F.linear` (there the gap is 10-20% of a step on the
-# EPYC, not worth the seconds its measurement would take at every start).
-MAX_ROWS = 8
+LINEAR, TRANSPOSED, PACKED = "linear", "transposed", "packed"
+# The row counts whose forms are timed; any other count up to the last takes the next larger one's choice, and more
+# rows (prefills) always take `F.linear`.
+MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+MAX_ROWS = MEASURED_ROWS[-1]
 # Models with fewer bytes of linear weights than this keep `F.linear`: their weights stay in the CPU caches, where a
 # decoding step is not bound by memory.
 MIN_WEIGHT_BYTES = 24 * 2**20
-# The transposed form is chosen only when it is at least this much faster: close timings keep `F.linear`.
+# Another form is chosen only when it is at least this much faster than `F.linear`: close timings keep `F.linear`.
 MIN_SPEEDUP = 1.1
+# The row count oneDNN lays a packed weight out for (any count runs on it; this one is the largest measured).
+PACK_ROWS = MAX_ROWS
 
 # Switched off by benchmarks that time the plain form (A/B in one process).
 enabled = True
+# Switched off by benchmarks that time the two forms before the packed one (A/B in one process).
+packing = True
 
-Choices = dict[tuple[int, int], dict[int, bool]]  # weight shape (out, in) -> row count -> transposed form?
+Choices = dict[tuple[int, int], dict[int, str]]  # weight shape (out, in) -> row count (1..MAX_ROWS) -> form
+
+
+class PackedWeight:
+    """A copy of `weight` in oneDNN's blocked layout, for `linear`. Made again if the weight changed in place since
+    (its version counter moved), so the product is always the current weight's."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self._pack()
+
+    def _pack(self) -> None:
+        self.version = self.weight._version
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` for fp32 x (..., in) without autograd."""
+        if self.weight._version != self.version:
+            self._pack()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+_packing: bool | None = None
+
+
+def packing_available() -> bool:
+    """Whether this torch build runs oneDNN's packed fp32 linear on CPU (checked once, on a small product)."""
+    global _packing
+    if _packing is None:
+        try:
+            weight, x = torch.randn(24, 16), torch.randn(3, 16)
+            _packing = bool(torch.backends.mkldnn.is_available()) and torch.allclose(
+                PackedWeight(weight).linear(x, None), nn.functional.linear(x, weight), rtol=1e-4, atol=1e-5)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _packing = False
+    return _packing
 
 
 @torch.no_grad()
 def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
-    """For each weight shape among `weights` and each row count from 1 to `MAX_ROWS`, whether the transposed form
-    is at least `MIN_SPEEDUP` times faster than `F.linear` on this machine. Timed on the weights themselves, in
-    their order, as a decoding step reads them (from memory, not from cache): per row count, passes over all of
-    them alternate between the forms, one untimed pass each, then the least of `repeats` timed passes per shape
-    (about 1.5 s for SmolLM2-135M)."""
-    forms = (lambda w, x: nn.functional.linear(x, w), _transposed_product)
+    """For each weight shape among `weights` and each row count from 1 to `MAX_ROWS`, the form to compute it in:
+    the fastest of `transposed` and `packed` (when oneDNN runs here) if it is at least `MIN_SPEEDUP` times faster
+    than `F.linear`, else `linear`. Timed at the row counts of `MEASURED_ROWS` on the weights themselves, in their
+    order, as a decoding step reads them (from memory, not from cache): per row count, passes over all of them
+    alternate between the forms, one untimed pass each, then the least of `repeats` timed passes per shape (about
+    5 s for SmolLM2-135M on 2 cores)."""
+    products = {LINEAR: lambda index, x: nn.functional.linear(x, weights[index]),
+                TRANSPOSED: lambda index, x: _transposed_product(weights[index], x)}
+    if packing and packing_available():
+        packed = [PackedWeight(weight) for weight in weights]
+        products[PACKED] = lambda index, x: packed[index].linear(x, None)
     shapes = {tuple(weight.shape) for weight in weights}
-    choices: Choices = {shape: {} for shape in shapes}
-    for rows in range(1, MAX_ROWS + 1):
+    measured: dict[tuple[int, int], dict[int, str]] = {shape: {} for shape in shapes}
+    for rows in MEASURED_ROWS:
         inputs = {in_features: torch.full((rows, in_features), 0.5) for _, in_features in shapes}
-        best = [dict.fromkeys(shapes, float("inf")) for _ in forms]
+        best = {form: dict.fromkeys(shapes, float("inf")) for form in products}
         for repeat in range(repeats + 1):
-            for form, fastest in zip(forms, best):
+            for form, product in products.items():
                 seconds = dict.fromkeys(shapes, 0.0)
-                for weight in weights:
+                for index, weight in enumerate(weights):
                     start = time.perf_counter()
-                    form(weight, inputs[weight.shape[1]])
+                    product(index, inputs[weight.shape[1]])
                     seconds[tuple(weight.shape)] += time.perf_counter() - start
                 if repeat:
                     for shape in shapes:
-                        fastest[shape] = min(fastest[shape], seconds[shape])
+                        best[form][shape] = min(best[form][shape], seconds[shape])
         for shape in shapes:
-            choices[shape][rows] = best[1][shape] * MIN_SPEEDUP <= best[0][shape]
-    return choices
+            fastest = min((form for form in products if form != LINEAR), key=lambda form: best[form][shape])
+            measured[shape][rows] = fastest if best[fastest][shape] * MIN_SPEEDUP <= best[LINEAR][shape] else LINEAR
+    return {shape: {rows: by_rows[min(m for m in MEASURED_ROWS if m >= rows)] for rows in range(1, MAX_ROWS + 1)}
+            for shape, by_rows in measured.items()}
 
 
-# The choices measured in this process, by the shapes of a model's linear layers in order (a snapshot of the model
-# shares those of the original).
+# The choices measured in this process, by `packing` and the shapes of a model's linear layers in order (a snapshot
+# of the model shares those of the original).
 _choices: dict[tuple, Choices] = {}
 _choices_lock = threading.Lock()
 
@@ -117,7 +174,7 @@ def plain(layer: nn.Module) -> bool:
     transformers' own or the one `fast_decode_linears` gave it."""
     weight = getattr(layer, "weight", None)
     forward = layer.__dict__.get("forward")
-    return (type(layer) is nn.Linear and (forward is None or hasattr(forward, "transposed_rows"))
+    return (type(layer) is nn.Linear and (forward is None or hasattr(forward, "forms"))
             and type(weight) in (torch.Tensor, nn.Parameter) and weight.device.type == "cpu"
             and weight.dtype == torch.float32 and weight.dim() == 2 and weight.numel() > 0)
 
@@ -126,16 +183,26 @@ def _applies(layer: nn.Module) -> bool:
     return plain(layer) and "forward" not in layer.__dict__  # no hook wraps its forward already
 
 
-def transposed_rows(layer: nn.Module) -> dict[int, bool]:
-    """For each row count, whether `layer` computes the transposed form while `fast_decode_linears` is active ({}
-    for a layer it left as it is)."""
-    return getattr(layer.__dict__.get("forward"), "transposed_rows", {})
+def forms(layer: nn.Module) -> dict[int, str]:
+    """For each row count, the form `layer` computes in while `fast_decode_linears` is active ({} for a layer it left
+    as it is: `F.linear` throughout)."""
+    return getattr(layer.__dict__.get("forward"), "forms", {})
 
 
-def _forward(layer: nn.Linear, transposed: dict[int, bool], x: torch.Tensor) -> torch.Tensor:
+def packed_weight(layer: nn.Module) -> PackedWeight | None:
+    """The `PackedWeight` of `layer` while `fast_decode_linears` is active and some row count takes that form."""
+    return getattr(layer.__dict__.get("forward"), "packed", None)
+
+
+def _forward(layer: nn.Linear, by_rows: dict[int, str], packed: PackedWeight | None, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not transposed.get(rows) or x.dtype != torch.float32 or torch.is_grad_enabled()
-            or torch.is_autocast_enabled("cpu") or type(layer.weight) not in (torch.Tensor, nn.Parameter)):
+    form = by_rows.get(rows, LINEAR)
+    if (form == LINEAR or x.dtype != torch.float32 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
+            or type(layer.weight) not in (torch.Tensor, nn.Parameter)):
+        return nn.functional.linear(x, layer.weight, layer.bias)
+    if form == PACKED and packed.weight is layer.weight:
+        return packed.linear(x, layer.bias)
+    if form == PACKED:  # the layer was given another weight tensor while the context was active
         return nn.functional.linear(x, layer.weight, layer.bias)
     out = transposed_linear(layer.weight, layer.bias, x.reshape(rows, x.shape[-1]))
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -144,26 +211,27 @@ def _forward(layer: nn.Linear, transposed: dict[int, bool], x: torch.Tensor) -> 
 @contextlib.contextmanager
 def fast_decode_linears(model: nn.Module):
     """While active, the fp32 CPU `nn.Linear` layers of `model` compute products of up to `MAX_ROWS` rows without
-    autograd in whichever form was measured faster for that row count. Their forwards are restored on exit."""
+    autograd in whichever form was measured fastest for that row count. Their forwards are restored, and the packed
+    copies of their weights dropped, on exit."""
     layers = [layer for layer in model.modules() if _applies(layer)] if enabled else []
     if sum(layer.weight.numel() * 4 for layer in layers) < MIN_WEIGHT_BYTES:
         yield
         return
-    key = tuple(tuple(layer.weight.shape) for layer in layers)
+    key = (packing, *(tuple(layer.weight.shape) for layer in layers))
     with _choices_lock:
         if key not in _choices:
             start = time.perf_counter()
             _choices[key] = measure_choices([layer.weight for layer in layers])
-            logger.info(f"decode_linear: measured in {time.perf_counter() - start:.1f} s; row counts that take the "
-                        f"transposed form, by weight shape: "
-                        + "; ".join(f"{out}x{inp}: {[rows for rows, yes in by_rows.items() if yes]}"
-                                    for (out, inp), by_rows in _choices[key].items()))
+            logger.info(f"decode_linear: measured in {time.perf_counter() - start:.1f} s; the form of each row "
+                        "count, by weight shape: " + "; ".join(
+                            f"{out}x{inp}: {describe_forms(by_rows)}" for (out, inp), by_rows in _choices[key].items()))
     choices = _choices[key]
-    layers = [layer for layer in layers if any(choices[tuple(layer.weight.shape)].values())]
+    layers = [layer for layer in layers if set(choices[tuple(layer.weight.shape)].values()) != {LINEAR}]
     forwards = []
-    for layer in layers:
-        layer.forward = forward = _bound(layer, choices[tuple(layer.weight.shape)])
-        forwards.append(forward)
+    with torch.no_grad():
+        for layer in layers:
+            layer.forward = forward = _bound(layer, choices[tuple(layer.weight.shape)])
+            forwards.append(forward)
     try:
         yield
     finally:
@@ -172,8 +240,16 @@ def fast_decode_linears(model: nn.Module):
                 del layer.forward
 
 
-def _bound(layer: nn.Linear, transposed: dict[int, bool]):
+def describe_forms(by_rows: dict[int, str]) -> str:
+    """The measured row counts that take each form other than `linear`, e.g. "transposed [1, 2], packed [3, 4]"."""
+    return ", ".join(f"{form} {[rows for rows in MEASURED_ROWS if by_rows[rows] == form]}"
+                     for form in (TRANSPOSED, PACKED) if form in by_rows.values()) or LINEAR
+
+
+def _bound(layer: nn.Linear, by_rows: dict[int, str]):
+    packed = PackedWeight(layer.weight) if PACKED in by_rows.values() else None
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return _forward(layer, transposed, x)
-    forward.transposed_rows = transposed
+        return _forward(layer, by_rows, packed, x)
+    forward.forms, forward.packed = by_rows, packed
     return forward

@@ -111,7 +111,7 @@ def force_transposed_linears() -> list:
     calls, product = [], decode_linear._transposed_product
     decode_linear.MIN_WEIGHT_BYTES = 0
     decode_linear.measure_choices = lambda weights: {tuple(weight.shape): dict.fromkeys(
-        range(1, decode_linear.MAX_ROWS + 1), True) for weight in weights}
+        range(1, decode_linear.MAX_ROWS + 1), decode_linear.TRANSPOSED) for weight in weights}
     decode_linear._transposed_product = lambda weight, x, *rest: calls.append(x.shape[0]) or product(weight, x, *rest)
     return calls
 

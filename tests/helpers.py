@@ -91,16 +91,21 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
     return run, encoded
 
 
-def force_choices(monkeypatch, transposed: bool, calls: list | None = None):
-    """Every model qualifies, and every weight shape takes `transposed` at every row count up to MAX_ROWS, whatever
-    this machine would measure (a tiny model's weights stay in cache, where the measurement means nothing)."""
+def force_choices(monkeypatch, form: str, calls: list | None = None):
+    """Every model qualifies, and every weight shape takes `form` ("linear", "transposed" or "packed") at every row
+    count up to MAX_ROWS, whatever this machine would measure (a tiny model's weights stay in cache, where the
+    measurement means nothing)."""
     from gspo_trl import decode_linear
     from gspo_trl.decode_linear import MAX_ROWS
+
+    assert form in (decode_linear.LINEAR, decode_linear.TRANSPOSED, decode_linear.PACKED), form
+    # The pinned CPU torch runs oneDNN: a test of the packed form must not pass by quietly running another.
+    assert form != decode_linear.PACKED or decode_linear.packing_available()
 
     def measure(weights):
         if calls is not None:
             calls.append([tuple(weight.shape) for weight in weights])
-        return {tuple(weight.shape): dict.fromkeys(range(1, MAX_ROWS + 1), transposed) for weight in weights}
+        return {tuple(weight.shape): dict.fromkeys(range(1, MAX_ROWS + 1), form) for weight in weights}
 
     monkeypatch.setattr(decode_linear, "MIN_WEIGHT_BYTES", 0)
     monkeypatch.setattr(decode_linear, "_choices", {})

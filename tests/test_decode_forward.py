@@ -1,6 +1,6 @@
 """gspo_trl.decode_forward: a decoding step's logits equal transformers' forward bit for bit (Llama, Mistral, Qwen2,
-Qwen3; with and without padding, both product forms, one to nine rows, and the real SmolLM2 with the forms measured
-here); the decoding loop runs its steps with it and samples what it samples without; the models and settings it
+Qwen3; with and without padding, each of `decode_linear`'s product forms, one to nine rows, and the real SmolLM2 with
+the forms measured here); the decoding loop runs its steps with it and samples what it samples without; the models and settings it
 leaves to their own forward."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from gspo_trl import decode_forward
 from gspo_trl.decode_attention import packed_gqa_decoding
 from gspo_trl.decode_forward import StepForward
-from gspo_trl.decode_linear import fast_decode_linears
+from gspo_trl.decode_linear import LINEAR, PACKED, TRANSPOSED, fast_decode_linears
 from gspo_trl.decoding import PreallocatedLayer, preallocate
 from gspo_trl.kv_cache import cache_kwargs
+
+FORMS = [LINEAR, TRANSPOSED, PACKED]
 
 
 def tiny(architecture: str, **overrides):
@@ -62,10 +64,10 @@ def both_steps(model, rows: int, length: int, padded: bool):
 
 # qwen2: biases on the query, key and value products; qwen3: a norm over each query and key head
 @pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3"])
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rows,padded", [(1, False), (2, True), (5, True), (9, False)])
-def test_a_step_equals_transformers_forward_bit_for_bit(architecture, transposed, rows, padded, monkeypatch):
-    force_choices(monkeypatch, transposed)  # every product in `decode_linear`'s transposed form up to 8 rows, or none
+def test_a_step_equals_transformers_forward_bit_for_bit(architecture, form, rows, padded, monkeypatch):
+    force_choices(monkeypatch, form)  # every product in one of `decode_linear`'s forms
     model = tiny(architecture)
     expected, got, theirs, ours = both_steps(model, rows, 23, padded)
     assert got.shape == (rows, model.config.vocab_size)
@@ -77,7 +79,7 @@ def test_a_step_equals_transformers_forward_bit_for_bit(architecture, transposed
 
 def test_repeated_one_row_steps_keep_each_layers_output(monkeypatch):
     """One row reuses a buffer per layer across steps: three steps in a row still equal transformers' three."""
-    force_choices(monkeypatch, True)
+    force_choices(monkeypatch, TRANSPOSED)
     model = tiny("llama")
     cache, token, mask, positions = prefilled(model, 1, 9, False)
     theirs, ours = cache, copy.deepcopy(cache)
@@ -92,11 +94,11 @@ def test_repeated_one_row_steps_keep_each_layers_output(monkeypatch):
             mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("form", FORMS)
 def test_the_loop_steps_with_it_and_samples_what_it_samples_without(tiny_model, tiny_tokenizer, monkeypatch,
-                                                                     transposed):
+                                                                     form):
     """The whole loop, rows leaving the batch down to one: the same tokens and π_old log-probs, bit for bit."""
-    force_choices(monkeypatch, transposed)
+    force_choices(monkeypatch, form)
     run, _ = sampler_with_rows_ending_apart(tiny_model, tiny_tokenizer, ["What is 2 + 3?", "Hi", "Solve: 7 - 4"] * 2)
     rows_per_step = []
     monkeypatch.setattr(StepForward, "__call__", lambda self, ids, *rest, call=StepForward.__call__:
@@ -112,12 +114,12 @@ def test_the_loop_steps_with_it_and_samples_what_it_samples_without(tiny_model, 
 
 
 def test_the_real_model_with_the_forms_measured_on_this_machine():
-    """SmolLM2-135M-Instruct, whose 425 MB of weights `decode_linear` times on this machine: one, three and eight
-    rows over a 40-position cache."""
+    """SmolLM2-135M-Instruct, whose 425 MB of weights `decode_linear` times on this machine: 1 to 32 rows over a
+    40-position cache."""
     from gspo_trl.default_model import default_model_path
 
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 8, 32):
         expected, got, _, _ = both_steps(model, rows, 40, padded=rows > 1)
         assert torch.equal(got, expected), rows
 
@@ -131,11 +133,11 @@ def lora(model):
 
 
 @pytest.mark.parametrize("wrapped", [True, False])  # the PEFT model, or the transformers model holding its layers
-@pytest.mark.parametrize("transposed", [False, True])
-def test_a_lora_model_steps_like_its_own_forward(wrapped, transposed, monkeypatch):
+@pytest.mark.parametrize("form", FORMS)
+def test_a_lora_model_steps_like_its_own_forward(wrapped, form, monkeypatch):
     """The step calls the LoRA layers themselves (their base layers in `decode_linear`'s form): the same logits as
     the PEFT model's forward, bit for bit, and not the base model's."""
-    force_choices(monkeypatch, transposed)
+    force_choices(monkeypatch, form)
     model = lora(tiny("llama"))
     if not wrapped:
         model = model.base_model.model
@@ -182,7 +184,7 @@ def test_models_and_settings_it_leaves_to_their_own_forward(case, monkeypatch):
 def test_gradient_checkpointings_hook_on_the_embeddings_runs_as_in_transformers_forward(monkeypatch):
     """Gradient checkpointing (a common setting at long completions) hooks the input embeddings: the step calls that
     module, so its hook runs there as it does in transformers' forward, and the step still applies."""
-    force_choices(monkeypatch, True)
+    force_choices(monkeypatch, TRANSPOSED)
     model = tiny("llama")
     model.gradient_checkpointing_enable()
     model.enable_input_require_grads()

@@ -1,6 +1,6 @@
-"""gspo_trl.decode_linear: the transposed product equals `F.linear`, the measured choice, and the context that
-swaps the forwards of a model's linear layers in and out (also around a whole decoding loop, and its opt-out under
-`full_determinism`)."""
+"""gspo_trl.decode_linear: the transposed and packed products equal `F.linear`, the measured choice, and the context
+that swaps the forwards of a model's linear layers in and out (also around a whole decoding loop, and its opt-out
+under `full_determinism`)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,35 @@ from helpers import count_digits, force_choices, sampler_with_rows_ending_apart,
 from torch import nn
 
 from gspo_trl import GSPOTrainer, decode_linear
-from gspo_trl.decode_linear import MAX_ROWS, fast_decode_linears, measure_choices
+from gspo_trl.decode_linear import (LINEAR, MAX_ROWS, MEASURED_ROWS, PACKED, TRANSPOSED, PackedWeight,
+                                    fast_decode_linears, measure_choices)
 from gspo_trl.decoding import token_logps
 
 
 @pytest.fixture()
 def always_transposed(monkeypatch):
-    force_choices(monkeypatch, True)
+    force_choices(monkeypatch, TRANSPOSED)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def counting(monkeypatch, form: str) -> list:
+    """The row count of each product computed in `form` (transposed or packed) from now on."""
+    calls = []
+    if form == TRANSPOSED:
+        monkeypatch.setattr(decode_linear, "_transposed_product",
+                            lambda w, x, *rest, product=decode_linear._transposed_product:
+                            calls.append(x.shape[0]) or product(w, x, *rest))
+    else:
+        monkeypatch.setattr(PackedWeight, "linear", lambda self, x, bias, product=PackedWeight.linear:
+                            calls.append(x.numel() // x.shape[-1]) or product(self, x, bias))
+    return calls
+
+
+@pytest.mark.parametrize("form", [TRANSPOSED, PACKED])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_transposed_form_computes_what_f_linear_computes(rows, bias, always_transposed):
+def test_each_form_computes_what_f_linear_computes(form, rows, bias, monkeypatch):
+    force_choices(monkeypatch, form)
+    calls = counting(monkeypatch, form)
     torch.manual_seed(0)
     layer = nn.Linear(48, 80, bias=bias)
     x = torch.randn(rows, 1, 48)  # (rows, one position, in): a decoding step's shape
@@ -29,10 +46,22 @@ def test_transposed_form_computes_what_f_linear_computes(rows, bias, always_tran
     with torch.no_grad(), fast_decode_linears(layer):
         assert "forward" in layer.__dict__
         got = layer(x)
+    assert calls == [rows]  # the form itself ran
     assert got.shape == expected.shape and got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(got, expected) or rows == 1  # the other summation order did run (one row may agree)
     assert "forward" not in layer.__dict__  # the class's forward again
+
+
+def test_a_packed_weight_follows_in_place_changes():
+    """The packed copy is made again when the weight changed in place (an optimizer step), so a product never uses
+    stale weights."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(16, 24), torch.randn(3, 16)
+    with torch.no_grad():
+        packed = PackedWeight(layer.weight)
+        torch.testing.assert_close(packed.linear(x, layer.bias), layer(x), rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(-2.0)
+        torch.testing.assert_close(packed.linear(x, layer.bias), layer(x), rtol=1e-5, atol=1e-5)
 
 
 def test_plain_form_where_the_transposed_one_does_not_apply(always_transposed):
@@ -76,23 +105,29 @@ def test_small_models_and_measured_losses_keep_f_linear(monkeypatch):
     layer = nn.Linear(64, 64)  # 16 KiB of weights: below MIN_WEIGHT_BYTES, they stay in cache
     with fast_decode_linears(layer):
         assert "forward" not in layer.__dict__
-    force_choices(monkeypatch, False)
-    with fast_decode_linears(layer):  # the transposed form was nowhere faster: nothing to swap
+    force_choices(monkeypatch, LINEAR)
+    with fast_decode_linears(layer):  # no other form was faster anywhere: nothing to swap
         assert "forward" not in layer.__dict__
 
 
-def test_measure_choices_times_every_shape_and_row_count():
+def test_measure_choices_times_every_shape_and_row_count(monkeypatch):
+    timed = []
+    monkeypatch.setattr(PackedWeight, "linear", lambda self, x, bias, product=PackedWeight.linear:
+                        timed.append(x.shape[0]) or product(self, x, bias))
     weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(64, 32)]
     choices = measure_choices(weights, repeats=1)
     assert set(choices) == {(64, 32), (32, 64)}
+    assert sorted(set(timed)) == list(MEASURED_ROWS)  # the packed form was timed too, at each measured count
     for by_rows in choices.values():
         assert sorted(by_rows) == list(range(1, MAX_ROWS + 1))
-        assert all(isinstance(choice, bool) for choice in by_rows.values())
+        assert set(by_rows.values()) <= {LINEAR, TRANSPOSED, PACKED}
+        for rows in range(1, MAX_ROWS + 1):  # between two measured counts: the larger one's choice
+            assert by_rows[rows] == by_rows[min(m for m in MEASURED_ROWS if m >= rows)]
 
 
 def test_choices_are_measured_once_per_model_shape(monkeypatch):
     calls = []
-    force_choices(monkeypatch, True, calls)
+    force_choices(monkeypatch, TRANSPOSED, calls)
     first, same_shapes, other = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(4, 8)
     for layer in (first, same_shapes, other, first):
         with fast_decode_linears(layer):
@@ -100,24 +135,21 @@ def test_choices_are_measured_once_per_model_shape(monkeypatch):
     assert calls == [[(4, 8)], [(8, 4)]]  # a snapshot of a model (same shapes) reuses the original's choices
 
 
-def test_decoding_loop_with_transposed_linears_samples_and_scores_like_without(tiny_model, tiny_tokenizer,
-                                                                             monkeypatch):
+@pytest.mark.parametrize("form", [TRANSPOSED, PACKED])
+def test_decoding_loop_in_each_form_samples_and_scores_like_f_linear(tiny_model, tiny_tokenizer, monkeypatch, form):
     """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
     rounding of the plain run's and of a training-style forward."""
     run, encoded = sampler_with_rows_ending_apart(tiny_model, tiny_tokenizer,
                                                   ["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2)
     pad = tiny_tokenizer.pad_token_id
-    calls = []
 
     plain = run()
-    force_choices(monkeypatch, True)
-    monkeypatch.setattr(decode_linear, "_transposed_product",
-                        lambda w, x, *rest, form=decode_linear._transposed_product:
-                        calls.append(x.shape[0]) or form(w, x, *rest))
+    force_choices(monkeypatch, form)
+    calls = counting(monkeypatch, form)
     fast = run()
     assert torch.equal(fast.completion_ids, plain.completion_ids)
     torch.testing.assert_close(fast.logps, plain.logps, rtol=0, atol=1e-5)
-    assert min(calls) == 1 and max(calls) == 6  # every row count, down to the last row alone
+    assert {1, 6} <= set(calls)  # six rows, then fewer, down to the last row alone (and the prompts, as rows)
     assert all("forward" not in layer.__dict__ for layer in tiny_model.modules())
     # against a forward over each whole sequence, as training scores it
     mask = fast.completion_ids != pad
@@ -151,11 +183,8 @@ def test_full_determinism_keeps_f_linear_in_the_rollouts(tmp_path, tiny_model_di
                                                          determinism_flags_restored):
     """The forms are chosen by timing, which can differ between runs and flip the last bits of a logit, hence a
     sample: with `full_determinism` the trainer's rollouts take `F.linear` throughout (and still train)."""
-    force_choices(monkeypatch, True)
-    calls = []
-    monkeypatch.setattr(decode_linear, "_transposed_product",
-                        lambda w, x, *rest, form=decode_linear._transposed_product:
-                        calls.append(x.shape[0]) or form(w, x, *rest))
+    force_choices(monkeypatch, PACKED)
+    calls = counting(monkeypatch, PACKED)
     config = small_config(tmp_path, max_steps=1, steps_per_generation=1, full_determinism=full_determinism)  # 4 rows
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.train()
