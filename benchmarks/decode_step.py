@@ -10,7 +10,7 @@ other, the median of `--repeats` steps each after two untimed ones, in one proce
 
     python benchmarks/decode_step.py                                  # rows 1,2,4,8,16 x contexts 128,2048
     python benchmarks/decode_step.py --rows 1,2,3,4 --contexts 1024,4000
-    python benchmarks/decode_step.py --rows 4,16,64 --contexts 128 --unpacked   # decode_linear before its packed form
+    python benchmarks/decode_step.py --rows 4,16,64 --contexts 128 --unpacked   # decode_linear without packed weights
 
 Prints a table and writes `--out` (JSON). The choices `decode_linear` measured for the model are recorded too.
 """
@@ -38,7 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     parser.add_argument("--unpacked", action="store_true",
-                        help="decode_linear without its packed form (F.linear or transposed only, as before 2026-11-26)")
+                        help="decode_linear's F.linear and transposed forms only, without packed weights")
     parser.add_argument("--out", default=str(HERE / "results" / "decode_step.json"))
     return parser.parse_args(argv)
 

@@ -11,7 +11,7 @@ loops alternate, `--repeats` times each after one untimed warm-up each, in one p
     python benchmarks/decoding.py --loops gspo,gspo_full_buffers --layout_independent_sampling  # KV buffers A/B
     python benchmarks/decoding.py --loops gspo,gspo_plain_linears --layout_independent_sampling  # linear forms A/B
     python benchmarks/decoding.py --loops gspo,gspo_module_forward --layout_independent_sampling  # decode_forward A/B
-    python benchmarks/decoding.py --loops gspo,gspo_unpacked --layout_independent_sampling  # decode_linear's packed form
+    python benchmarks/decoding.py --loops gspo,gspo_unpacked --layout_independent_sampling  # packed weights A/B
 
 `generate` here already shares each prompt's prefill (gspo-trl's backend); TRL's `generate` path does not.
 Each row of the output gives seconds per rollout (min / median), the mean completion length and the number
@@ -40,8 +40,8 @@ FULL_BUFFERS = "gspo_full_buffers"
 PLAIN_LINEARS = "gspo_plain_linears"
 # The gspo loop with transformers' forward at every step instead of `decode_forward`'s (as before 2026-11-26).
 MODULE_FORWARD = "gspo_module_forward"
-# The gspo loop with `decode_linear` choosing between `F.linear` and the transposed form only (as before the packed
-# form, 2026-11-26).
+# The gspo loop with `decode_linear` choosing between `F.linear` and the transposed form only, still measured up to
+# 64 rows: an A/B of the packed form.
 UNPACKED = "gspo_unpacked"
 
 

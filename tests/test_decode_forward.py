@@ -1,7 +1,7 @@
 """gspo_trl.decode_forward: a decoding step's logits equal transformers' forward bit for bit (Llama, Mistral, Qwen2,
 Qwen3; with and without padding, each of `decode_linear`'s product forms, one to nine rows, and the real SmolLM2 with
-the forms measured here); the decoding loop runs its steps with it and samples what it samples without; the models and settings it
-leaves to their own forward."""
+the forms measured here); the decoding loop runs its steps with it and samples what it samples without; the models
+and settings it leaves to their own forward."""
 
 from __future__ import annotations
 
