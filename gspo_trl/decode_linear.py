@@ -212,9 +212,11 @@ def _forward(layer: nn.Linear, by_rows: dict[int, str], packed: PackedWeight | N
 def fast_decode_linears(model: nn.Module):
     """While active, the fp32 CPU `nn.Linear` layers of `model` compute products of up to `MAX_ROWS` rows without
     autograd in whichever form was measured fastest for that row count. Their forwards are restored, and the packed
-    copies of their weights dropped, on exit."""
-    layers = [layer for layer in model.modules() if _applies(layer)] if enabled else []
-    if sum(layer.weight.numel() * 4 for layer in layers) < MIN_WEIGHT_BYTES:
+    copies of their weights dropped, on exit. Entered under CPU autocast (`bf16=True` on CPU), where every product is
+    autocast's own, it leaves the layers alone: no measurement, no packed copies."""
+    autocast = torch.is_autocast_enabled("cpu")
+    layers = [layer for layer in model.modules() if _applies(layer)] if enabled and not autocast else []
+    if not layers or sum(layer.weight.numel() * 4 for layer in layers) < MIN_WEIGHT_BYTES:
         yield
         return
     key = (packing, *(tuple(layer.weight.shape) for layer in layers))

@@ -110,6 +110,22 @@ def test_small_models_and_measured_losses_keep_f_linear(monkeypatch):
         assert "forward" not in layer.__dict__
 
 
+def test_under_cpu_autocast_nothing_is_measured_or_packed(monkeypatch):
+    """`bf16=True` on CPU samples under autocast, where every product is autocast's bf16 one: the context neither
+    times the forms nor packs copies of the weights (seconds and the weights' size in memory, for nothing)."""
+    calls = []
+    force_choices(monkeypatch, PACKED, calls)
+    monkeypatch.setattr(PackedWeight, "_pack", lambda self: calls.append("packed"))
+    layer = nn.Linear(16, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fast_decode_linears(layer):
+        assert "forward" not in layer.__dict__
+        assert layer(torch.randn(2, 16)).dtype == torch.bfloat16
+    assert calls == []
+    with torch.no_grad(), fast_decode_linears(layer):  # without autocast: measured, packed
+        assert "forward" in layer.__dict__
+    assert calls == [[(16, 16)], "packed"]
+
+
 def test_measure_choices_times_every_shape_and_row_count(monkeypatch):
     timed = []
     monkeypatch.setattr(PackedWeight, "linear", lambda self, x, bias, product=PackedWeight.linear:
