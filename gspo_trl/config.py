@@ -353,6 +353,18 @@ class GSPOConfig(TrainingArguments):
             "Bounds the logits memory at chunk × vocabulary floats; never the full (batch, length, vocabulary)."
         },
     )
+    max_tokens_per_pass: int | None = field(
+        default=None,
+        metadata={
+            "help": "The most positions (rows × padded length) one training forward/backward pass runs on: a "
+            "micro-batch with more is trained as several passes over row slices (rows of similar length together), "
+            "each back-propagated before the next, whose gradients add up to the micro-batch's. Bounds the "
+            "activation memory of the training step without changing the optimizer step (verl's dynamic batch "
+            "size). None (default): 8192 on a CUDA GPU, no limit on CPU; 0: one pass per micro-batch. A "
+            "micro-batch stays one pass with top_entropy_quantile < 1 or a Mixture-of-Experts load-balancing loss "
+            "(terms over the whole micro-batch)."
+        },
+    )
     cpu_memory_pool: bool = field(
         default=True,
         metadata={
@@ -716,6 +728,8 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}.")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        if self.max_tokens_per_pass is not None and self.max_tokens_per_pass < 0:
+            raise ValueError(f"max_tokens_per_pass must be >= 0 (0: no limit) or None, got {self.max_tokens_per_pass}.")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
         if self.eval_strategy != "no" and self.per_device_eval_batch_size * self.world_size % self.num_generations:

@@ -243,6 +243,24 @@ def fsdp2_whole_weights(model: torch.nn.Module):
                 group.post_forward_mesh_info = info
 
 
+@contextlib.contextmanager
+def gradients_held(accelerator, model: torch.nn.Module, defer_fsdp_reduction=None):
+    """Back-propagate without synchronising gradients across processes, as in an accumulation window's earlier
+    micro-steps: for the passes of a micro-batch before its last (`passes`). Inside a micro-step that does not
+    synchronise anyway, nothing changes. Otherwise DDP's and FSDP's reductions wait (``defer_fsdp_reduction``:
+    the trainer's own context for a model sharded at load time), and DeepSpeed sees no accumulation boundary
+    (Accelerate's ``sync_gradients``), so that it neither reduces nor steps."""
+    if not accelerator.sync_gradients:
+        yield
+        return
+    accelerator.gradient_state._set_sync_gradients(False)
+    try:
+        with (defer_fsdp_reduction() if defer_fsdp_reduction is not None else accelerator.no_sync(model)):
+            yield
+    finally:
+        accelerator.gradient_state._set_sync_gradients(True)
+
+
 def gather_rollout(batch: dict, accelerator, pad_token_id: int) -> dict:
     """Every process's rollout rows, in process order, padded as one batch would be.
 

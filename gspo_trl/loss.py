@@ -150,19 +150,26 @@ def importance_weights(
     return sequence_log_ratio.detach() + logps - logps.detach()
 
 
-def aggregate(per_token_loss, mask, objective: Objective, token_normalizer=None) -> torch.Tensor:
-    """One number from the (B, T) per-token losses, as `AGGREGATIONS` describes."""
+def aggregate(per_token_loss, mask, objective: Objective, token_normalizer=None, num_sequences=None,
+              num_tokens=None) -> torch.Tensor:
+    """One number from the (B, T) per-token losses, as `AGGREGATIONS` describes.
+
+    ``num_sequences`` and ``num_tokens`` are the B and the valid tokens the means divide by when this batch is a row
+    slice of a larger one (a training pass): the slices' numbers then add up to the larger batch's.
+    """
     total_per_sequence = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss)).sum(-1)  # (B,)
+    rows = mask.shape[0] if num_sequences is None else num_sequences
+    tokens = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=mask.device)
     rule = AGGREGATIONS[objective.loss_type]
     if rule == "sequence_mean":
-        return (total_per_sequence / mask.sum(-1).clamp(min=1)).mean()
+        return (total_per_sequence / mask.sum(-1).clamp(min=1)).sum() / rows
     if rule == "sequence_sum":
-        return total_per_sequence.mean()
+        return total_per_sequence.sum() / rows
     if rule == "constant":
-        return total_per_sequence.sum() / (mask.shape[0] * objective.max_completion_length)
+        return total_per_sequence.sum() / (rows * objective.max_completion_length)
     if rule == "global_token_mean" and token_normalizer is not None:
         return total_per_sequence.sum() / torch.as_tensor(token_normalizer).clamp(min=1.0)
-    return total_per_sequence.sum() / mask.sum().clamp(min=1)  # token mean of this batch
+    return total_per_sequence.sum() / tokens.clamp(min=1)  # token mean of this batch
 
 
 def _validate_tensors(per_token_logps, advantages, objective: Objective, beta_needs_ref, **tensors) -> None:
@@ -200,6 +207,8 @@ def policy_loss(
     per_token_entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     entropy_normalizer: torch.Tensor | float | None = None,
+    num_sequences: int | None = None,
+    num_tokens: torch.Tensor | int | None = None,
     objective: Objective | None = None,
     **hyperparameters,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -228,6 +237,9 @@ def policy_loss(
         entropy_coef: subtract entropy_coef * (mean entropy over the tokens the policy term learns from).
         entropy_normalizer: the token count that mean divides by (the micro-batch's learned tokens per process,
             so that averaging over processes gives the mean over all of them); defaults to this batch's.
+        num_sequences, num_tokens: the rows and valid completion tokens of the whole batch when this one is a row
+            slice of it (one training pass of a micro-batch): the loss then is this slice's share, and the slices'
+            losses add up to the whole batch's. Default: this batch's own.
         objective: the hyperparameters (an `Objective`); or give them as keywords (``epsilon=...``).
 
     Returns:
@@ -299,7 +311,7 @@ def policy_loss(
         kl_term = per_token_kl * ratio if objective.use_bias_correction_kl else per_token_kl
         per_token_loss = per_token_loss + objective.beta * kl_term
 
-    loss = aggregate(per_token_loss, mask, objective, token_normalizer)
+    loss = aggregate(per_token_loss, mask, objective, token_normalizer, num_sequences, num_tokens)
 
     if entropy_coef != 0.0:
         if per_token_entropy is None:

@@ -121,20 +121,28 @@ def metric_counts(
             "correction_units": sequences if (correction_mode or "").startswith("sequence") else tokens}
 
 
-def reduce_across_processes(metrics: dict, gather, counts: dict | None = None) -> dict[str, torch.Tensor]:
+def reduce_across_processes(
+    metrics: dict | list[dict], gather, counts: dict | list[dict] | None = None
+) -> dict[str, torch.Tensor]:
     """Combine each process's loss metrics with one collective: min/max for extremes (names ending in /min, /max), otherwise the mean
     weighted by each process's count (`metric_counts`, as `METRIC_UNITS` assigns them): the number one process
     would log for the whole micro-batch. Metrics without a unit (and all of them without counts) take the plain
-    mean; so does a metric whose count is zero on every process."""
-    names = list(metrics)
-    device = next((v.device for v in metrics.values() if isinstance(v, torch.Tensor)), None)
+    mean; so does a metric whose count is zero on every process. A micro-batch trained in several passes gives a
+    list of metrics and a list of counts, one per pass, combined the same way."""
+    parts = metrics if isinstance(metrics, list) else [metrics]
+    part_counts = counts if isinstance(counts, list) else [counts] * len(parts)
+    names = list(parts[0])
+    device = next((v.device for v in parts[0].values() if isinstance(v, torch.Tensor)), None)
 
     def as_row(values):
         return torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(()) for v in values])
 
-    unit_counts = [counts[METRIC_UNITS[name]] if counts and name in METRIC_UNITS else 1.0 for name in names]
-    local = torch.cat([as_row(metrics[name] for name in names), as_row(unit_counts)])  # (2K,)
-    gathered = gather(local.unsqueeze(0))  # (processes, 2K)
+    def local_row(part, part_count):
+        unit_counts = [part_count[METRIC_UNITS[name]] if part_count and name in METRIC_UNITS else 1.0 for name in names]
+        return torch.cat([as_row(part[name] for name in names), as_row(unit_counts)])  # (2K,)
+
+    local = torch.stack([local_row(part, part_count) for part, part_count in zip(parts, part_counts)])  # (passes, 2K)
+    gathered = gather(local)  # (processes × passes, 2K)
     values, weights = gathered[:, : len(names)], gathered[:, len(names):]
     reduced = {}
     for index, name in enumerate(names):

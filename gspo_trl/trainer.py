@@ -27,6 +27,7 @@ from .distributed import (
     check_deepspeed_batch_fields,
     gather_ragged,
     gather_rollout,
+    gradients_held,
     prepare_frozen_model,
     set_up_process_group,
     warn_if_fsdp_dropped,
@@ -62,6 +63,7 @@ from .models import (
     router_aux_loss_coef,
 )
 from .packing import packing_pays_on, padding_free_unsupported_reason
+from .passes import padded_positions, passes_unsupported_reason, plan_passes, resolve_max_tokens_per_pass, take_pass
 from .precision import check_precision, precision_context, warn_if_fp32_head_is_cast_by_fsdp2
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import SampledRollout, create_rollout_backend, is_conversational_prompt, stream_keys
@@ -173,6 +175,7 @@ class GSPOTrainer(Trainer):
         if padding_free is None:
             padding_free = packing_pays_on(self.accelerator.device.type)
         self.padding_free = padding_free and _padding_free_supported(self.accelerator.unwrap_model(self.model))
+        self.max_tokens_per_pass = _pass_budget(args, self.accelerator.device.type, self.router_aux_loss_coef != 0.0)
         self.rollout_backend = create_rollout_backend(
             args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model)
         )
@@ -199,6 +202,7 @@ class GSPOTrainer(Trainer):
         self._num_tokens_seen = 0
         self._rollout_generator = torch.Generator().manual_seed(args.seed)
         self._entropy_window = None  # (entropy sum, token count) of this optimizer step so far, for adaptive control
+        self._pass_metrics: list[tuple[dict, dict]] = []  # the loss metrics of a micro-batch's passes so far
 
     # --- precision ----------------------------------------------------------------------------
 
@@ -243,7 +247,9 @@ class GSPOTrainer(Trainer):
 
     # --- schedule -----------------------------------------------------------------------------
 
-    def _prepare_inputs(self, generation_batch: list[dict]) -> dict[str, Any]:
+    def _prepare_inputs(self, generation_batch: list[dict] | dict) -> dict[str, Any]:
+        if isinstance(generation_batch, dict):
+            return generation_batch  # a micro-batch, or one pass of it, prepared by training_step
         if not self.model.training:
             inputs = self._generate_and_score(generation_batch, mode="eval")
             inputs["num_items_in_batch"] = self._count_completion_tokens(inputs)
@@ -373,10 +379,42 @@ class GSPOTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.state.global_step != self._window_global_step:  # the first micro-step after an optimizer step
             self._window_global_step, self._window_offset = self.state.global_step, 0
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        model.train()  # before the rollout: _prepare_inputs samples for training only in train mode
+        micro_batch = self._prepare_inputs(inputs)
+        passes = self._plan_passes(micro_batch)
+        loss = torch.zeros((), device=self.accelerator.device)
+        for index, rows in enumerate(passes):
+            last = index == len(passes) - 1
+            part = micro_batch if len(passes) == 1 else take_pass(micro_batch, rows, last)
+            # Every pass but the last accumulates its gradient locally, like an earlier micro-step.
+            held = contextlib.nullcontext() if last else gradients_held(self.accelerator, model, self._fsdp_deferral())
+            with held:
+                loss = loss + super().training_step(model, part, num_items_in_batch)
         self._step += 1
         self._window_offset += 1
         return loss
+
+    def _plan_passes(self, micro_batch: dict[str, Any]) -> list[torch.Tensor]:
+        """The rows of each training pass of a micro-batch (`passes`): one pass unless it exceeds
+        max_tokens_per_pass; every process runs as many passes as the one that needs most."""
+        budget = self.max_tokens_per_pass
+        rows = micro_batch["completion_mask"].shape[0]
+        if budget is None or rows < 2:
+            return [torch.arange(rows)]
+        positions = padded_positions(micro_batch["attention_mask"], micro_batch["completion_mask"])  # (B,)
+        passes = len(plan_passes(positions, budget))
+        if self.accelerator.num_processes > 1:
+            passes = int(self.accelerator.reduce(torch.tensor(passes, device=self.accelerator.device), "max"))
+        return plan_passes(positions, budget, min_passes=passes)
+
+    def _fsdp_deferral(self):
+        """The trainer's own `no_sync` for a model FSDP2-sharded at load time (as its training loop picks it)."""
+        if getattr(self, "is_distributed_loading_by_transformers", False) and hasattr(self, "_defer_fsdp_gradient_reduction"):
+            from transformers.integrations.fsdp import is_fsdp_managed_module
+
+            if is_fsdp_managed_module(self.model):
+                return self._defer_fsdp_gradient_reduction
+        return None
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:  # Trainer would take the newest folder, even a half-written one
@@ -588,7 +626,8 @@ class GSPOTrainer(Trainer):
             entropy_grad=self.entropy_coefficient.enabled,
             router_aux_loss=self.router_aux_loss_coef != 0.0,
         )
-        policy_token_mask, learned, entropy_normalizer = self._selected_tokens(scores.entropy.detach(), mask)
+        policy_token_mask, learned, entropy_normalizer = self._selected_tokens(
+            scores.entropy.detach(), mask, inputs.get("micro_batch_tokens"))
         entropy_coef = self.entropy_coefficient.to_apply()
         sampling_weights, sampling_stats = self._sampling_correction(inputs, scores.logps.detach())
         loss, stats = policy_loss(
@@ -606,6 +645,8 @@ class GSPOTrainer(Trainer):
             per_token_entropy=scores.entropy,
             entropy_coef=entropy_coef,
             entropy_normalizer=entropy_normalizer,
+            num_sequences=inputs.get("micro_batch_rows"),  # set on a pass: its loss is its share of the micro-batch's
+            num_tokens=inputs.get("micro_batch_tokens"),
         )
         metrics = loss_metrics(stats, masked_mean(scores.entropy.detach(), mask), self.args.beta)
         metrics.update(sampling_metrics(sampling_stats))
@@ -617,7 +658,11 @@ class GSPOTrainer(Trainer):
             if mode == "train" and self.entropy_coefficient.adaptive:
                 self._observe_entropy(scores.entropy.detach(), learned)
         counts = metric_counts(mask, self.objective.importance_sampling_level, self.args.vllm_importance_sampling_mode)
-        self._metrics.add_many(mode, reduce_across_processes(metrics, self.accelerator.gather, counts))
+        self._pass_metrics.append((metrics, counts))
+        if inputs.get("last_pass", True):  # the micro-batch's metrics, over all its passes and processes
+            parts, self._pass_metrics = self._pass_metrics, []
+            self._metrics.add_many(mode, reduce_across_processes([m for m, _ in parts], self.accelerator.gather,
+                                                                 [c for _, c in parts]))
         return loss
 
     def _sampling_correction(self, inputs: dict[str, Any], logps: torch.Tensor):
@@ -634,9 +679,10 @@ class GSPOTrainer(Trainer):
         )
         return (weights if args.vllm_importance_sampling_correction else None), stats
 
-    def _selected_tokens(self, entropy: torch.Tensor, mask: torch.Tensor):
+    def _selected_tokens(self, entropy: torch.Tensor, mask: torch.Tensor, micro_batch_tokens=None):
         """(the top-entropy token mask or None, the tokens the policy term learns from, their count per process
-        over every process for the entropy bonus's mean or None): quantile and count span all processes."""
+        over every process for the entropy bonus's mean or None): quantile and count span all processes, and the
+        count the whole micro-batch (``micro_batch_tokens`` on a pass; passes need top_entropy_quantile = 1)."""
         policy_token_mask = None
         if self.args.top_entropy_quantile < 1.0:
             everyones = gather_ragged(entropy[mask.bool()], self.accelerator)
@@ -644,7 +690,8 @@ class GSPOTrainer(Trainer):
         learned = mask.bool() if policy_token_mask is None else mask.bool() & policy_token_mask.bool()
         entropy_normalizer = None
         if self.entropy_coefficient.enabled:
-            entropy_normalizer = self.accelerator.reduce(learned.sum(), "sum") / self.accelerator.num_processes
+            count = learned.sum() if micro_batch_tokens is None else micro_batch_tokens
+            entropy_normalizer = self.accelerator.reduce(count, "sum") / self.accelerator.num_processes
         return policy_token_mask, learned, entropy_normalizer
 
     def _token_normalizer(self, inputs: dict[str, Any], mode: str) -> torch.Tensor | None:
@@ -740,6 +787,15 @@ def _padding_free_supported(model) -> bool:
     if reason is not None:
         logger.warning(f"padding_free is not used: {reason}. Training runs on padded rows.")
     return reason is None
+
+
+def _pass_budget(args: GSPOConfig, device_type: str, router_aux_loss: bool) -> int | None:
+    """max_tokens_per_pass as it applies here: None where a micro-batch must stay one pass."""
+    reason = passes_unsupported_reason(args.top_entropy_quantile, router_aux_loss)
+    if reason is not None and args.max_tokens_per_pass:
+        raise ValueError(f"max_tokens_per_pass={args.max_tokens_per_pass} cannot train a micro-batch in several "
+                         f"passes here: {reason}. Set max_tokens_per_pass=0 (one pass per micro-batch).")
+    return None if reason is not None else resolve_max_tokens_per_pass(args.max_tokens_per_pass, device_type)
 
 
 def _check_enough_prompts(dataset, args: GSPOConfig) -> None:

@@ -12,7 +12,7 @@ the top-half-entropy tokens with an entropy bonus (quantities that span every pr
 two-turn episodes of a text environment with turn-level ratios and advantages, `+async` samples the second
 rollout in the background during the first one's training (async_rollouts), `+linears` decodes with
 `decode_linear`'s transposed products at every row count (the tiny model is too small to qualify by itself),
-`+scripted` gets its completions from
+`+passes` trains each micro-batch in passes of at most 2 rows (max_tokens_per_pass), `+scripted` gets its completions from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
 completions per micro-step over however many processes run. Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
@@ -150,12 +150,20 @@ def main(model_dir: str, mode: str, out: str) -> None:
         bf16="bf16" in options, gradient_checkpointing="gc" in options,
         deepspeed=deepspeed_config, fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0, ds3_gather_for_generation="nogather" not in options,
+        # 4 rows of a prompt (about 10 tokens) and 6 completion tokens: passes of 2 rows
+        max_tokens_per_pass=40 if "passes" in options else None,
         **(dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01) if "family" in options else {}),
         **(dict(max_turns=2, importance_sampling_level="turn", advantage_granularity="turn",
                 generation_kwargs={"sequence_bias": [[[2], 4.0]]})  # id 2 ends a turn: favour it
            if "episodes" in options else {}),
     )
     transposed_products = force_transposed_linears() if "linears" in options else []
+    passes = []
+    if "passes" in options:  # count the passes cut out of micro-batches
+        import gspo_trl.trainer
+
+        take_pass = gspo_trl.trainer.take_pass
+        gspo_trl.trainer.take_pass = lambda batch, rows, last: passes.append(len(rows)) or take_pass(batch, rows, last)
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
     trainer = GSPOTrainer(model_dir, rewards, args=config, train_dataset=dataset,
@@ -204,7 +212,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
                    "optimizer": type(getattr(trainer.deepspeed, "basic_optimizer",
                                              trainer.optimizer.optimizer)).__name__,
                    "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes),
-                   "transposed_products": len(transposed_products)}, handle)
+                   "transposed_products": len(transposed_products), "pass_rows": passes,
+                   "grad_norms": [e.get("grad_norm") for e in trainer.state.log_history if "loss" in e]}, handle)
 
 
 if __name__ == "__main__":

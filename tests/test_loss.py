@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gspo_trl.loss import masked_mean, policy_loss
+from gspo_trl.loss import AGGREGATIONS, Objective, masked_mean, policy_loss
 
 LEVELS = ("sequence", "sequence_token", "token")
 F64 = torch.float64
@@ -437,3 +437,36 @@ def test_turn_ids_shape_is_checked():
     with pytest.raises(ValueError, match="turn_ids"):
         policy_loss(torch.zeros(2, 3), None, torch.zeros(2), torch.ones(2, 3), importance_sampling_level="turn",
                     turn_ids=torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo", "bnpo", "dr_grpo", "dapo", "cispo", "vespo"])
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_row_slices_given_the_whole_batch_counts_add_up_to_its_loss_and_gradient(loss_type, level):
+    # A training pass scores a row slice of a micro-batch: with the micro-batch's rows and tokens, the slices'
+    # losses (and gradients) add up to the micro-batch's for every way the loss averages, KL and entropy included.
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]])
+    logps = (-torch.rand(5, 4, generator=generator)).requires_grad_()
+    old = logps.detach() - 0.05 * torch.rand(5, 4, generator=generator)
+    ref = logps.detach() - 0.1
+    entropy = torch.rand(5, 4, generator=generator).requires_grad_()
+    advantages = torch.tensor([1.0, -0.5, 0.25, 0.0, -0.75])
+    options = dict(objective=Objective(loss_type=loss_type, importance_sampling_level=level, epsilon=0.02,
+                                       epsilon_high=0.02, beta=0.04, max_completion_length=4),
+                   token_normalizer=30.0, entropy_coef=0.01, entropy_normalizer=mask.sum())
+
+    def loss_of(rows, **whole):
+        return policy_loss(logps[rows], old[rows], advantages[rows], mask[rows], ref_per_token_logps=ref[rows],
+                           per_token_entropy=entropy[rows], **options, **whole)[0]
+
+    everything = loss_of(torch.arange(5))
+    slices = [torch.tensor([0, 3]), torch.tensor([4]), torch.tensor([1, 2])]
+    parts = sum(loss_of(rows, num_sequences=5, num_tokens=mask.sum()) for rows in slices)
+    torch.testing.assert_close(parts, everything, atol=1e-7, rtol=1e-6)
+    whole_grads = torch.autograd.grad(everything, (logps, entropy))
+    part_grads = torch.autograd.grad(parts, (logps, entropy))
+    for part, whole in zip(part_grads, whole_grads):
+        torch.testing.assert_close(part, whole, atol=1e-7, rtol=1e-6)
+    if AGGREGATIONS[loss_type] != "global_token_mean":  # those divide by the step's tokens anyway
+        alone = loss_of(slices[0]).item()  # a slice averaged on its own is not its share
+        assert alone != pytest.approx(loss_of(slices[0], num_sequences=5, num_tokens=mask.sum()).item())

@@ -439,3 +439,79 @@ def test_unsupported_attention_falls_back_to_padded_rows(tmp_path, tiny_model_di
     assert not trainer.padding_free
     assert "padding_free is not used: it uses sliding-window attention" in caplog.text
     trainer.train()  # trains on padded rows
+
+
+def ended_apart(batch, lengths):
+    """The batch with row i's completion ending after lengths[i] tokens (as rows that sampled EOS there)."""
+    batch = dict(batch)
+    width = batch["completion_mask"].shape[1]
+    keep = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()  # (B, C)
+    batch["completion_mask"] = batch["completion_mask"] * keep
+    prompt_width = batch["attention_mask"].shape[1] - width
+    batch["attention_mask"] = torch.cat([batch["attention_mask"][:, :prompt_width],
+                                         batch["attention_mask"][:, prompt_width:] * keep], dim=1)
+    return batch
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "vespo"])
+@pytest.mark.parametrize("padding_free, bf16", [(True, False), (False, False), (False, True)],
+                         ids=["packed", "padded", "padded bf16 autocast"])
+def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(tmp_path, tiny_model_dir, loss_type,
+                                                                       padding_free, bf16):
+    # A micro-batch of 8 rows of different lengths, trained in one pass and in passes of at most 40 positions (rows
+    # of similar length together, each pass cut to its longest completion): the same loss, gradient and logged
+    # metrics, for each way the loss averages (sequence mean, token mean, constant, the step's tokens, VESPO's
+    # sequence weights), with an entropy bonus and a KL term.
+    config = make_config(tmp_path, loss_type=loss_type, bf16=bf16, beta=0.04, entropy_coef=0.01,
+                         max_tokens_per_pass=0)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    assert trainer.max_tokens_per_pass is None  # 0: one pass per micro-batch
+    trainer.padding_free = padding_free
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop
+    trainer.model.train()
+    batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
+    batch = ended_apart(batch, [12, 3, 7, 12, 1, 9, 5, 12])
+    batch["advantages"] = torch.linspace(-1, 1, 8)
+    batch["old_per_token_logps"] = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
+    batch["num_items_in_batch"] = batch["completion_mask"].sum() * 2  # this micro-batch is half of the rollout
+    trainer._metrics.pop_averages("train")  # the rollout's
+    calls = []
+    hook = trainer.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
+                                                   with_kwargs=True)
+
+    def step(budget):
+        trainer.max_tokens_per_pass = budget
+        trainer.model.zero_grad()
+        calls.clear()
+        loss = trainer.training_step(trainer.model, batch)
+        return loss, [p.grad.clone() for p in trainer.model.parameters()], trainer._metrics.pop_averages("train")
+
+    try:
+        whole_loss, whole_grads, whole_metrics = step(None)
+        assert len(calls) == 1
+        parts_loss, parts_grads, parts_metrics = step(40)
+    finally:
+        hook.remove()
+    assert len(calls) >= 3
+    if not padding_free:  # padded rows: each pass within the budget, the shortest rows without the longest's padding
+        assert all(rows * width <= 40 for rows, width in calls) and min(width for _, width in calls) < batch["input_ids"].shape[1]
+    if bf16:
+        # Each pass's weight gradient comes out of a bf16 matmul rounded on its own, so the two differ by bf16
+        # rounding (0.45% of the norm seen). Both are held against the same step in fp32: the passes' gradient
+        # is as close to it as one pass's.
+        torch.testing.assert_close(parts_loss, whole_loss, atol=1e-5, rtol=1e-3)
+        fp32 = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path, loss_type=loss_type, beta=0.04,
+                           entropy_coef=0.01, max_tokens_per_pass=0), train_dataset=text_dataset())
+        fp32.current_gradient_accumulation_steps = 1
+        fp32.training_step(fp32.model, batch)
+        for parts, whole, exact in zip(parts_grads, whole_grads, [p.grad for p in fp32.model.parameters()]):
+            whole_error, parts_error = (whole - exact).norm(), (parts - exact).norm()
+            assert whole_error <= 2e-2 * exact.norm()
+            assert parts_error <= 1.5 * whole_error + 1e-6
+    else:
+        torch.testing.assert_close(parts_loss, whole_loss, atol=1e-6, rtol=1e-5)
+        for parts, whole in zip(parts_grads, whole_grads):
+            torch.testing.assert_close(parts, whole, atol=1e-6, rtol=1e-5)
+    assert parts_metrics.keys() == whole_metrics.keys()
+    for name, value in whole_metrics.items():
+        assert parts_metrics[name] == pytest.approx(value, rel=1e-2 if bf16 else 1e-5, abs=1e-6), name

@@ -10,6 +10,7 @@ import torch
 from datasets import Dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
+from helpers import count_digits, small_config
 
 
 def ok_reward(completions, **kwargs):
@@ -103,3 +104,16 @@ def test_too_few_prompts_for_one_rollout_is_a_clear_error(tmp_path, tiny_model_d
                       steps_per_generation=2, use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"train_dataset has 2 prompts, but one rollout takes 4: .* 1 processes"):
         GSPOTrainer(tiny_model_dir, ok_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
+
+
+def test_training_passes_with_a_whole_micro_batch_quantile_are_refused_by_name(tmp_path, tiny_model_dir):
+    # The entropy quantile spans the whole micro-batch: a budget set by hand is refused, the default keeps one pass.
+    dataset = Dataset.from_dict({"prompt": [f"What is {i} + 1?" for i in range(8)]})
+    with pytest.raises(ValueError, match="max_tokens_per_pass=64 cannot train a micro-batch in several passes"):
+        GSPOTrainer(tiny_model_dir, count_digits, train_dataset=dataset,
+                    args=small_config(tmp_path, top_entropy_quantile=0.2, max_tokens_per_pass=64))
+    from gspo_trl.trainer import _pass_budget
+
+    assert _pass_budget(small_config(tmp_path, top_entropy_quantile=0.2), "cuda", router_aux_loss=False) is None
+    assert _pass_budget(small_config(tmp_path), "cuda", router_aux_loss=True) is None
+    assert _pass_budget(small_config(tmp_path), "cuda", router_aux_loss=False) == 8192

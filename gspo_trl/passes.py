@@ -1,0 +1,109 @@
+"""Training passes: one micro-batch trained as several forward/backward passes of bounded size.
+
+The activations a backward pass needs grow with the positions its forward ran on, and on a GPU they are most of
+the training step's peak memory (about 2 MB per position for a 1.7B model in bf16). Every term of the loss
+belongs to one row (`loss.policy_loss` only averages at the end), so a micro-batch can be cut into row slices,
+each forwarded and back-propagated on its own, with each slice's loss divided by the whole micro-batch's counts
+(`policy_loss(num_sequences=..., num_tokens=...)`): the slices' gradients then add up to the micro-batch's, and
+the optimizer step is the same, for the activations of one slice at a time. verl's dynamic batch size does the
+same with a token budget per GPU.
+
+Owns which rows go into which pass (`plan_passes`), cutting a pass out of a micro-batch with the padding only
+its own rows need (`take_pass`), the default budget and when a configuration cannot be cut. What it does not
+own: running the passes and synchronising gradients between processes (the trainer).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+# Positions per pass on a CUDA device when `max_tokens_per_pass` is unset: at 1.7B parameters (bf16, no
+# checkpointing) about 17 GB of activations, and passes of this size still run the matmuls near the GPU's peak.
+DEFAULT_CUDA_PASS_TOKENS = 8192
+
+# Keys of a micro-batch whose first dimension is not its rows.
+_BATCH_SCALARS = ("num_items_in_batch",)
+# Per-row tensors over the completion's positions (B, C), cut to the pass's longest completion.
+_COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
+                    "sampling_per_token_logps", "decoding_per_token_logps", "turn_ids", "advantages")
+
+
+def resolve_max_tokens_per_pass(setting: int | None, device_type: str) -> int | None:
+    """The positions budget of one pass: the user's (0: no limit), or by default `DEFAULT_CUDA_PASS_TOKENS` on a
+    CUDA device and no limit elsewhere (CPU training is compute-bound and its memory is the host's)."""
+    if setting is None:
+        return DEFAULT_CUDA_PASS_TOKENS if device_type == "cuda" else None
+    return setting or None
+
+
+def passes_unsupported_reason(top_entropy_quantile: float, router_aux_loss: bool) -> str | None:
+    """Why a micro-batch of this configuration must stay one pass, or None: the terms that are not sums over rows."""
+    if top_entropy_quantile < 1.0:
+        return "top_entropy_quantile < 1 selects tokens by a quantile over the whole micro-batch"
+    if router_aux_loss:
+        return "a Mixture-of-Experts load-balancing loss is computed over the whole micro-batch's tokens"
+    return None
+
+
+def padded_positions(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) the positions each row takes in a pass: the prompt columns (left padding included, see `take_pass`)
+    plus its completion up to its last trained token."""
+    completion_width = completion_mask.shape[1]
+    positions = torch.arange(1, completion_width + 1, device=completion_mask.device)
+    completion = (completion_mask.bool() * positions).amax(1)  # (B,) index + 1 of the last trained token
+    return attention_mask.shape[1] - completion_width + completion
+
+
+def plan_passes(row_positions: torch.Tensor, max_tokens: int | None, min_passes: int = 1) -> list[torch.Tensor]:
+    """Rows (index tensors) of each pass: rows sorted by length, cut into K contiguous slices of equal row counts.
+
+    K is the least number of passes that keeps every slice's padded size (its rows × its longest row) within
+    `max_tokens`, at least `min_passes` (what another process needs, so that all run the same number of passes),
+    and at most one row per pass. Sorting puts rows of similar length together, so a pass pads little.
+    """
+    rows = row_positions.numel()
+    order = torch.sort(row_positions.cpu(), stable=True).indices
+    if rows == 0:
+        return [order]
+    lengths = row_positions.cpu()[order]
+    passes = max(min_passes, 1)
+    if max_tokens is not None:
+        passes = max(passes, math.ceil(rows * int(lengths[-1]) / max_tokens))
+        while passes < rows and max(int(part.numel()) * int(lengths[part[-1]]) for part in
+                                    torch.arange(rows).tensor_split(passes)) > max_tokens:
+            passes += 1
+    passes = min(passes, rows)
+    return [order[part] for part in torch.arange(rows).tensor_split(passes)]
+
+
+def take_pass(micro_batch: dict[str, Any], rows: torch.Tensor, last: bool) -> dict[str, Any]:
+    """The rows of one pass, without the completion columns after its rows' last trained token, and what the loss of a part needs:
+    the whole micro-batch's rows and valid completion tokens, and whether this pass is the micro-batch's last."""
+    completion_mask = micro_batch["completion_mask"]
+    attention_mask = micro_batch["attention_mask"]
+    index = rows.to(completion_mask.device)
+    mask = completion_mask[index]
+    width = completion_mask.shape[1]
+    completion_width = max(int((mask.bool() * torch.arange(1, width + 1, device=mask.device)).amax()), 1)
+    # Only the completion's tail is cut: positions after a row's last trained token change none of its scores
+    # (causal attention), while the prompt's left padding stays, so that every token keeps the position ids of
+    # the micro-batch's π_old forward.
+    columns = slice(0, attention_mask.shape[1] - width + completion_width)  # of the (B, P + C) tensors
+    part = {}
+    for key, value in micro_batch.items():
+        if value is None or key in _BATCH_SCALARS or not isinstance(value, torch.Tensor):
+            part[key] = value
+            continue
+        value = value[index.to(value.device)]
+        if key in ("input_ids", "attention_mask"):
+            value = value[:, columns]
+        elif key in _COMPLETION_KEYS and value.dim() == 2 and value.shape[1] == width:
+            value = value[:, :completion_width]
+        part[key] = value
+    part["micro_batch_rows"] = completion_mask.shape[0]
+    part["micro_batch_tokens"] = completion_mask.sum()
+    part["last_pass"] = last
+    return part
