@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "checkpointing on for both (default: off for both).")
     work.add_argument("--use_liger_kernel", action="store_true", help="use_liger_kernel=True in both configs "
                       "(liger-kernel's RMSNorm, SwiGLU and RoPE kernels; GPU only).")
+    work.add_argument("--max_tokens_per_pass", type=int, default=None, help="gspo-trl only: GSPOConfig's "
+                      "max_tokens_per_pass (0: one training pass per micro-batch). Default: the library's.")
     work.add_argument("--lora", action="store_true", help="Train a LoRA adapter (r, alpha below, all-linear) in both.")
     work.add_argument("--lora_r", type=int, default=16)
     work.add_argument("--lora_alpha", type=int, default=32)
@@ -439,7 +441,10 @@ def build_trainer(impl: str, args, model_path: str, dataset, reward, output_dir:
     from gspo_trl import GSPOConfig
     from gspo_trl.trainer import GSPOTrainer
 
-    config = GSPOConfig(**kwargs, **({"decode_logprobs_as_old": False} if impl == "ours_recompute" else {}))
+    ours_only = {"decode_logprobs_as_old": False} if impl == "ours_recompute" else {}
+    if args.max_tokens_per_pass is not None:
+        ours_only["max_tokens_per_pass"] = args.max_tokens_per_pass
+    config = GSPOConfig(**kwargs, **ours_only)
     return GSPOTrainer(model_path, reward_funcs=[reward], args=config, train_dataset=dataset,
                        peft_config=peft_config, callbacks=[callback])
 
@@ -478,6 +483,7 @@ def describe_trainer(impl: str, trainer) -> dict:
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
         "checkpointing_before_train": checkpointing_state(unwrapped),
         "torch_threads": torch.get_num_threads(),
+        "max_tokens_per_pass": getattr(trainer, "max_tokens_per_pass", None),  # gspo-trl's, as it applies
     }
 
 
@@ -760,6 +766,8 @@ def worker_command(args, impl: str, threads: int) -> list[str]:
     for name in ("model", "architecture", "tokenizer"):
         if getattr(args, name):
             command += [f"--{name}", str(getattr(args, name))]
+    if args.max_tokens_per_pass is not None:
+        command += ["--max_tokens_per_pass", str(args.max_tokens_per_pass)]
     if args.lora:
         command.append("--lora")
     if args.gradient_checkpointing:

@@ -194,6 +194,8 @@ def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(tmp_
     original_prepare = trainer._prepare_inputs
 
     def prepare(batch):
+        if isinstance(batch, dict):  # a micro-batch already prepared, handed on by training_step
+            return original_prepare(batch)
         # Weights after `global_step` optimizer steps, as they are when this step's rollout could be launched.
         weights.setdefault(trainer.state.global_step, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()})
         inputs = original_prepare(batch)
