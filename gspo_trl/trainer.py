@@ -380,6 +380,7 @@ class GSPOTrainer(Trainer):
         if self.state.global_step != self._window_global_step:  # the first micro-step after an optimizer step
             self._window_global_step, self._window_offset = self.state.global_step, 0
         model.train()  # before the rollout: _prepare_inputs samples for training only in train mode
+        self._pass_metrics = []  # nothing left over from a micro-step that raised
         micro_batch = self._prepare_inputs(inputs)
         passes = self._plan_passes(micro_batch)
         loss = torch.zeros((), device=self.accelerator.device)
