@@ -243,6 +243,16 @@ def fsdp2_whole_weights(model: torch.nn.Module):
                 group.post_forward_mesh_info = info
 
 
+def fsdp_deferral(trainer):
+    """The trainer's own `no_sync` for a model FSDP2-sharded at load time, as its training loop picks it; None
+    otherwise (Accelerate's `no_sync` applies)."""
+    if not getattr(trainer, "is_distributed_loading_by_transformers", False):
+        return None
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    return trainer._defer_fsdp_gradient_reduction if is_fsdp_managed_module(trainer.model) else None
+
+
 @contextlib.contextmanager
 def gradients_held(accelerator, model: torch.nn.Module, defer_fsdp_reduction=None):
     """Back-propagate without synchronising gradients across processes, as in an accumulation window's earlier

@@ -8,14 +8,16 @@ each forwarded and back-propagated on its own, with each slice's loss divided by
 the optimizer step is the same, for the activations of one slice at a time. verl's dynamic batch size does the
 same with a token budget per GPU.
 
-Owns which rows go into which pass (`plan_passes`), cutting a pass out of a micro-batch with the padding only
-its own rows need (`take_pass`), the default budget and when a configuration cannot be cut. What it does not
-own: running the passes and synchronising gradients between processes (the trainer).
+Owns which rows go into which pass (`plan_passes`, `micro_batch_passes`), cutting a pass out of a micro-batch with
+the padding only its own rows need (`take_pass`), the default budget and when a configuration cannot be cut
+(`pass_budget`). What it does not own: running the passes (the trainer) and holding gradients between them
+(`distributed.gradients_held`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +48,31 @@ def passes_unsupported_reason(top_entropy_quantile: float, router_aux_loss: bool
     if router_aux_loss:
         return "a Mixture-of-Experts load-balancing loss is computed over the whole micro-batch's tokens"
     return None
+
+
+def pass_budget(args, device_type: str, router_aux_loss: bool) -> int | None:
+    """`max_tokens_per_pass` of a `GSPOConfig` as it applies on `device_type`: None where a micro-batch must stay
+    one pass. A budget set by hand where it cannot apply is a `ValueError`."""
+    reason = passes_unsupported_reason(args.top_entropy_quantile, router_aux_loss)
+    if reason is not None and args.max_tokens_per_pass:
+        raise ValueError(f"max_tokens_per_pass={args.max_tokens_per_pass} cannot train a micro-batch in several "
+                         f"passes here: {reason}. Set max_tokens_per_pass=0 (one pass per micro-batch).")
+    return None if reason is not None else resolve_max_tokens_per_pass(args.max_tokens_per_pass, device_type)
+
+
+def micro_batch_passes(micro_batch: dict[str, Any], max_tokens: int | None,
+                       most_of_all: Callable[[int], int] | None = None) -> list[torch.Tensor]:
+    """The rows of each training pass of a micro-batch: one pass within the budget (or without one), else
+    `plan_passes` over its rows' padded positions. ``most_of_all`` maps this process's number of passes to the
+    largest over all processes (a collective: every process calls it, with the same rows per micro-batch)."""
+    rows = micro_batch["completion_mask"].shape[0]
+    if max_tokens is None or rows < 2:
+        return [torch.arange(rows)]
+    positions = padded_positions(micro_batch["attention_mask"], micro_batch["completion_mask"])  # (B,)
+    passes = len(plan_passes(positions, max_tokens))
+    if most_of_all is not None:
+        passes = most_of_all(passes)
+    return plan_passes(positions, max_tokens, min_passes=passes)
 
 
 def padded_positions(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:

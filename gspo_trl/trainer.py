@@ -2,7 +2,7 @@
 
 It holds no math and no backend details: sampling lives in `rollout`, multi-turn episodes in
 `environments`, log-probabilities in `logprobs`, rewards in `rewards`, the rollout's advantages in `scoring`
-(math in `advantages`), the objective in `loss`. The
+(math in `advantages`), the objective in `loss`, a micro-batch's training passes in `passes`. The
 trainer's own job is the schedule (one rollout reused for `steps_per_generation × num_iterations`
 micro-steps, as in TRL), moving data between those modules, and logging.
 """
@@ -26,6 +26,7 @@ from .cpu_memory import pool_freed_memory
 from .distributed import (
     check_deepspeed_batch_fields,
     gather_ragged,
+    fsdp_deferral,
     gather_rollout,
     gradients_held,
     prepare_frozen_model,
@@ -63,7 +64,7 @@ from .models import (
     router_aux_loss_coef,
 )
 from .packing import packing_pays_on, padding_free_unsupported_reason
-from .passes import padded_positions, passes_unsupported_reason, plan_passes, resolve_max_tokens_per_pass, take_pass
+from .passes import micro_batch_passes, pass_budget, take_pass
 from .precision import check_precision, precision_context, warn_if_fp32_head_is_cast_by_fsdp2
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
 from .rollout import SampledRollout, create_rollout_backend, is_conversational_prompt, stream_keys
@@ -175,7 +176,7 @@ class GSPOTrainer(Trainer):
         if padding_free is None:
             padding_free = packing_pays_on(self.accelerator.device.type)
         self.padding_free = padding_free and _padding_free_supported(self.accelerator.unwrap_model(self.model))
-        self.max_tokens_per_pass = _pass_budget(args, self.accelerator.device.type, self.router_aux_loss_coef != 0.0)
+        self.max_tokens_per_pass = pass_budget(args, self.accelerator.device.type, self.router_aux_loss_coef != 0.0)
         self.rollout_backend = create_rollout_backend(
             args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model)
         )
@@ -388,7 +389,7 @@ class GSPOTrainer(Trainer):
             last = index == len(passes) - 1
             part = micro_batch if len(passes) == 1 else take_pass(micro_batch, rows, last)
             # Every pass but the last accumulates its gradient locally, like an earlier micro-step.
-            held = contextlib.nullcontext() if last else gradients_held(self.accelerator, model, self._fsdp_deferral())
+            held = contextlib.nullcontext() if last else gradients_held(self.accelerator, model, fsdp_deferral(self))
             with held:
                 loss = loss + super().training_step(model, part, num_items_in_batch)
         self._step += 1
@@ -396,26 +397,11 @@ class GSPOTrainer(Trainer):
         return loss
 
     def _plan_passes(self, micro_batch: dict[str, Any]) -> list[torch.Tensor]:
-        """The rows of each training pass of a micro-batch (`passes`): one pass unless it exceeds
-        max_tokens_per_pass; every process runs as many passes as the one that needs most."""
-        budget = self.max_tokens_per_pass
-        rows = micro_batch["completion_mask"].shape[0]
-        if budget is None or rows < 2:
-            return [torch.arange(rows)]
-        positions = padded_positions(micro_batch["attention_mask"], micro_batch["completion_mask"])  # (B,)
-        passes = len(plan_passes(positions, budget))
-        if self.accelerator.num_processes > 1:
-            passes = int(self.accelerator.reduce(torch.tensor(passes, device=self.accelerator.device), "max"))
-        return plan_passes(positions, budget, min_passes=passes)
-
-    def _fsdp_deferral(self):
-        """The trainer's own `no_sync` for a model FSDP2-sharded at load time (as its training loop picks it)."""
-        if getattr(self, "is_distributed_loading_by_transformers", False) and hasattr(self, "_defer_fsdp_gradient_reduction"):
-            from transformers.integrations.fsdp import is_fsdp_managed_module
-
-            if is_fsdp_managed_module(self.model):
-                return self._defer_fsdp_gradient_reduction
-        return None
+        accelerator = self.accelerator
+        most_of_all = None
+        if accelerator.num_processes > 1:  # every process runs as many passes as the one that needs most
+            most_of_all = lambda passes: int(accelerator.reduce(torch.tensor(passes, device=accelerator.device), "max"))
+        return micro_batch_passes(micro_batch, self.max_tokens_per_pass, most_of_all)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:  # Trainer would take the newest folder, even a half-written one
@@ -788,15 +774,6 @@ def _padding_free_supported(model) -> bool:
     if reason is not None:
         logger.warning(f"padding_free is not used: {reason}. Training runs on padded rows.")
     return reason is None
-
-
-def _pass_budget(args: GSPOConfig, device_type: str, router_aux_loss: bool) -> int | None:
-    """max_tokens_per_pass as it applies here: None where a micro-batch must stay one pass."""
-    reason = passes_unsupported_reason(args.top_entropy_quantile, router_aux_loss)
-    if reason is not None and args.max_tokens_per_pass:
-        raise ValueError(f"max_tokens_per_pass={args.max_tokens_per_pass} cannot train a micro-batch in several "
-                         f"passes here: {reason}. Set max_tokens_per_pass=0 (one pass per micro-batch).")
-    return None if reason is not None else resolve_max_tokens_per_pass(args.max_tokens_per_pass, device_type)
 
 
 def _check_enough_prompts(dataset, args: GSPOConfig) -> None:

@@ -112,8 +112,8 @@ def test_training_passes_with_a_whole_micro_batch_quantile_are_refused_by_name(t
     with pytest.raises(ValueError, match="max_tokens_per_pass=64 cannot train a micro-batch in several passes"):
         GSPOTrainer(tiny_model_dir, count_digits, train_dataset=dataset,
                     args=small_config(tmp_path, top_entropy_quantile=0.2, max_tokens_per_pass=64))
-    from gspo_trl.trainer import _pass_budget
+    from gspo_trl.passes import pass_budget
 
-    assert _pass_budget(small_config(tmp_path, top_entropy_quantile=0.2), "cuda", router_aux_loss=False) is None
-    assert _pass_budget(small_config(tmp_path), "cuda", router_aux_loss=True) is None
-    assert _pass_budget(small_config(tmp_path), "cuda", router_aux_loss=False) == 8192
+    assert pass_budget(small_config(tmp_path, top_entropy_quantile=0.2), "cuda", router_aux_loss=False) is None
+    assert pass_budget(small_config(tmp_path), "cuda", router_aux_loss=True) is None
+    assert pass_budget(small_config(tmp_path), "cuda", router_aux_loss=False) == 8192
