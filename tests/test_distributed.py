@@ -158,15 +158,15 @@ def test_decode_linear_forms_train_the_same_run_under_ddp_zero3_and_fsdp2(tmp_pa
     assert_same_run(lora_plain[0], lora[0], 1e-5)
 
 
-def test_micro_batches_trained_in_passes_train_the_same_run_under_ddp_zero2_and_fsdp2(tmp_path, tiny_model_dir):
+def test_micro_batches_trained_in_passes_train_the_same_run_under_ddp_zero_and_fsdp2(tmp_path, tiny_model_dir):
     """max_tokens_per_pass cuts each micro-batch of 4 rows into passes of 2, each back-propagated on its own: under
-    DDP (the first pass under no_sync), DeepSpeed ZeRO-2 (no accumulation boundary until the last pass) and
-    accelerate's FSDP2 (gradient sync held), the first optimizer step's gradient is one pass's (its norm within
+    DDP (the first pass under no_sync), DeepSpeed ZeRO-2 and ZeRO-3 (no accumulation boundary until the last pass)
+    and accelerate's FSDP2 (gradient sync held), the first optimizer step's gradient is one pass's (its norm within
     float rounding: a pass missing from the sum, or reduced twice, would be far off), and the run stays the same.
     The later steps differ a little more (2e-5 seen in the KL): AdamW's first update, lr·g/(|g| + 1e-8), turns
     rounding-level differences in the many near-zero gradient elements into differences of up to 2·lr."""
     whole = launch(tmp_path, tiny_model_dir, "ddp+beta")
-    for mode in ("ddp+beta+passes", "zero2+beta+passes", "fsdp2+beta+passes"):
+    for mode in ("ddp+beta+passes", "zero2+beta+passes", "zero3+beta+passes", "fsdp2+beta+passes"):
         ranks = launch(tmp_path, tiny_model_dir, mode)
         assert ranks[0]["pass_rows"] == ranks[1]["pass_rows"] == [2] * 6, mode  # 3 micro-steps of 2 passes
         assert_same_run(ranks[0], ranks[1], 0)
