@@ -454,17 +454,23 @@ def ended_apart(batch, lengths):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "vespo"])
-@pytest.mark.parametrize("padding_free, bf16", [(True, False), (False, False), (False, True)],
-                         ids=["packed", "padded", "padded bf16 autocast"])
+@pytest.mark.parametrize("padding_free, bf16, lora", [(True, False, False), (False, False, False),
+                                                     (False, True, False), (False, False, True)],
+                         ids=["packed", "padded", "padded bf16 autocast", "padded LoRA"])
 def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(tmp_path, tiny_model_dir, loss_type,
-                                                                       padding_free, bf16):
+                                                                       padding_free, bf16, lora):
     # A micro-batch of 8 rows of different lengths, trained in one pass and in passes of at most 40 positions (rows
     # of similar length together, each pass cut to its longest completion): the same loss, gradient and logged
     # metrics, for each way the loss averages (sequence mean, token mean, constant, the step's tokens, VESPO's
-    # sequence weights), with an entropy bonus and a KL term.
+    # sequence weights), with an entropy bonus and a KL term (LoRA: to the disabled adapter).
+    from peft import LoraConfig
+
     config = make_config(tmp_path, loss_type=loss_type, bf16=bf16, beta=0.04, entropy_coef=0.01,
                          max_tokens_per_pass=0)
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM",
+                             init_lora_weights=False) if lora else None
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(),
+                          peft_config=peft_config)
     assert trainer.max_tokens_per_pass is None  # 0: one pass per micro-batch
     trainer.padding_free = padding_free
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop
@@ -484,7 +490,8 @@ def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(tmp_path
         trainer.model.zero_grad()
         calls.clear()
         loss = trainer.training_step(trainer.model, batch)
-        return loss, [p.grad.clone() for p in trainer.model.parameters()], trainer._metrics.pop_averages("train")
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
+        return loss, grads, trainer._metrics.pop_averages("train")
 
     try:
         whole_loss, whole_grads, whole_metrics = step(None)
