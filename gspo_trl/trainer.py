@@ -23,6 +23,7 @@ from . import __version__
 from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
+from .dataset_checks import check_enough_prompts, check_prompt_dataset
 from .distributed import (
     check_deepspeed_batch_fields,
     gather_ragged,
@@ -116,9 +117,9 @@ class GSPOTrainer(Trainer):
             )
         episodes = env_factory is not None or tools is not None or environment_factory is not None
         check_rollout_func(rollout_func, args, episodes)
-        _check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
-        _check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
-        _check_enough_prompts(train_dataset, args)
+        check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
+        check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
+        check_enough_prompts(train_dataset, args)
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
         check_deepspeed_batch_fields(args, args.world_size)
@@ -774,33 +775,6 @@ def _padding_free_supported(model) -> bool:
     if reason is not None:
         logger.warning(f"padding_free is not used: {reason}. Training runs on padded rows.")
     return reason is None
-
-
-def _check_enough_prompts(dataset, args: GSPOConfig) -> None:
-    # Otherwise the sampler yields no rollout and Trainer ends at step 0 with only a warning.
-    if dataset is None or not hasattr(dataset, "__len__"):
-        return
-    needed = args.generation_batch_size // args.num_generations
-    if len(dataset) < needed:
-        raise ValueError(
-            f"train_dataset has {len(dataset)} prompts, but one rollout takes {needed}: generation_batch_size "
-            f"{args.generation_batch_size} (per_device_train_batch_size {args.per_device_train_batch_size} × "
-            f"{args.world_size} processes × steps_per_generation {args.steps_per_generation}) / num_generations "
-            f"{args.num_generations}. Add prompts, or lower per_device_train_batch_size or steps_per_generation."
-        )
-
-
-def _check_prompt_dataset(dataset, name: str, needs_prompt: bool = True) -> None:
-    if dataset is None:
-        return
-    column_names = getattr(dataset, "column_names", None)
-    if isinstance(column_names, dict):  # a DatasetDict
-        raise TypeError(f"{name} is a DatasetDict; pass one split, e.g. {name}=dataset['train'].")
-    if needs_prompt and column_names is not None and "prompt" not in column_names:
-        raise ValueError(
-            f"{name} needs a 'prompt' column (a string, or a list of chat messages); it has {column_names}. "
-            "Rename your column with dataset.rename_column(old, 'prompt')."
-        )
 
 
 def _row_advantages(advantages: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,34 @@
+"""Checks of the datasets a user hands `GSPOTrainer`, before anything is built: one split, a 'prompt' column,
+enough prompts for one rollout. Each raises an error that names the argument and says what to change."""
+
+from __future__ import annotations
+
+
+def check_enough_prompts(dataset, args) -> None:
+    """A `ValueError` unless `dataset` holds the prompts of one rollout: otherwise the sampler yields no rollout and
+    Trainer ends at step 0 with only a warning."""
+    if dataset is None or not hasattr(dataset, "__len__"):
+        return
+    needed = args.generation_batch_size // args.num_generations
+    if len(dataset) < needed:
+        raise ValueError(
+            f"train_dataset has {len(dataset)} prompts, but one rollout takes {needed}: generation_batch_size "
+            f"{args.generation_batch_size} (per_device_train_batch_size {args.per_device_train_batch_size} × "
+            f"{args.world_size} processes × steps_per_generation {args.steps_per_generation}) / num_generations "
+            f"{args.num_generations}. Add prompts, or lower per_device_train_batch_size or steps_per_generation."
+        )
+
+
+def check_prompt_dataset(dataset, name: str, needs_prompt: bool = True) -> None:
+    """A clear error for a `DatasetDict` or a dataset without the 'prompt' column the trainer reads (`name`: the
+    argument it was given as)."""
+    if dataset is None:
+        return
+    column_names = getattr(dataset, "column_names", None)
+    if isinstance(column_names, dict):  # a DatasetDict
+        raise TypeError(f"{name} is a DatasetDict; pass one split, e.g. {name}=dataset['train'].")
+    if needs_prompt and column_names is not None and "prompt" not in column_names:
+        raise ValueError(
+            f"{name} needs a 'prompt' column (a string, or a list of chat messages); it has {column_names}. "
+            "Rename your column with dataset.rename_column(old, 'prompt')."
+        )
