@@ -26,8 +26,8 @@ from .cpu_memory import pool_freed_memory
 from .dataset_checks import check_enough_prompts, check_prompt_dataset
 from .distributed import (
     check_deepspeed_batch_fields,
-    gather_ragged,
     fsdp_deferral,
+    gather_ragged,
     gather_rollout,
     gradients_held,
     prepare_frozen_model,
@@ -399,10 +399,12 @@ class GSPOTrainer(Trainer):
 
     def _plan_passes(self, micro_batch: dict[str, Any]) -> list[torch.Tensor]:
         accelerator = self.accelerator
-        most_of_all = None
-        if accelerator.num_processes > 1:  # every process runs as many passes as the one that needs most
-            most_of_all = lambda passes: int(accelerator.reduce(torch.tensor(passes, device=accelerator.device), "max"))
-        return micro_batch_passes(micro_batch, self.max_tokens_per_pass, most_of_all)
+
+        def most_of_all(passes: int) -> int:  # every process runs as many passes as the one that needs most
+            return int(accelerator.reduce(torch.tensor(passes, device=accelerator.device), "max"))
+
+        return micro_batch_passes(micro_batch, self.max_tokens_per_pass,
+                                  most_of_all if accelerator.num_processes > 1 else None)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:  # Trainer would take the newest folder, even a half-written one
