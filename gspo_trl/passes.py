@@ -1,7 +1,7 @@
 """Training passes: one micro-batch trained as several forward/backward passes of bounded size.
 
 The activations a backward pass needs grow with the positions its forward ran on, and on a GPU they are most of
-the training step's peak memory (about 2 MB per position for a 1.7B model in bf16). Every term of the loss
+the training step's peak memory (about 2.5 MB per position for a 1.7B model in bf16, by our arithmetic). Every term of the loss
 belongs to one row (`loss.policy_loss` only averages at the end), so a micro-batch can be cut into row slices,
 each forwarded and back-propagated on its own, with each slice's loss divided by the whole micro-batch's counts
 (`policy_loss(num_sequences=..., num_tokens=...)`): the slices' gradients then add up to the micro-batch's, and
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 # Positions per pass on a CUDA device when `max_tokens_per_pass` is unset: at 1.7B parameters (bf16, no
-# checkpointing) about 17 GB of activations, and passes of this size still run the matmuls near the GPU's peak.
+# checkpointing) about 20 GB of activations; passes this large cost the 1.7B/1024-token benchmark cell 5% of its
+# training-phase speed against one pass (docs/benchmarks.md, "Third GPU session").
 DEFAULT_CUDA_PASS_TOKENS = 8192
 
 # Keys of a micro-batch whose first dimension is not its rows.
