@@ -1,8 +1,9 @@
 """Training passes: one micro-batch trained as several forward/backward passes of bounded size.
 
 The activations a backward pass needs grow with the positions its forward ran on, and on a GPU they are most of
-the training step's peak memory (about 2.5 MB per position for a 1.7B model in bf16, by our arithmetic). Every term of the loss
-belongs to one row (`loss.policy_loss` only averages at the end), so a micro-batch can be cut into row slices,
+the training step's peak memory (about 2.5 MB per position for a 1.7B model in bf16, by our arithmetic). Every
+term of the loss belongs to one row (`loss.policy_loss` only averages at the end), so a micro-batch can be cut
+into row slices,
 each forwarded and back-propagated on its own, with each slice's loss divided by the whole micro-batch's counts
 (`policy_loss(num_sequences=..., num_tokens=...)`): the slices' gradients then add up to the micro-batch's, and
 the optimizer step is the same, for the activations of one slice at a time. verl's dynamic batch size does the
@@ -76,13 +77,16 @@ def micro_batch_passes(micro_batch: dict[str, Any], max_tokens: int | None,
     return plan_passes(positions, max_tokens, min_passes=passes)
 
 
+def trained_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) the completion columns each row needs: up to and including its last trained token (0 for none)."""
+    positions = torch.arange(1, completion_mask.shape[1] + 1, device=completion_mask.device)
+    return (completion_mask.bool() * positions).amax(1)
+
+
 def padded_positions(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     """(B,) the positions each row takes in a pass: the prompt columns (left padding included, see `take_pass`)
     plus its completion up to its last trained token."""
-    completion_width = completion_mask.shape[1]
-    positions = torch.arange(1, completion_width + 1, device=completion_mask.device)
-    completion = (completion_mask.bool() * positions).amax(1)  # (B,) index + 1 of the last trained token
-    return attention_mask.shape[1] - completion_width + completion
+    return attention_mask.shape[1] - completion_mask.shape[1] + trained_lengths(completion_mask)
 
 
 def plan_passes(row_positions: torch.Tensor, max_tokens: int | None, min_passes: int = 1) -> list[torch.Tensor]:
@@ -108,14 +112,14 @@ def plan_passes(row_positions: torch.Tensor, max_tokens: int | None, min_passes:
 
 
 def take_pass(micro_batch: dict[str, Any], rows: torch.Tensor, last: bool) -> dict[str, Any]:
-    """The rows of one pass, without the completion columns after its rows' last trained token, and what the loss of a part needs:
-    the whole micro-batch's rows and valid completion tokens, and whether this pass is the micro-batch's last."""
+    """The rows of one pass, without the completion columns after its rows' last trained token, and what the
+    loss of a part needs: the whole micro-batch's rows and valid completion tokens, and whether this pass is the
+    micro-batch's last."""
     completion_mask = micro_batch["completion_mask"]
     attention_mask = micro_batch["attention_mask"]
     index = rows.to(completion_mask.device)
-    mask = completion_mask[index]
     width = completion_mask.shape[1]
-    completion_width = max(int((mask.bool() * torch.arange(1, width + 1, device=mask.device)).amax()), 1)
+    completion_width = max(int(trained_lengths(completion_mask[index]).amax()), 1)
     # Only the completion's tail is cut: positions after a row's last trained token change none of its scores
     # (causal attention), while the prompt's left padding stays, so that every token keeps the position ids of
     # the micro-batch's π_old forward.
