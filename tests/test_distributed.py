@@ -177,6 +177,21 @@ def test_micro_batches_trained_in_passes_train_the_same_run_under_ddp_zero_and_f
         assert any(e["kl"] > 0 for e in ranks[0]["logs"]) and any(e["ratio/max"] != 1.0 for e in ranks[0]["logs"])
 
 
+def test_micro_batches_trained_in_passes_under_bf16_autocast_on_two_processes(tmp_path, tiny_model_dir):
+    """The GPU recipe's autocast with passes, under DDP and ZeRO-3: each micro-batch is cut into passes of 2 rows, the
+    ranks agree exactly, and the run is the one-pass bf16 run within bf16 rounding (one process: each pass's weight
+    gradient rounds on its own, 0.45% of the norm seen in tests/test_trainer.py)."""
+    whole = launch(tmp_path, tiny_model_dir, "ddp+bf16+beta")
+    for mode in ("ddp+bf16+beta+passes", "zero3+bf16+beta+passes"):
+        ranks = launch(tmp_path, tiny_model_dir, mode)
+        assert ranks[0]["pass_rows"] == ranks[1]["pass_rows"] == [2] * 6, mode
+        assert_same_run(ranks[0], ranks[1], 0)
+        # a pass left out of the sum, or reduced twice, would be ~30% off; 2e-4 (DDP) and 1.1e-3 (ZeRO-3) seen
+        assert ranks[0]["grad_norms"][0] == pytest.approx(whole[0]["grad_norms"][0], rel=5e-3), mode
+        assert_same_run(whole[0], ranks[0], 2e-2)  # 2.6e-3 (kl) and 9.3e-3 (ratio/max) seen; bf16 vs fp32: 8.9e-3
+        assert any(e["kl"] > 0 for e in ranks[0]["logs"]) and any(e["ratio/max"] != 1.0 for e in ranks[0]["logs"])
+
+
 @pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+offload", "fsdp2"])
 def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_path, tiny_model_dir, mode):
     whole = launch(tmp_path, tiny_model_dir, f"{mode}+checkpoints", name="whole")
