@@ -14,8 +14,10 @@ keys, fp32: the forms differ by summation order (about 1e-7).
 
 Owns `packed_gqa_decoding(model)`, the context the decoding loop runs its steps in: it switches an SDPA model on
 CPU to an attention function registered with transformers (`NAME`, with SDPA's masks), which packs the heads for
-one-token, no-autograd steps and leaves every other call to transformers' SDPA function. What it does not own: the
-decoding loop (`decoding.py`), the linear layers of a step (`decode_linear.py`).
+one-token, no-autograd steps and leaves every other call to transformers' SDPA function; and `attend`, the packed
+attention itself, which `decode_forward`'s steps call too: `decode_kernel`'s compiled loop where it is built (the
+cache read at about twice SDPA's speed, the result within float rounding of SDPA's), else SDPA. What it does not
+own: the decoding loop (`decoding.py`), the linear layers of a step (`decode_linear.py`), the kernel's build.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from . import decode_kernel
 
 NAME = "gspo_trl_decode_sdpa"
 
@@ -45,8 +49,20 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout: flo
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     packed = query.reshape(rows, heads // groups, groups, head_dim)  # a group's query heads as query positions
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    out = attend(packed, key, value, attention_mask, scaling)
     return out.reshape(rows, 1, heads, value.shape[-1]), None  # (rows, 1, heads, head_dim), as SDPA's path returns
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None) -> torch.Tensor:
+    """The packed attention of one step: query (rows, kv_heads, group, head_dim) over keys and values (rows, kv_heads,
+    positions, head_dim), `mask` SDPA's. The compiled kernel where it applies (`decode_kernel`), else SDPA."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5  # SDPA's default
+    out = decode_kernel.attention(query, keys, values, mask, scale)
+    if out is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    return out
 
 
 AttentionInterface.register(NAME, packed_gqa_attention)

@@ -106,8 +106,8 @@ class StepForward:
                 query, key = q_norm(query), k_norm(key)
             query, key = self.rotate(query, key, cos, sin)
             keys, values = cache_layer.update(key, v(x).view(rows, -1, 1, head_dim))
-            out = nn.functional.scaled_dot_product_attention(query.reshape(rows, kv_heads, groups, head_dim), keys,
-                                                             values, attn_mask=mask, scale=self.scale)
+            out = decode_attention.attend(query.reshape(rows, kv_heads, groups, head_dim), keys, values, mask,
+                                          self.scale)
             hidden = hidden + o(out.reshape(rows, -1))
             x = mlp_norm(hidden)
             hidden = hidden + down(act(gate(x)) * up(x))

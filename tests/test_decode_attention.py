@@ -9,7 +9,7 @@ import torch
 from helpers import sampler_with_rows_ending_apart
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from gspo_trl import decode_attention
+from gspo_trl import decode_attention, decode_kernel
 from gspo_trl.decode_attention import NAME, packed_gqa_attention, packed_gqa_decoding
 
 
@@ -108,8 +108,9 @@ def test_models_it_leaves_alone(tiny_model, monkeypatch):
 def test_decoding_loop_with_packed_heads_samples_and_scores_like_transformers_sdpa(tiny_model, tiny_tokenizer,
                                                                                   monkeypatch, prompts):
     """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
-    rounding of those with transformers' SDPA attention. With left padding every step has a mask (transformers
-    packs the heads itself then); without, none (transformers' own path reads the cache once per query head)."""
+    rounding of those with transformers' SDPA attention (the packed calls computed by `decode_kernel`). With left
+    padding every step has a mask (transformers packs the heads itself then); without, none (transformers' own path
+    reads the cache once per query head)."""
     run, encoded = sampler_with_rows_ending_apart(tiny_model, tiny_tokenizer, prompts)
     assert bool((encoded.attention_mask == 0).any()) == (len(set(prompts)) > 1)
     pad = tiny_tokenizer.pad_token_id
@@ -118,15 +119,24 @@ def test_decoding_loop_with_packed_heads_samples_and_scores_like_transformers_sd
     monkeypatch.setattr(decode_attention, "enabled", False)
     plain = run()
     monkeypatch.setattr(decode_attention, "enabled", True)
-    real = torch.nn.functional.scaled_dot_product_attention
+    real = decode_attention.attend
 
     def counting(query, *args, **kwargs):  # the packed form's calls: (rows, kv heads, group, head_dim) queries
         if query.shape[2] == tiny_model.config.num_attention_heads // tiny_model.config.num_key_value_heads:
             packed_rows.append(query.shape[0])
         return real(query, *args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(decode_attention, "attend", counting)
+    kernel_used, kernel = [], decode_kernel.attention
+
+    def recording(*args):  # whether the compiled kernel computed each packed call (it is built on this machine)
+        out = kernel(*args)
+        kernel_used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_kernel, "attention", recording)
     packed = run()
+    assert kernel_used and all(kernel_used) and len(kernel_used) == len(packed_rows)
     assert torch.equal(packed.completion_ids, plain.completion_ids)
     torch.testing.assert_close(packed.logps, plain.logps, rtol=0, atol=1e-5)
     # every step after the prefill, each layer, with the rows still decoding (a row is in the steps before its EOS)

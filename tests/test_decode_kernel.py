@@ -1,0 +1,135 @@
+"""gspo_trl.decode_kernel: the compiled attention of one-token decoding steps equals SDPA's within float rounding
+(shapes, strided cache views, masks, scores far apart), leaves every other input to SDPA, is built once per source
+and CPU, and falls back to SDPA with a warning where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+import torch
+import transformers
+
+from gspo_trl import decode_attention, decode_kernel
+
+
+@pytest.fixture()
+def fresh_kernel(monkeypatch, tmp_path):
+    """The kernel as if this process had not loaded it yet, built into an empty cache."""
+    monkeypatch.setattr(decode_kernel, "_library", None)
+    monkeypatch.setattr(decode_kernel, "_tried", False)
+    monkeypatch.setattr(decode_kernel, "cache_root", lambda: tmp_path)
+
+
+def step_inputs(rows, kv_heads, group, head_dim, length, room=0, seed=0):
+    """A step's packed query and its cache as the loop holds it: views of buffers with `room` spare positions."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(rows, kv_heads, group, head_dim, generator=generator)
+    keys = torch.randn(rows, kv_heads, length + room, head_dim, generator=generator)[:, :, :length]
+    values = torch.randn(rows, kv_heads, length + room, head_dim, generator=generator)[:, :, :length]
+    return query, keys, values
+
+
+def sdpa(query, keys, values, mask, scale):
+    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+
+
+def test_the_kernel_builds_here():
+    # CI's machine has a C compiler: a broken build must fail here, not quietly fall back to SDPA everywhere
+    assert decode_kernel.available()
+
+
+@pytest.mark.parametrize("rows,kv_heads,group,head_dim,length", [
+    (1, 3, 3, 64, 1), (1, 3, 3, 64, 255), (1, 3, 3, 64, 257), (2, 3, 3, 64, 1000), (5, 2, 4, 128, 300),
+    (3, 4, 1, 32, 77), (64, 3, 3, 64, 100), (2, 1, 16, 256, 40),
+])
+@pytest.mark.parametrize("masked", [False, True])
+@torch.no_grad()
+def test_attends_like_sdpa(rows, kv_heads, group, head_dim, length, masked):
+    query, keys, values = step_inputs(rows, kv_heads, group, head_dim, length, room=7)
+    mask = None
+    if masked:  # left padding in row 0 (and holes, as rows of different prompts leave), the last position kept
+        mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+        mask[0, ..., : length // 2] = False
+        mask[-1, ..., : length - 1 : 3] = False
+    got = decode_kernel.attention(query, keys, values, mask, 0.125)
+    assert got is not None and got.shape == query.shape
+    torch.testing.assert_close(got, sdpa(query, keys, values, mask, 0.125), rtol=1e-5, atol=2e-6)
+
+
+@torch.no_grad()
+def test_scores_far_apart_and_one_thread():
+    # exp() of scores 100+ below the maximum underflows to ~0 as in SDPA; one thread gives the same result
+    query, keys, values = step_inputs(2, 3, 3, 64, 600)
+    query = query * 30
+    expected = sdpa(query, keys, values, None, 0.125)
+    torch.testing.assert_close(decode_kernel.attention(query, keys, values, None, 0.125), expected, rtol=1e-5,
+                               atol=2e-6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = decode_kernel.attention(query, keys, values, None, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one_thread, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["bf16", "autograd", "query view", "float mask", "per-head mask",
+                                  "head_dim 512", "group 32", "disabled"])
+def test_other_inputs_are_left_to_sdpa(case, monkeypatch):
+    group, head_dim = (32 if case == "group 32" else 3), (512 if case == "head_dim 512" else 64)
+    query, keys, values = step_inputs(2, 2, group, head_dim, 20)
+    mask = None
+    if case == "bf16":
+        query, keys, values = (t.to(torch.bfloat16) for t in (query, keys, values))
+    if case == "query view":
+        query = torch.randn(2, group, 2, head_dim).transpose(1, 2)
+    if case == "float mask":
+        mask = torch.zeros(2, 1, 1, 20)
+    if case == "per-head mask":
+        mask = torch.ones(2, 2, 1, 20, dtype=torch.bool)
+    if case == "disabled":
+        monkeypatch.setattr(decode_kernel, "enabled", False)
+    with torch.set_grad_enabled(case == "autograd"):
+        assert decode_kernel.attention(query, keys, values, mask, 0.125) is None
+        out = decode_attention.attend(query, keys, values, mask, 0.125)  # SDPA's own result
+        assert torch.equal(out, sdpa(query, keys, values, mask, 0.125))
+
+
+def test_built_once_per_source_and_cpu(fresh_kernel, tmp_path, monkeypatch):
+    assert decode_kernel.available()
+    built = list((tmp_path / "kernels").glob("decode_attention-*.so"))
+    assert len(built) == 1
+    # a later process finds it in the cache: no compiler call
+    monkeypatch.setattr(decode_kernel, "_library", None)
+    monkeypatch.setattr(decode_kernel, "_tried", False)
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: pytest.fail("compiled again"))
+    assert decode_kernel.available()
+    assert list((tmp_path / "kernels").glob("*")) == built  # nothing left behind by the build
+    # another CPU (another -march=native) or another source gets its own build
+    monkeypatch.setattr(decode_kernel, "_cpu_identity", lambda: "model name: another CPU")
+    with pytest.raises(pytest.fail.Exception, match="compiled again"):
+        decode_kernel._build()
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler-gspo", "false"])
+def test_without_a_working_compiler_steps_use_sdpa_after_one_warning(fresh_kernel, monkeypatch, compiler):
+    monkeypatch.setenv("CC", compiler)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = transformers.utils.logging.get_logger("gspo_trl.decode_kernel")
+    logger.addHandler(handler)
+    try:
+        query, keys, values = step_inputs(1, 3, 3, 64, 50)
+        with torch.no_grad():
+            assert decode_kernel.attention(query, keys, values, None, 0.125) is None
+            assert decode_kernel.attention(query, keys, values, None, 0.125) is None
+            out = decode_attention.attend(query, keys, values, None, 0.125)
+    finally:
+        logger.removeHandler(handler)
+    assert torch.equal(out, sdpa(query, keys, values, None, 0.125))
+    warnings = [record.getMessage() for record in records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "SDPA" in warnings[0] and "GSPO_TRL_DECODE_KERNEL=0" in warnings[0]
+    assert ("no C compiler" in warnings[0]) == (compiler != "false")
