@@ -12,7 +12,9 @@ other, the median of `--repeats` steps each after two untimed ones, in one proce
     python benchmarks/decode_step.py --rows 1,2,3,4 --contexts 1024,4000
     python benchmarks/decode_step.py --rows 4,16,64 --contexts 128 --unpacked   # decode_linear without packed weights
 
-Prints a table and writes `--out` (JSON). The choices `decode_linear` measured for the model are recorded too.
+Prints a table and writes `--out` (JSON). The choices `decode_linear` measured for the model are recorded too. The
+last two forms attend through `decode_kernel`'s compiled loop where it is built; `GSPO_TRL_DECODE_KERNEL=0` times
+them with SDPA (the record says which).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def main(argv=None) -> None:
 
     from distributed import cpu_model  # benchmarks/, on the path when this script runs
 
-    from gspo_trl import decode_linear
+    from gspo_trl import decode_kernel, decode_linear
     from gspo_trl.decode_attention import packed_gqa_decoding
     from gspo_trl.decode_forward import StepForward
     from gspo_trl.default_model import default_model_path
@@ -115,6 +117,7 @@ def main(argv=None) -> None:
     choices = {f"{out}x{inp}": decode_linear.describe_forms(by_rows) for (out, inp), by_rows in
                next(iter(decode_linear._choices.values()), {}).items()}
     record = {"date": _dt.date.today().isoformat(), "cpus": os.cpu_count(), "processor": cpu_model(),
+              "decode_kernel": decode_kernel.available(),
               "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
               "decode_linear_forms_by_shape": choices, "steps": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ loops alternate, `--repeats` times each after one untimed warm-up each, in one p
     python benchmarks/decoding.py --loops gspo,gspo_plain_linears --layout_independent_sampling  # linear forms A/B
     python benchmarks/decoding.py --loops gspo,gspo_module_forward --layout_independent_sampling  # decode_forward A/B
     python benchmarks/decoding.py --loops gspo,gspo_unpacked --layout_independent_sampling  # packed weights A/B
+    python benchmarks/decoding.py --loops gspo,gspo_sdpa --layout_independent_sampling  # attention kernel A/B
 
 `generate` here already shares each prompt's prefill (gspo-trl's backend); TRL's `generate` path does not.
 Each row of the output gives seconds per rollout (min / median), the mean completion length and the number
@@ -43,6 +44,9 @@ MODULE_FORWARD = "gspo_module_forward"
 # The gspo loop with `decode_linear` choosing between `F.linear` and the transposed form only, still measured up to
 # 64 rows: an A/B of the packed form.
 UNPACKED = "gspo_unpacked"
+# The gspo loop with SDPA's attention at every step instead of `decode_kernel`'s compiled loop (as before
+# 2026-11-26): an A/B of the kernel.
+SDPA_ATTENTION = "gspo_sdpa"
 
 
 def parse_args(argv=None):
@@ -54,7 +58,8 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--layout_independent_sampling", action="store_true")
     parser.add_argument("--loops", default=",".join(LOOPS),
-                        help=f"comma-separated, from {LOOPS + (FULL_BUFFERS, PLAIN_LINEARS, MODULE_FORWARD)}")
+                        help=f"comma-separated, from "
+                        f"{LOOPS + (FULL_BUFFERS, PLAIN_LINEARS, MODULE_FORWARD, UNPACKED, SDPA_ATTENTION)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     parser.add_argument("--seed", type=int, default=0)
@@ -66,7 +71,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo_trl import GSPOConfig, decode_forward, decode_linear, decoding
+    from gspo_trl import GSPOConfig, decode_forward, decode_kernel, decode_linear, decoding
     from gspo_trl.default_model import default_model_path
     from gspo_trl.rollout import HFGenerateBackend, stream_keys
     from gspo_trl.tasks import default_task_dataset
@@ -88,6 +93,7 @@ def main(argv=None) -> None:
         backends[loop] = HFGenerateBackend(lambda: model, tokenizer, config)
         assert backends[loop].use_decode_loop == (loop != "generate")
     growing_room = decoding.INITIAL_ROOM
+    kernel_built = args.device == "cpu" and decode_kernel.available()
 
     def once(loop: str, repeat: int) -> dict:
         torch.manual_seed(args.seed + repeat)
@@ -98,6 +104,7 @@ def main(argv=None) -> None:
         decode_linear.enabled = loop != PLAIN_LINEARS
         decode_forward.enabled = loop != MODULE_FORWARD
         decode_linear.packing = loop != UNPACKED
+        decode_kernel.enabled = loop != SDPA_ATTENTION
         start = time.perf_counter()
         rollout = backends[loop].generate(prompts, keys)
         if args.device == "cuda":
@@ -124,7 +131,7 @@ def main(argv=None) -> None:
         summary["speedup_median"] = summary["generate"]["median_s"] / summary["gspo"]["median_s"]
     record = {"date": _dt.date.today().isoformat(), "device": args.device, "cpus": os.cpu_count(),
               "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
-              "runs": runs, "summary": summary}
+              "decode_kernel_built": kernel_built, "runs": runs, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(render_table(record))

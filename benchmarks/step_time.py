@@ -484,7 +484,14 @@ def describe_trainer(impl: str, trainer) -> dict:
         "checkpointing_before_train": checkpointing_state(unwrapped),
         "torch_threads": torch.get_num_threads(),
         "max_tokens_per_pass": getattr(trainer, "max_tokens_per_pass", None),  # gspo-trl's, as it applies
+        "decode_kernel": None if impl == "trl" else _decode_kernel_available(),  # gspo-trl's CPU decoding attention
     }
+
+
+def _decode_kernel_available() -> bool:
+    from gspo_trl import decode_kernel
+
+    return decode_kernel.available()
 
 
 def checkpointing_state(model) -> bool | None:
