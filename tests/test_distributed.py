@@ -41,9 +41,10 @@ def failure_report(stderr: str) -> str:
     return "\n".join(telling[-40:]) + "\n--- tail ---\n" + stderr[-3000:]
 
 
-def assert_same_run(a, b, tolerance, steps=3):
+def assert_same_run(a, b, tolerance, steps=3, compared_steps=None):
+    """The same logs (the first `compared_steps` of the `steps`, all by default) and weights within `tolerance`."""
     assert len(a["logs"]) == len(b["logs"]) == steps
-    for step, (x, y) in enumerate(zip(a["logs"], b["logs"])):
+    for step, (x, y) in enumerate(zip(a["logs"][:compared_steps], b["logs"][:compared_steps])):
         assert x.keys() == y.keys()
         for name in x:
             assert x[name] == pytest.approx(y[name], abs=tolerance), (step, name)
@@ -164,7 +165,9 @@ def test_micro_batches_trained_in_passes_train_the_same_run_under_ddp_zero_and_f
     and accelerate's FSDP2 (gradient sync held), the first optimizer step's gradient is one pass's (its norm within
     float rounding: a pass missing from the sum, or reduced twice, would be far off), and the run stays the same.
     The later steps differ a little more (2e-5 seen in the KL): AdamW's first update, lr·g/(|g| + 1e-8), turns
-    rounding-level differences in the many near-zero gradient elements into differences of up to 2·lr."""
+    rounding-level differences in the many near-zero gradient elements into differences of up to 2·lr. Step 3 trains
+    on a second rollout sampled from those weights, where a near-tie can flip a token (under DDP with decode_kernel's
+    attention: a reward 0.0045 apart), so its logs are not compared; the weights after it are."""
     whole = launch(tmp_path, tiny_model_dir, "ddp+beta")
     for mode in ("ddp+beta+passes", "zero2+beta+passes", "zero3+beta+passes", "fsdp2+beta+passes"):
         ranks = launch(tmp_path, tiny_model_dir, mode)
@@ -173,7 +176,7 @@ def test_micro_batches_trained_in_passes_train_the_same_run_under_ddp_zero_and_f
         assert ranks[0]["grad_norms"][0] == pytest.approx(whole[0]["grad_norms"][0], rel=1e-5), mode
         for name, value in whole[0]["logs"][0].items():
             assert ranks[0]["logs"][0][name] == pytest.approx(value, abs=1e-6), (mode, name)
-        assert_same_run(whole[0], ranks[0], 5e-4)
+        assert_same_run(whole[0], ranks[0], 5e-4, compared_steps=2)  # steps 1-2: the first rollout
         assert any(e["kl"] > 0 for e in ranks[0]["logs"]) and any(e["ratio/max"] != 1.0 for e in ranks[0]["logs"])
 
 
