@@ -119,9 +119,10 @@ def compile_command(source: Path, target: Path) -> list[str]:
     """The compiler call: `-march=native` (this CPU's vector units), sums reassociated into vector lanes (1.4x the
     speed of in-order sums here), OpenMP threads from PyTorch's own runtime where it ships one (a second OpenMP
     runtime in the process would spin threads against PyTorch's), else one thread."""
+    # Sums in vector lanes, but not -ffast-math: its startup code would set flush-to-zero for the whole process.
     command = [*shlex.split(os.environ.get("CC", "cc")), "-O3", "-march=native", "-fno-math-errno",
-               "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",  # sums in vector lanes; not -ffast-math,
-               "-shared", "-fPIC", str(source), "-o", str(target)]                # whose startup code sets flush-to-zero
+               "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC", str(source),
+               "-o", str(target)]
     torch_lib = Path(torch.__file__).parent / "lib"
     if (torch_lib / "libgomp.so.1").exists():
         command += ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lgomp"]

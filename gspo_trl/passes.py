@@ -1,12 +1,11 @@
 """Training passes: one micro-batch trained as several forward/backward passes of bounded size.
 
-The activations a backward pass needs grow with the positions its forward ran on, and on a GPU they are most of
-the training step's peak memory (about 2.5 MB per position for a 1.7B model in bf16, by our arithmetic). Every
-term of the loss belongs to one row (`loss.policy_loss` only averages at the end), so a micro-batch can be cut
-into row slices,
-each forwarded and back-propagated on its own, with each slice's loss divided by the whole micro-batch's counts
-(`policy_loss(num_sequences=..., num_tokens=...)`): the slices' gradients then add up to the micro-batch's, and
-the optimizer step is the same, for the activations of one slice at a time. verl's dynamic batch size does the
+The activations a backward pass needs grow with the positions its forward ran on, and on a GPU they are most of the
+training step's peak memory (about 2.5 MB per position for a 1.7B model in bf16, by our arithmetic). Every term of
+the loss belongs to one row (`loss.policy_loss` only averages at the end), so a micro-batch can be cut into row
+slices, each forwarded and back-propagated on its own, with each slice's loss divided by the whole micro-batch's
+counts (`policy_loss(num_sequences=..., num_tokens=...)`): the slices' gradients then add up to the micro-batch's,
+and the optimizer step is the same, for the activations of one slice at a time. verl's dynamic batch size does the
 same with a token budget per GPU.
 
 Owns which rows go into which pass (`plan_passes`, `micro_batch_passes`), cutting a pass out of a micro-batch with
