@@ -27,7 +27,7 @@ import sys
 import torch
 from torch import nn
 
-from gspo_trl import decode_attention, decode_linear
+from gspo_trl import decode_attention, decode_kernel, decode_linear
 
 # Switched off by benchmarks that time transformers' forward (A/B in one process).
 enabled = True
@@ -46,6 +46,10 @@ class Product:
         self.forms = decode_linear.forms(layer) if timed_forms else {}  # row count -> form
         self.packed = decode_linear.packed_weight(layer)
         self.one_row: decode_linear.OneRow | None = None
+        # The compiled form reads this weight as it is: its checks done once, not per product (x, this step's own
+        # rows, is contiguous, and the form was chosen only for row counts the kernel computes).
+        self.checked = decode_linear.COMPILED in self.forms.values() and decode_kernel.linear_applies(
+            self.weight.new_zeros(1, self.weight.shape[1]), self.weight, self.bias) and decode_kernel.available()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`layer(x)` for x (rows, in)."""
@@ -55,6 +59,10 @@ class Product:
             return self.packed.linear(x, self.bias)
         if form == decode_linear.LINEAR:
             return nn.functional.linear(x, self.weight, self.bias)
+        if form == decode_linear.COMPILED:
+            out = decode_kernel.linear(x, self.weight, self.bias, checked=True) if (
+                self.checked and x.is_contiguous()) else None
+            return decode_linear.compiled_linear(x, self.weight, self.bias) if out is None else out
         if rows == 1 and self.one_row is None:
             self.one_row = decode_linear.OneRow(self.weight)
         return decode_linear.transposed_linear(self.weight, self.bias, x, self.one_row if rows == 1 else None)

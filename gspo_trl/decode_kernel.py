@@ -1,14 +1,18 @@
-"""The compiled attention kernel of one-token decoding steps on CPU (`csrc/decode_attention.c`).
+"""The compiled kernels of one-token decoding steps on CPU: the packed attention (`csrc/decode_attention.c`) and the
+product of a weight with one to eight rows (`csrc/decode_linear.c`).
 
 PyTorch's CPU SDPA reads a decoding step's KV cache at 10-16 GB/s on the 2-core EPYC, where its memory gives about
-30: at the end of a long rollout, where a few rows decode over thousands of positions, attention is a third of a
-step. The C loop reads the cache near the memory bandwidth (docs/benchmarks.md, "Attention at the memory
-bandwidth"). It is compiled once per machine with the C compiler that is there (`$CC`, else `cc`), for that CPU
-(`-march=native`), into gspo-trl's cache folder, and loaded with ctypes; its threads are PyTorch's own OpenMP
-threads where PyTorch ships its OpenMP runtime. Without a compiler, or where the build fails, `attention()` returns
-None once a warning has said why, and the caller keeps SDPA. `GSPO_TRL_DECODE_KERNEL=0` switches it off.
+30, and MKL reads the weights of a one- or two-row product at two thirds of that at best: at the end of a long
+rollout, where a few rows decode alone, both are far from the hardware. The C loops read near the memory bandwidth
+(docs/benchmarks.md, "Attention at the memory bandwidth" and "Few-row products at the memory bandwidth"). They are
+compiled once per machine with the C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`),
+into one library in gspo-trl's cache folder, and loaded with ctypes; their threads are PyTorch's own OpenMP threads
+where PyTorch ships its OpenMP runtime. Without a compiler, or where the build fails, `attention()` and `linear()`
+return None once a warning has said why, and the caller keeps PyTorch's operators. `GSPO_TRL_DECODE_KERNEL=0`
+switches both off.
 
-Owns building, loading and calling the kernel. What it does not own: when a step may use it (`decode_attention`).
+Owns building, loading and calling the kernels. What it does not own: when a step may use them (`decode_attention`
+for the attention; `decode_linear`, which measures the product against its other forms).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from .default_model import cache_root
 
 logger = logging.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the C file's array bounds
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "decode_linear.c"))
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # decode_attention.c's array bounds
+MAX_LINEAR_ROWS = 8  # decode_linear.c's row counts: 1 to 8
+REASSOCIATED = {"decode_attention.c"}  # compiled with -fassociative-math
 CHUNK = 256  # positions per work item: one row of 4,000 positions is 16 items per key/value head
 
 # Switched off by benchmarks that time SDPA (A/B in one process) and by GSPO_TRL_DECODE_KERNEL=0.
@@ -86,6 +92,34 @@ def applies(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
             and mask.shape[0] == rows and mask.shape[3] == keys.shape[2] and mask.stride(3) == 1)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           checked: bool = False) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for x (rows, in) with 1 to `MAX_LINEAR_ROWS` rows, within float rounding: a new
+    contiguous (rows, out). None where the kernel is not built or the tensors are not what it reads (fp32 on CPU,
+    contiguous, no autograd), and the caller computes it. `checked`: the caller knows `linear_applies` holds and the
+    kernel is built (a decoding step's own rows and weights, about 4 µs of checks less per product)."""
+    library = _library if checked else None
+    if library is None:
+        if not enabled or not linear_applies(x, weight, bias):
+            return None
+        library = _load()
+        if library is None:
+            return None
+    out = torch.empty(x.shape[0], weight.shape[0])
+    failed = library.decode_linear(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                   out.data_ptr(), weight.shape[0], weight.shape[1], x.shape[0], torch.get_num_threads())
+    return None if failed else out  # failed: a row count it does not compute (nothing written)
+
+
+def linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the product kernel reads these tensors as they are (no copy, no autograd)."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return (x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_LINEAR_ROWS and x.shape[1] == weight.shape[1]
+            and weight.shape[0] > 0 and (bias is None or bias.shape == (weight.shape[0],))
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and not torch.is_grad_enabled())
+
+
 def available() -> bool:
     """Whether the kernel is built and loaded here (building it on the first call)."""
     return enabled and _load() is not None
@@ -100,8 +134,8 @@ def _load() -> ctypes.CDLL | None:
             try:
                 _library = _bind(ctypes.CDLL(str(_build())))
             except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-                logger.warning(f"gspo-trl's decoding attention kernel is not available ({error}); decoding steps use "
-                               "PyTorch's SDPA. Install a C compiler (e.g. gcc) for it, or set "
+                logger.warning(f"gspo-trl's decoding kernels are not available ({error}); decoding steps use "
+                               "PyTorch's SDPA and products. Install a C compiler (e.g. gcc) for them, or set "
                                "GSPO_TRL_DECODE_KERNEL=0 to silence this.")
             _tried = True
     return _library
@@ -112,42 +146,52 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.decode_attention.argtypes = [pointer, pointer, pointer, int64, int64, int64, pointer, int64, pointer,
                                          int32, int32, int32, int32, int64, ctypes.c_float, int32, pointer, int32]
     library.decode_attention.restype = None
+    library.decode_linear.argtypes = [pointer, pointer, pointer, pointer, int64, int64, int32, int32]
+    library.decode_linear.restype = int32
     return library
 
 
-def compile_command(source: Path, target: Path) -> list[str]:
-    """The compiler call: `-march=native` (this CPU's vector units), sums reassociated into vector lanes (1.4x the
-    speed of in-order sums here), OpenMP threads from PyTorch's own runtime where it ships one (a second OpenMP
-    runtime in the process would spin threads against PyTorch's), else one thread."""
-    # Sums in vector lanes, but not -ffast-math: its startup code would set flush-to-zero for the whole process.
-    command = [*shlex.split(os.environ.get("CC", "cc")), "-O3", "-march=native", "-fno-math-errno",
-               "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC", str(source),
-               "-o", str(target)]
+def compile_commands(folder: Path, target: Path) -> list[list[str]]:
+    """The compiler calls: each source into an object in `folder`, then the objects into the library `target`.
+    `-march=native` (this CPU's vector units); the attention's sums reassociated into vector lanes (1.4x the speed
+    of in-order sums here), the product's kept in its lanes' order (as fast, and a row's result then does not depend
+    on the rows beside it); OpenMP threads from PyTorch's own runtime where it ships one (a second OpenMP runtime in
+    the process would spin threads against PyTorch's), else one thread."""
+    compiler = shlex.split(os.environ.get("CC", "cc"))
+    # Not -ffast-math: its startup code would set flush-to-zero for the whole process.
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fPIC"]
     torch_lib = Path(torch.__file__).parent / "lib"
-    if (torch_lib / "libgomp.so.1").exists():
-        command += ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lgomp"]
-    else:
-        command += ["-fopenmp-simd"]
-    return command
+    openmp = (torch_lib / "libgomp.so.1").exists()
+    flags.append("-fopenmp" if openmp else "-fopenmp-simd")
+    objects = [folder / f"{source.stem}.o" for source in SOURCES]
+    commands = [[*compiler, *flags, *(["-fassociative-math"] if source.name in REASSOCIATED else []), "-c",
+                 str(source), "-o", str(built)] for source, built in zip(SOURCES, objects)]
+    link = [*compiler, "-shared", *map(str, objects), "-o", str(target)]
+    if openmp:
+        link += ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lgomp"]
+    return [*commands, link]
 
 
 def _build() -> Path:
-    """The compiled library in the cache, built if this source, compiler call and CPU have none yet."""
+    """The compiled library in the cache, built if these sources, compiler calls and CPU have none yet."""
     compiler = shlex.split(os.environ.get("CC", "cc"))[0]
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(compile_command(Path("src"), Path("lib"))).encode()
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    calls = " ".join(" ".join(command) for command in compile_commands(Path("build"), Path("lib")))
+    key = hashlib.sha256(sources + calls.replace(str(SOURCES[0].parent), "csrc").encode()
                          + _cpu_identity().encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"decode_attention-{key}.so"
+    target = cache_root() / "kernels" / f"decode_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as folder:  # built aside, then moved in whole
         built = Path(folder) / target.name
-        completed = subprocess.run(compile_command(SOURCE, built), capture_output=True, text=True, timeout=120)
-        if completed.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {completed.stderr.strip()[-500:]}")
+        for command in compile_commands(Path(folder), built):
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if completed.returncode != 0:
+                raise RuntimeError(f"compiling {' and '.join(source.name for source in SOURCES)} failed: "
+                                   f"{completed.stderr.strip()[-500:]}")
         os.replace(built, target)
     return target
 

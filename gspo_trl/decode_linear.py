@@ -14,6 +14,9 @@ for four, where a plain sum over as many bytes takes 12). Three forms of the sam
   (`PackedWeight`). With 4 to 64 rows, the steps most of a rollout takes, MKL's GEMM reads weights that are not in
   the CPU caches at 40-75% of the matmul peak; over SmolLM2-135M's layers the packed form took 29-35 ms for 16
   rows where `F.linear` took 59-79, and 81-93 for 64 rows against 124-162 (2-core EPYC, 2026-11-26).
+- `compiled`: `decode_kernel`'s C loop for one to eight rows, each weight row read once at about the memory
+  bandwidth (the 30 blocks for one or two rows: 11-12 ms, against 16 transposed; where no C compiler is found, the
+  other forms).
 
 Which form is faster depends on the processor, the MKL and oneDNN builds and the row count, so it is measured, not
 guessed: the first decoding loop of a model times the forms for each weight shape at each row count of
@@ -25,7 +28,7 @@ differently from one run to the next, so the trainer turns this off under `full_
 
 Owns `fast_decode_linears(model)`, the context the decoding loop runs its steps in, the per-process table of
 measured choices, and the products themselves (`transposed_linear`, with `OneRow` buffers for a caller that keeps
-them across steps, as `decode_forward` does; `PackedWeight`). Applies only where it was measured to matter: plain
+them across steps, as `decode_forward` does; `PackedWeight`; `decode_kernel.linear` for the compiled one). Applies only where it was measured to matter: plain
 `nn.Linear` layers with fp32 weights on CPU, without autograd or autocast, up to `MAX_ROWS` rows. What it does not
 own: the decoding loop (`decoding.py`), the step's forward around the products (`decode_forward.py`).
 """
@@ -40,9 +43,11 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from . import decode_kernel
+
 logger = logging.get_logger(__name__)
 
-LINEAR, TRANSPOSED, PACKED = "linear", "transposed", "packed"
+LINEAR, TRANSPOSED, PACKED, COMPILED = "linear", "transposed", "packed", "compiled"
 # The row counts whose forms are timed; any other count up to the last takes the next larger one's choice, and more
 # rows (prefills) always take `F.linear`.
 MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
@@ -59,6 +64,8 @@ PACK_ROWS = MAX_ROWS
 enabled = True
 # Switched off by benchmarks that time the two forms before the packed one (A/B in one process).
 packing = True
+# Switched off by benchmarks that time the forms before the compiled one (A/B in one process).
+compiling = True
 
 Choices = dict[tuple[int, int], dict[int, str]]  # weight shape (out, in) -> row count (1..MAX_ROWS) -> form
 
@@ -101,8 +108,8 @@ def packing_available() -> bool:
 @torch.no_grad()
 def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
     """For each weight shape among `weights` and each row count from 1 to `MAX_ROWS`, the form to compute it in:
-    the fastest of `transposed` and `packed` (when oneDNN runs here) if it is at least `MIN_SPEEDUP` times faster
-    than `F.linear`, else `linear`. Timed at the row counts of `MEASURED_ROWS` on the weights themselves, in their
+    the fastest of `transposed`, `packed` (when oneDNN runs here) and `compiled` (up to its `MAX_LINEAR_ROWS`, when
+    `decode_kernel` is built here) if it is at least `MIN_SPEEDUP` times faster than `F.linear`, else `linear`. Timed at the row counts of `MEASURED_ROWS` on the weights themselves, in their
     order, as a decoding step reads them (from memory, not from cache): per row count, passes over all of them
     alternate between the forms, one untimed pass each, then the least of `repeats` timed passes per shape (about
     5 s for SmolLM2-135M on 2 cores)."""
@@ -111,13 +118,17 @@ def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
     if packing and packing_available():
         packed = [PackedWeight(weight) for weight in weights]
         products[PACKED] = lambda index, x: packed[index].linear(x, None)
+    if compiling and decode_kernel.available():
+        products[COMPILED] = lambda index, x: decode_kernel.linear(x, weights[index], None)
     shapes = {tuple(weight.shape) for weight in weights}
     measured: dict[tuple[int, int], dict[int, str]] = {shape: {} for shape in shapes}
     for rows in MEASURED_ROWS:
         inputs = {in_features: torch.full((rows, in_features), 0.5) for _, in_features in shapes}
-        best = {form: dict.fromkeys(shapes, float("inf")) for form in products}
+        timed = {form: product for form, product in products.items()
+                 if form != COMPILED or rows <= decode_kernel.MAX_LINEAR_ROWS}
+        best = {form: dict.fromkeys(shapes, float("inf")) for form in timed}
         for repeat in range(repeats + 1):
-            for form, product in products.items():
+            for form, product in timed.items():
                 seconds = dict.fromkeys(shapes, 0.0)
                 for index, weight in enumerate(weights):
                     start = time.perf_counter()
@@ -127,7 +138,7 @@ def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
                     for shape in shapes:
                         best[form][shape] = min(best[form][shape], seconds[shape])
         for shape in shapes:
-            fastest = min((form for form in products if form != LINEAR), key=lambda form: best[form][shape])
+            fastest = min((form for form in timed if form != LINEAR), key=lambda form: best[form][shape])
             measured[shape][rows] = fastest if best[fastest][shape] * MIN_SPEEDUP <= best[LINEAR][shape] else LINEAR
     return {shape: {rows: by_rows[min(m for m in MEASURED_ROWS if m >= rows)] for rows in range(1, MAX_ROWS + 1)}
             for shape, by_rows in measured.items()}
@@ -169,6 +180,14 @@ def transposed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.
     return out
 
 
+def compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x (rows, in) in the compiled form (x made contiguous: e.g. the last position
+    of a prefill); `F.linear` itself where the kernel does not take these tensors (the kernel switched off since the
+    choice was made, more rows than it computes)."""
+    out = decode_kernel.linear(x.contiguous(), weight, bias)
+    return nn.functional.linear(x, weight, bias) if out is None else out
+
+
 def plain(layer: nn.Module) -> bool:
     """Whether `layer` is a plain fp32 `nn.Linear` on CPU with its whole weight (not a ZeRO-3 shard), its forward
     transformers' own or the one `fast_decode_linears` gave it."""
@@ -204,6 +223,9 @@ def _forward(layer: nn.Linear, by_rows: dict[int, str], packed: PackedWeight | N
         return packed.linear(x, layer.bias)
     if form == PACKED:  # the layer was given another weight tensor while the context was active
         return nn.functional.linear(x, layer.weight, layer.bias)
+    if form == COMPILED:
+        out = compiled_linear(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
     out = transposed_linear(layer.weight, layer.bias, x.reshape(rows, x.shape[-1]))
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -219,7 +241,7 @@ def fast_decode_linears(model: nn.Module):
     if not layers or sum(layer.weight.numel() * 4 for layer in layers) < MIN_WEIGHT_BYTES:
         yield
         return
-    key = (packing, *(tuple(layer.weight.shape) for layer in layers))
+    key = (packing, compiling, *(tuple(layer.weight.shape) for layer in layers))
     with _choices_lock:
         if key not in _choices:
             start = time.perf_counter()
@@ -245,7 +267,7 @@ def fast_decode_linears(model: nn.Module):
 def describe_forms(by_rows: dict[int, str]) -> str:
     """The measured row counts that take each form other than `linear`, e.g. "transposed [1, 2], packed [3, 4]"."""
     return ", ".join(f"{form} {[rows for rows in MEASURED_ROWS if by_rows[rows] == form]}"
-                     for form in (TRANSPOSED, PACKED) if form in by_rows.values()) or LINEAR
+                     for form in (TRANSPOSED, PACKED, COMPILED) if form in by_rows.values()) or LINEAR
 
 
 def _bound(layer: nn.Linear, by_rows: dict[int, str]):

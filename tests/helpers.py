@@ -92,15 +92,18 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
 
 
 def force_choices(monkeypatch, form: str, calls: list | None = None):
-    """Every model qualifies, and every weight shape takes `form` ("linear", "transposed" or "packed") at every row
-    count up to MAX_ROWS, whatever this machine would measure (a tiny model's weights stay in cache, where the
-    measurement means nothing)."""
-    from gspo_trl import decode_linear
+    """Every model qualifies, and every weight shape takes `form` ("linear", "transposed", "packed" or "compiled") at
+    every row count up to MAX_ROWS, whatever this machine would measure (a tiny model's weights stay in cache, where
+    the measurement means nothing). The compiled form computes up to `decode_kernel.MAX_LINEAR_ROWS` rows; more
+    rows in it take `F.linear`."""
+    from gspo_trl import decode_kernel, decode_linear
     from gspo_trl.decode_linear import MAX_ROWS
 
-    assert form in (decode_linear.LINEAR, decode_linear.TRANSPOSED, decode_linear.PACKED), form
-    # The pinned CPU torch runs oneDNN: a test of the packed form must not pass by quietly running another.
+    assert form in (decode_linear.LINEAR, decode_linear.TRANSPOSED, decode_linear.PACKED, decode_linear.COMPILED), form
+    # The pinned CPU torch runs oneDNN, and CI's machine has a C compiler: a test of the packed or compiled form must
+    # not pass by quietly running another.
     assert form != decode_linear.PACKED or decode_linear.packing_available()
+    assert form != decode_linear.COMPILED or decode_kernel.available()
 
     def measure(weights):
         if calls is not None:

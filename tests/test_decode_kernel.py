@@ -1,6 +1,7 @@
 """gspo_trl.decode_kernel: the compiled attention of one-token decoding steps equals SDPA's within float rounding
-(shapes, strided cache views, masks, scores far apart), leaves every other input to SDPA, is built once per source
-and CPU, and falls back to SDPA with a warning where it cannot be built."""
+(shapes, strided cache views, masks, scores far apart), and the compiled few-row product `F.linear`'s (row counts,
+widths, bias, one thread); each leaves every other input to PyTorch; the library is built once per source and CPU,
+and where it cannot be built both fall back with a warning."""
 
 from __future__ import annotations
 
@@ -75,6 +76,63 @@ def test_scores_far_apart_and_one_thread():
     torch.testing.assert_close(one_thread, expected, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("rows", range(1, decode_kernel.MAX_LINEAR_ROWS + 1))
+@pytest.mark.parametrize("out_features,in_features", [(80, 48), (7, 576), (1536, 576), (576, 1536), (33, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_products_like_f_linear(rows, out_features, in_features, bias):
+    # widths below, at and past the 16 lanes and not a multiple of them; a new contiguous (rows, out)
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    got = decode_kernel.linear(x, weight, b)
+    assert got is not None and got.shape == (rows, out_features) and got.is_contiguous()
+    # as close to the exact product (float64) as F.linear itself is: another summation order of the same numbers
+    exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    error, f_linear_error = ((product.double() - exact).abs().max().item()
+                             for product in (got, torch.nn.functional.linear(x, weight, b)))
+    assert error <= 2 * f_linear_error + 1e-6, (error, f_linear_error)
+
+
+@torch.no_grad()
+def test_products_are_the_same_on_any_thread_count_and_row_slot():
+    # each output is one thread's sum in one order: bit for bit the same on one thread, and a row's result does not
+    # depend on the rows beside it (the decoding loop's rows leave the batch)
+    weight, x = torch.randn(1536, 576), torch.randn(5, 576)
+    expected = decode_kernel.linear(x, weight, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(decode_kernel.linear(x, weight, None), expected)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(decode_kernel.linear(x[2:3], weight, None), expected[2:3])
+
+
+@pytest.mark.parametrize("case", ["nine rows", "no rows", "bf16", "autograd", "row view", "weight view", "bias shape",
+                                  "width mismatch", "disabled"])
+def test_other_products_are_left_to_pytorch(case, monkeypatch):
+    rows = {"nine rows": 9, "no rows": 0}.get(case, 2)
+    weight, x, bias = torch.randn(24, 16), torch.randn(rows, 16), torch.randn(24)
+    if case == "bf16":
+        x = x.to(torch.bfloat16)
+    if case == "row view":
+        x = torch.randn(16, 2).t()
+    if case == "weight view":
+        weight = torch.randn(16, 24).t()
+    if case == "bias shape":
+        bias = torch.randn(1, 24)
+    if case == "width mismatch":
+        x = torch.randn(2, 17)
+    if case == "disabled":
+        monkeypatch.setattr(decode_kernel, "enabled", False)
+    with torch.set_grad_enabled(case == "autograd"):
+        assert decode_kernel.linear(x, weight, bias) is None
+        if case == "nine rows":  # also where the caller vouched for the tensors: the kernel writes nothing
+            assert decode_kernel.available() and decode_kernel.linear(x, weight, bias, checked=True) is None
+
+
 @pytest.mark.parametrize("case", ["bf16", "autograd", "query view", "float mask", "per-head mask",
                                   "head_dim 512", "group 32", "disabled"])
 def test_other_inputs_are_left_to_sdpa(case, monkeypatch):
@@ -99,7 +157,7 @@ def test_other_inputs_are_left_to_sdpa(case, monkeypatch):
 
 def test_built_once_per_source_and_cpu(fresh_kernel, tmp_path, monkeypatch):
     assert decode_kernel.available()
-    built = list((tmp_path / "kernels").glob("decode_attention-*.so"))
+    built = list((tmp_path / "kernels").glob("decode_kernels-*.so"))
     assert len(built) == 1
     # a later process finds it in the cache: no compiler call
     monkeypatch.setattr(decode_kernel, "_library", None)
@@ -127,6 +185,7 @@ def test_without_a_working_compiler_steps_use_sdpa_after_one_warning(fresh_kerne
             assert decode_kernel.attention(query, keys, values, None, 0.125) is None
             assert decode_kernel.attention(query, keys, values, None, 0.125) is None
             out = decode_attention.attend(query, keys, values, None, 0.125)
+            assert decode_kernel.linear(torch.randn(1, 8), torch.randn(4, 8), None) is None
     finally:
         logger.removeHandler(handler)
     assert torch.equal(out, sdpa(query, keys, values, None, 0.125))

@@ -1,4 +1,4 @@
-"""gspo_trl.decode_linear: the transposed and packed products equal `F.linear`, the measured choice, and the context
+"""gspo_trl.decode_linear: the transposed, packed and compiled products equal `F.linear`, the measured choice, and the context
 that swaps the forwards of a model's linear layers in and out (also around a whole decoding loop, and its opt-out
 under `full_determinism`)."""
 
@@ -9,8 +9,8 @@ import torch
 from helpers import count_digits, force_choices, sampler_with_rows_ending_apart, small_config, text_dataset
 from torch import nn
 
-from gspo_trl import GSPOTrainer, decode_linear
-from gspo_trl.decode_linear import (LINEAR, MAX_ROWS, MEASURED_ROWS, PACKED, TRANSPOSED, PackedWeight,
+from gspo_trl import GSPOTrainer, decode_kernel, decode_linear
+from gspo_trl.decode_linear import (COMPILED, LINEAR, MAX_ROWS, MEASURED_ROWS, PACKED, TRANSPOSED, PackedWeight,
                                     fast_decode_linears, measure_choices)
 from gspo_trl.decoding import token_logps
 
@@ -21,9 +21,13 @@ def always_transposed(monkeypatch):
 
 
 def counting(monkeypatch, form: str) -> list:
-    """The row count of each product computed in `form` (transposed or packed) from now on."""
+    """The row count of each product computed in `form` (transposed, packed or compiled) from now on."""
     calls = []
-    if form == TRANSPOSED:
+    if form == COMPILED:  # counted where the kernel computed it, not where it handed the product back
+        monkeypatch.setattr(decode_kernel, "linear", lambda x, *rest, product=decode_kernel.linear, **checked:
+                            (lambda out: out if out is None else calls.append(x.shape[0]) or out)(
+                                product(x, *rest, **checked)))
+    elif form == TRANSPOSED:
         monkeypatch.setattr(decode_linear, "_transposed_product",
                             lambda w, x, *rest, product=decode_linear._transposed_product:
                             calls.append(x.shape[0]) or product(w, x, *rest))
@@ -33,7 +37,7 @@ def counting(monkeypatch, form: str) -> list:
     return calls
 
 
-@pytest.mark.parametrize("form", [TRANSPOSED, PACKED])
+@pytest.mark.parametrize("form", [TRANSPOSED, PACKED, COMPILED])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_form_computes_what_f_linear_computes(form, rows, bias, monkeypatch):
@@ -46,7 +50,8 @@ def test_each_form_computes_what_f_linear_computes(form, rows, bias, monkeypatch
     with torch.no_grad(), fast_decode_linears(layer):
         assert "forward" in layer.__dict__
         got = layer(x)
-    assert calls == [rows]  # the form itself ran
+    # the form itself ran (the compiled one up to its 8 rows; F.linear beyond)
+    assert calls == ([] if form == COMPILED and rows > decode_kernel.MAX_LINEAR_ROWS else [rows])
     assert got.shape == expected.shape and got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert "forward" not in layer.__dict__  # the class's forward again
@@ -130,13 +135,17 @@ def test_measure_choices_times_every_shape_and_row_count(monkeypatch):
     timed = []
     monkeypatch.setattr(PackedWeight, "linear", lambda self, x, bias, product=PackedWeight.linear:
                         timed.append(x.shape[0]) or product(self, x, bias))
+    compiled = counting(monkeypatch, COMPILED)
     weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(64, 32)]
     choices = measure_choices(weights, repeats=1)
     assert set(choices) == {(64, 32), (32, 64)}
     assert sorted(set(timed)) == list(MEASURED_ROWS)  # the packed form was timed too, at each measured count
+    # and the compiled one at each measured count it computes
+    assert sorted(set(compiled)) == [rows for rows in MEASURED_ROWS if rows <= decode_kernel.MAX_LINEAR_ROWS]
     for by_rows in choices.values():
         assert sorted(by_rows) == list(range(1, MAX_ROWS + 1))
-        assert set(by_rows.values()) <= {LINEAR, TRANSPOSED, PACKED}
+        assert set(by_rows.values()) <= {LINEAR, TRANSPOSED, PACKED, COMPILED}
+        assert all(by_rows[rows] != COMPILED for rows in range(decode_kernel.MAX_LINEAR_ROWS + 1, MAX_ROWS + 1))
         for rows in range(1, MAX_ROWS + 1):  # between two measured counts: the larger one's choice
             assert by_rows[rows] == by_rows[min(m for m in MEASURED_ROWS if m >= rows)]
 
@@ -151,7 +160,7 @@ def test_choices_are_measured_once_per_model_shape(monkeypatch):
     assert calls == [[(4, 8)], [(8, 4)]]  # a snapshot of a model (same shapes) reuses the original's choices
 
 
-@pytest.mark.parametrize("form", [TRANSPOSED, PACKED])
+@pytest.mark.parametrize("form", [TRANSPOSED, PACKED, COMPILED])
 def test_decoding_loop_in_each_form_samples_and_scores_like_f_linear(tiny_model, tiny_tokenizer, monkeypatch, form):
     """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
     rounding of the plain run's and of a training-style forward."""
