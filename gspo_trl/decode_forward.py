@@ -84,6 +84,8 @@ class StepForward:
         def product(layer: nn.Module):  # a LoRA layer is called: its forward runs, its base layer's product in it
             return Product(layer, timed_forms) if type(layer) is nn.Linear else layer
 
+        self.fused_rotary = _rotary_kernel_matches(self.rotate, model.config.num_attention_heads, self.kv_heads,
+                                                   self.head_dim)
         self.head = product(model.lm_head)
         self.layers = []  # each decoder layer's modules in the order a step runs them
         for layer in base.layers:
@@ -106,20 +108,69 @@ class StepForward:
         mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
         hidden = self.embed(token_ids)[:, 0]  # (rows, hidden)
         cos, sin = self.rotary(hidden, position_ids)  # (rows, 1, head_dim)
+        flat_cos, flat_sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
         for (norm, q, k, v, o, q_norm, k_norm, mlp_norm, gate, up, down, act), cache_layer in zip(self.layers,
                                                                                                   cache.layers):
             x = norm(hidden)
             query, key = q(x).view(rows, -1, 1, head_dim), k(x).view(rows, -1, 1, head_dim)
             if q_norm is not None:
                 query, key = q_norm(query), k_norm(key)
-            query, key = self.rotate(query, key, cos, sin)
-            keys, values = cache_layer.update(key, v(x).view(rows, -1, 1, head_dim))
-            out = decode_attention.attend(query.reshape(rows, kv_heads, groups, head_dim), keys, values, mask,
-                                          self.scale)
+            value = v(x).view(rows, -1, 1, head_dim)
+            packed = query.new_empty(rows, kv_heads, groups, head_dim)
+            if self.fused_rotary and _rotate_into_cache(query, key, value, flat_cos, flat_sin, packed, cache_layer):
+                keys, values = cache_layer.keys, cache_layer.values
+            else:
+                query, key = self.rotate(query, key, cos, sin)
+                keys, values = cache_layer.update(key, value)
+                packed = query.reshape(rows, kv_heads, groups, head_dim)
+            out = decode_attention.attend(packed, keys, values, mask, self.scale)
             hidden = hidden + o(out.reshape(rows, -1))
             x = mlp_norm(hidden)
             hidden = hidden + down(act(gate(x)) * up(x))
         return self.head(self.norm(hidden))
+
+
+def _rotate_into_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, packed: torch.Tensor, cache_layer) -> bool:
+    """`decode_kernel.rotary` for one step: the rotated query into `packed`, the rotated key and the value into the
+    cache's next position (a `PreallocatedLayer`, advanced by one). False, with the cache as it was, where the
+    kernel does not take these tensors."""
+    advance = getattr(cache_layer, "advance", None)
+    if advance is None:
+        return False
+    rows, kv_heads, _, head_dim = key.shape
+    keys, values = advance(1)
+    if decode_kernel.rotary(query.view(rows, -1, head_dim), key.view(rows, kv_heads, head_dim),
+                            value.view(rows, kv_heads, head_dim), cos, sin, packed.view(rows, -1, head_dim),
+                            keys[:, :, -1], values[:, :, -1]):
+        return True
+    cache_layer._expose(cache_layer.length - 1)
+    return False
+
+
+def _rotary_kernel_matches(rotate, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `decode_kernel.rotary` computes what the model's own `apply_rotary_pos_emb` computes, bit for bit, on
+    random inputs of the model's shapes (one row and three, of which the kernel takes any): the model's function is
+    then known to be the plain rotation (no partial rotary dimensions, no other form), and the kernel is built."""
+    if head_dim % 2 or not decode_kernel.available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 3):
+        query, key = torch.randn(rows, heads, 1, head_dim, generator=generator), torch.randn(
+            rows, kv_heads, 1, head_dim, generator=generator)
+        cos, sin = torch.randn(rows, 1, head_dim, generator=generator), torch.randn(rows, 1, head_dim,
+                                                                                    generator=generator)
+        expected_query, expected_key = rotate(query, key, cos, sin)
+        got_query, got_key, got_value = torch.empty(rows, heads, head_dim), torch.empty(rows, kv_heads, head_dim), \
+            torch.empty(rows, kv_heads, head_dim)
+        if not (decode_kernel.rotary(query.view(rows, heads, head_dim), key.view(rows, kv_heads, head_dim),
+                                     key.view(rows, kv_heads, head_dim), cos.view(rows, head_dim),
+                                     sin.view(rows, head_dim), got_query, got_key, got_value)
+                and torch.equal(got_query, expected_query.view(rows, heads, head_dim))
+                and torch.equal(got_key, expected_key.view(rows, kv_heads, head_dim))
+                and torch.equal(got_value, key.view(rows, kv_heads, head_dim))):
+            return False
+    return True
 
 
 def applies(model: nn.Module) -> bool:

@@ -1,18 +1,21 @@
-"""The compiled kernels of one-token decoding steps on CPU: the packed attention (`csrc/decode_attention.c`) and the
-product of a weight with one to eight rows (`csrc/decode_linear.c`).
+"""The compiled kernels of one-token decoding steps on CPU: the packed attention (`csrc/decode_attention.c`), the
+product of a weight with one to eight rows (`csrc/decode_linear.c`), and the rotary embedding with the cache write
+(`csrc/decode_rotary.c`).
 
 PyTorch's CPU SDPA reads a decoding step's KV cache at 10-16 GB/s on the 2-core EPYC, where its memory gives about
 30, and MKL reads the weights of a one- or two-row product at two thirds of that at best: at the end of a long
 rollout, where a few rows decode alone, both are far from the hardware. The C loops read near the memory bandwidth
-(docs/benchmarks.md, "Attention at the memory bandwidth" and "Few-row products at the memory bandwidth"). They are
+(docs/benchmarks.md, "Attention at the memory bandwidth" and "Few-row products at the memory bandwidth"); the
+rotary loop replaces some 18 small operators per layer with one call. They are
 compiled once per machine with the C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`),
 into one library in gspo-trl's cache folder, and loaded with ctypes; their threads are PyTorch's own OpenMP threads
-where PyTorch ships its OpenMP runtime. Without a compiler, or where the build fails, `attention()` and `linear()`
-return None once a warning has said why, and the caller keeps PyTorch's operators. `GSPO_TRL_DECODE_KERNEL=0`
-switches both off.
+where PyTorch ships its OpenMP runtime. Without a compiler, or where the build fails, `attention()`, `linear()` and
+`rotary()` return None (False) once a warning has said why, and the caller keeps PyTorch's operators.
+`GSPO_TRL_DECODE_KERNEL=0` switches them off.
 
 Owns building, loading and calling the kernels. What it does not own: when a step may use them (`decode_attention`
-for the attention; `decode_linear`, which measures the product against its other forms).
+for the attention; `decode_linear`, which measures the product against its other forms; `decode_forward`, which
+checks the rotary loop against the model's own function before it uses it).
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ from .default_model import cache_root
 
 logger = logging.get_logger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "decode_linear.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("decode_attention.c", "decode_linear.c", "decode_rotary.c"))
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # decode_attention.c's array bounds
 MAX_LINEAR_ROWS = 8  # decode_linear.c's row counts: 1 to 8
-REASSOCIATED = {"decode_attention.c"}  # compiled with -fassociative-math
+# Each source's own flags: the attention's sums reassociated; the rotary arithmetic rounded as PyTorch's operators round
+# it (no fused multiply-add).
+SOURCE_FLAGS = {"decode_attention.c": ["-fassociative-math"], "decode_rotary.c": ["-ffp-contract=off"]}
 CHUNK = 256  # positions per work item: one row of 4,000 positions is 16 items per key/value head
 
 # Switched off by benchmarks that time SDPA (A/B in one process) and by GSPO_TRL_DECODE_KERNEL=0.
@@ -120,6 +126,32 @@ def linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             and not torch.is_grad_enabled())
 
 
+def rotary(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           query_out: torch.Tensor, key_slot: torch.Tensor, value_slot: torch.Tensor) -> bool:
+    """transformers' `apply_rotary_pos_emb` for one new position per row, bit for bit, and the cache write: the
+    rotated `query` (rows, heads, head_dim) into `query_out` (same shape), the rotated `key` and `value` (rows,
+    kv_heads, head_dim) into `key_slot` and `value_slot` (rows, kv_heads, head_dim views of the cache's new
+    position); `cos` and `sin` (rows, head_dim). All fp32 on CPU; the inputs and `query_out` contiguous, the slots
+    with contiguous heads and one stride. False (nothing written) where the kernel is not built or the tensors are
+    not what it reads, and the caller computes it."""
+    rows, heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    tensors = (query, key, value, cos, sin, query_out, key_slot, value_slot)
+    if (not enabled or head_dim % 2 or key.shape != (rows, kv_heads, head_dim) or value.shape != key.shape
+            or cos.shape != (rows, head_dim) or sin.shape != cos.shape or query_out.shape != query.shape
+            or key_slot.shape != key.shape or value_slot.shape != key.shape
+            or key_slot.stride() != value_slot.stride() or key_slot.stride(2) != 1
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+            or not all(t.is_contiguous() for t in tensors[:6]) or torch.is_grad_enabled()):
+        return False
+    library = _load()
+    if library is None:
+        return False
+    library.decode_rotary(*(t.data_ptr() for t in tensors), key_slot.stride(0), key_slot.stride(1), rows, heads,
+                          kv_heads, head_dim)
+    return True
+
+
 def available() -> bool:
     """Whether the kernel is built and loaded here (building it on the first call)."""
     return enabled and _load() is not None
@@ -148,6 +180,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.decode_attention.restype = None
     library.decode_linear.argtypes = [pointer, pointer, pointer, pointer, int64, int64, int32, int32]
     library.decode_linear.restype = int32
+    library.decode_rotary.argtypes = [pointer] * 8 + [int64, int64, int32, int32, int32, int32]
+    library.decode_rotary.restype = None
     return library
 
 
@@ -155,7 +189,7 @@ def compile_commands(folder: Path, target: Path) -> list[list[str]]:
     """The compiler calls: each source into an object in `folder`, then the objects into the library `target`.
     `-march=native` (this CPU's vector units); the attention's sums reassociated into vector lanes (1.4x the speed
     of in-order sums here), the product's kept in its lanes' order (as fast, and a row's result then does not depend
-    on the rows beside it); OpenMP threads from PyTorch's own runtime where it ships one (a second OpenMP runtime in
+    on the rows beside it), the rotary embedding's without fused multiply-adds (PyTorch's rounding); OpenMP threads from PyTorch's own runtime where it ships one (a second OpenMP runtime in
     the process would spin threads against PyTorch's), else one thread."""
     compiler = shlex.split(os.environ.get("CC", "cc"))
     # Not -ffast-math: its startup code would set flush-to-zero for the whole process.
@@ -164,8 +198,8 @@ def compile_commands(folder: Path, target: Path) -> list[list[str]]:
     openmp = (torch_lib / "libgomp.so.1").exists()
     flags.append("-fopenmp" if openmp else "-fopenmp-simd")
     objects = [folder / f"{source.stem}.o" for source in SOURCES]
-    commands = [[*compiler, *flags, *(["-fassociative-math"] if source.name in REASSOCIATED else []), "-c",
-                 str(source), "-o", str(built)] for source, built in zip(SOURCES, objects)]
+    commands = [[*compiler, *flags, *SOURCE_FLAGS.get(source.name, []), "-c", str(source), "-o", str(built)]
+                for source, built in zip(SOURCES, objects)]
     link = [*compiler, "-shared", *map(str, objects), "-o", str(target)]
     if openmp:
         link += ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lgomp"]

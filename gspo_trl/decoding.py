@@ -159,11 +159,19 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
+        start = self.length
+        keys, values = self.advance(key_states.shape[-2])
+        keys[:, :, start:] = key_states
+        values[:, :, start:] = value_states
+        return keys, values
+
+    def advance(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`positions` more positions exposed (grown into if the buffers are full), not yet written: the caller
+        writes them (`keys[:, :, -positions:]`, as `decode_forward`'s steps do) before anything reads them. Returns
+        `keys`, `values`."""
+        end = self.length + positions
         if end > self.key_buffer.shape[-2]:  # beyond `capacity` too if asked: grow like DynamicLayer would
             self._grow(max(end, min(self.capacity, 2 * self.key_buffer.shape[-2])))
-        self.key_buffer[:, :, self.length:end] = key_states
-        self.value_buffer[:, :, self.length:end] = value_states
         self._expose(end)
         return self.keys, self.values
 

@@ -31,9 +31,10 @@ def tiny(architecture: str, **overrides):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **{**values, **overrides})).eval()
 
 
-def prefilled(model, rows: int, length: int, padded: bool):
+def prefilled(model, rows: int, length: int, padded: bool, room: int = 4):
     """A cache of `length` prompt positions per row, filled by the model's own prefill (row 0 left-padded by five
-    when `padded`), in the loop's preallocated layers; and the next step's token, mask and positions."""
+    when `padded`), in the loop's preallocated layers with `room` positions ahead; and the next step's token, mask
+    and positions."""
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (rows, length))
     mask = torch.ones(rows, length, dtype=torch.long)
@@ -43,7 +44,7 @@ def prefilled(model, rows: int, length: int, padded: bool):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache), use_cache=True)
-    preallocate(cache, length + 4)
+    preallocate(cache, length + room)
     step_mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
     return cache, torch.randint(0, model.config.vocab_size, (rows, 1)), step_mask, positions[:, -1:] + 1
 
@@ -55,7 +56,7 @@ def both_steps(model, rows: int, length: int, padded: bool):
     theirs, ours = cache, copy.deepcopy(cache)
     with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
         step = StepForward.of(model)
-        assert step is not None
+        assert step is not None and step.fused_rotary  # the rotary embedding and cache write in decode_kernel
         expected = model(input_ids=token, attention_mask=mask, position_ids=positions,
                           **cache_kwargs(model, theirs), use_cache=True, logits_to_keep=1).logits[:, -1]
         got = step(token, mask, positions, ours)
@@ -77,11 +78,13 @@ def test_a_step_equals_transformers_forward_bit_for_bit(architecture, form, rows
         assert torch.equal(our_layer.keys, their_layer.keys) and torch.equal(our_layer.values, their_layer.values)
 
 
-def test_repeated_one_row_steps_keep_each_layers_output(monkeypatch):
-    """One row reuses a buffer per layer across steps: three steps in a row still equal transformers' three."""
-    force_choices(monkeypatch, TRANSPOSED)
+@pytest.mark.parametrize("form", [TRANSPOSED, COMPILED])
+def test_repeated_one_row_steps_keep_each_layers_output(monkeypatch, form):
+    """One row reuses a buffer per layer across steps: three steps in a row still equal transformers' three, the
+    cache growing on the second (room for one position ahead)."""
+    force_choices(monkeypatch, form)
     model = tiny("llama")
-    cache, token, mask, positions = prefilled(model, 1, 9, False)
+    cache, token, mask, positions = prefilled(model, 1, 9, False, room=1)
     theirs, ours = cache, copy.deepcopy(cache)
     with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
         step = StepForward.of(model)
@@ -92,6 +95,36 @@ def test_repeated_one_row_steps_keep_each_layers_output(monkeypatch):
             assert torch.equal(got, expected)
             token, positions = expected.argmax(-1, keepdim=True), positions + 1
             mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
+    for their_layer, our_layer in zip(theirs.layers, ours.layers):
+        assert our_layer.length == 12 and our_layer.key_buffer.shape[2] > 10  # grew
+        assert torch.equal(our_layer.keys, their_layer.keys) and torch.equal(our_layer.values, their_layer.values)
+
+
+def test_another_rotary_embedding_is_left_to_the_models_function(monkeypatch):
+    """`decode_kernel.rotary` is the plain rotation of every dimension; a model module whose `apply_rotary_pos_emb`
+    computes something else (here: only the first half of each head rotated) keeps its own function, bit for bit."""
+    import transformers.models.llama.modeling_llama as llama
+
+    plain = llama.apply_rotary_pos_emb
+
+    def partial(q, k, cos, sin, *args, **kwargs):
+        half = q.shape[-1] // 2
+        cos, sin = cos[..., :half], sin[..., :half]
+        (q_rot, q_pass), (k_rot, k_pass) = q.split(half, -1), k.split(half, -1)
+        q_rot, k_rot = plain(q_rot, k_rot, cos, sin, *args, **kwargs)
+        return torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", partial)
+    force_choices(monkeypatch, TRANSPOSED)
+    model = tiny("llama")
+    cache, token, mask, positions = prefilled(model, 2, 9, True)
+    theirs, ours = cache, copy.deepcopy(cache)
+    with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
+        step = StepForward.of(model)
+        assert not step.fused_rotary
+        expected = model(input_ids=token, attention_mask=mask, position_ids=positions,
+                          **cache_kwargs(model, theirs), use_cache=True, logits_to_keep=1).logits[:, -1]
+        assert torch.equal(step(token, mask, positions, ours), expected)
 
 
 @pytest.mark.parametrize("form", FORMS)

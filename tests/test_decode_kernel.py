@@ -1,6 +1,7 @@
 """gspo_trl.decode_kernel: the compiled attention of one-token decoding steps equals SDPA's within float rounding
-(shapes, strided cache views, masks, scores far apart), and the compiled few-row product `F.linear`'s (row counts,
-widths, bias, one thread); each leaves every other input to PyTorch; the library is built once per source and CPU,
+(shapes, strided cache views, masks, scores far apart), the compiled few-row product `F.linear`'s (row counts, widths,
+bias, one thread), and the rotary loop transformers' rotation bit for bit, written into the cache's slot; each leaves
+every other input to PyTorch; the library is built once per source and CPU,
 and where it cannot be built both fall back with a warning."""
 
 from __future__ import annotations
@@ -131,6 +132,46 @@ def test_other_products_are_left_to_pytorch(case, monkeypatch):
         assert decode_kernel.linear(x, weight, bias) is None
         if case == "nine rows":  # also where the caller vouched for the tensors: the kernel writes nothing
             assert decode_kernel.available() and decode_kernel.linear(x, weight, bias, checked=True) is None
+
+
+def rotary_inputs(rows, heads, kv_heads, head_dim, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    query, key, value = (torch.randn(rows, count, head_dim, generator=generator)
+                         for count in (heads, kv_heads, kv_heads))
+    cos, sin = torch.randn(rows, head_dim, generator=generator), torch.randn(rows, head_dim, generator=generator)
+    return query, key, value, cos, sin
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(1, 9, 3, 64), (3, 9, 3, 64), (2, 4, 4, 128), (5, 2, 1, 6)])
+@torch.no_grad()
+def test_rotary_is_transformers_rotation_bit_for_bit_into_the_cache(rows, heads, kv_heads, head_dim):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    query, key, value, cos, sin = rotary_inputs(rows, heads, kv_heads, head_dim)
+    keys, values = torch.zeros(rows, kv_heads, 10, head_dim), torch.zeros(rows, kv_heads, 10, head_dim)
+    packed = torch.empty(rows, heads, head_dim)
+    assert decode_kernel.rotary(query, key, value, cos, sin, packed, keys[:, :, 7], values[:, :, 7])
+    expected_query, expected_key = apply_rotary_pos_emb(query[:, :, None], key[:, :, None], cos[:, None], sin[:, None])
+    assert torch.equal(packed, expected_query[:, :, 0]) and torch.equal(keys[:, :, 7], expected_key[:, :, 0])
+    assert torch.equal(values[:, :, 7], value)
+    assert not keys[:, :, :7].any() and not keys[:, :, 8:].any() and not values[:, :, 8:].any()  # only the slot
+
+
+@pytest.mark.parametrize("case", ["odd head_dim", "bf16", "autograd", "query view", "slot mismatch", "disabled"])
+def test_other_rotary_inputs_are_left_to_pytorch(case, monkeypatch):
+    query, key, value, cos, sin = rotary_inputs(2, 4, 2, 7 if case == "odd head_dim" else 8)
+    keys = torch.zeros(2, 2, 5, query.shape[-1])
+    values = keys.clone() if case != "slot mismatch" else torch.zeros(2, 2, 6, query.shape[-1])
+    if case == "bf16":
+        query = query.to(torch.bfloat16)
+    if case == "query view":
+        query = torch.randn(2, 8, 4).transpose(1, 2)
+    if case == "disabled":
+        monkeypatch.setattr(decode_kernel, "enabled", False)
+    with torch.set_grad_enabled(case == "autograd"):
+        assert not decode_kernel.rotary(query, key, value, cos, sin, torch.empty(query.shape), keys[:, :, 1],
+                                        values[:, :, 1])
+    assert not keys.any() and not values.any()
 
 
 @pytest.mark.parametrize("case", ["bf16", "autograd", "query view", "float mask", "per-head mask",
