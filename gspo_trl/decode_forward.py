@@ -5,11 +5,15 @@ Near the end of a rollout a few rows decode alone for thousands of steps. A step
 weights in its 211 products, about 17 ms at the memory bandwidth of the 2-core EPYC, and transformers' forward
 spent another 8 ms or so in the small operators and Python around them: module calls, the attention interface's
 dispatch, the mask built again each step, `decode_linear`'s checks and allocations per product. `StepForward`
-runs the same computation with the model's own modules and weights (embedding, norms, rotary embedding and its
-`apply_rotary_pos_emb`, activation), the cache's own `update`, `decode_attention`'s packed attention call and
-the product form `decode_linear` chose for each weight and row count, in the same order, so its logits equal
-transformers' forward bit for bit (`tests/test_decode_forward.py`: with and without padding, one to nine rows,
-each product form, and the real SmolLM2 with the forms measured on the machine running the tests).
+runs the same computation with the model's own modules and weights (embedding, norms, rotary embedding,
+activation), `decode_attention`'s packed attention call and the product form `decode_linear` chose for each weight
+and row count, in the same order, so its logits equal transformers' forward bit for bit
+(`tests/test_decode_forward.py`: with and without padding, one to nine rows, each product form, and the real
+SmolLM2 with the forms measured on the machine running the tests). The rotation of the query and key and their
+write into the cache, about 18 small operators per layer in the model's `apply_rotary_pos_emb` and the cache's
+`update`, are one call of `decode_kernel.rotary`, the same arithmetic rounded the same way; it is checked against
+the model's own function, bit for bit, when a `StepForward` is built, and where it differs (or is not built) the
+step calls the model's function and the cache's `update`.
 
 Applies only where that equality was checked: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` and
 `Qwen3ForCausalLM` built from transformers' own modules, full attention in every layer (no sliding window), fp32
