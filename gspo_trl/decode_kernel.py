@@ -6,10 +6,10 @@ PyTorch's CPU SDPA reads a decoding step's KV cache at 10-16 GB/s on the 2-core 
 30, and MKL reads the weights of a one- or two-row product at two thirds of that at best: at the end of a long
 rollout, where a few rows decode alone, both are far from the hardware. The C loops read near the memory bandwidth
 (docs/benchmarks.md, "Attention at the memory bandwidth" and "Few-row products at the memory bandwidth"); the
-rotary loop replaces some 18 small operators per layer with one call. They are
-compiled once per machine with the C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`),
-into one library in gspo-trl's cache folder, and loaded with ctypes; their threads are PyTorch's own OpenMP threads
-where PyTorch ships its OpenMP runtime. Without a compiler, or where the build fails, `attention()`, `linear()` and
+rotary loop replaces some 18 small operators per layer with one call. They are compiled once per machine with the
+C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`), into one library in gspo-trl's cache
+folder, and loaded with ctypes; their threads are PyTorch's own OpenMP threads where PyTorch ships its OpenMP
+runtime. Without a compiler, or where the build fails, `attention()`, `linear()` and
 `rotary()` return None (False) once a warning has said why, and the caller keeps PyTorch's operators.
 `GSPO_TRL_DECODE_KERNEL=0` switches them off.
 
@@ -113,7 +113,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             return None
     out = torch.empty(x.shape[0], weight.shape[0])
     failed = library.decode_linear(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                   out.data_ptr(), weight.shape[0], weight.shape[1], x.shape[0], torch.get_num_threads())
+                                   out.data_ptr(), weight.shape[0], weight.shape[1], x.shape[0],
+                                   torch.get_num_threads())
     return None if failed else out  # failed: a row count it does not compute (nothing written)
 
 
@@ -129,7 +130,7 @@ def linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def rotary(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            query_out: torch.Tensor, key_slot: torch.Tensor, value_slot: torch.Tensor) -> bool:
     """transformers' `apply_rotary_pos_emb` for one new position per row, bit for bit, and the cache write: the
-    rotated `query` (rows, heads, head_dim) into `query_out` (same shape), the rotated `key` and `value` (rows,
+    rotated `query` (rows, heads, head_dim) into `query_out` (same shape), the rotated `key` and the `value` (rows,
     kv_heads, head_dim) into `key_slot` and `value_slot` (rows, kv_heads, head_dim views of the cache's new
     position); `cos` and `sin` (rows, head_dim). All fp32 on CPU; the inputs and `query_out` contiguous, the slots
     with contiguous heads and one stride. False (nothing written) where the kernel is not built or the tensors are
@@ -189,8 +190,9 @@ def compile_commands(folder: Path, target: Path) -> list[list[str]]:
     """The compiler calls: each source into an object in `folder`, then the objects into the library `target`.
     `-march=native` (this CPU's vector units); the attention's sums reassociated into vector lanes (1.4x the speed
     of in-order sums here), the product's kept in its lanes' order (as fast, and a row's result then does not depend
-    on the rows beside it), the rotary embedding's without fused multiply-adds (PyTorch's rounding); OpenMP threads from PyTorch's own runtime where it ships one (a second OpenMP runtime in
-    the process would spin threads against PyTorch's), else one thread."""
+    on the rows beside it), the rotary embedding's without fused multiply-adds (PyTorch's rounding); OpenMP threads
+    from PyTorch's own runtime where it ships one (a second OpenMP runtime in the process would spin threads against
+    PyTorch's), else one thread."""
     compiler = shlex.split(os.environ.get("CC", "cc"))
     # Not -ffast-math: its startup code would set flush-to-zero for the whole process.
     flags = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fPIC"]

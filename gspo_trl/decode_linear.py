@@ -28,9 +28,10 @@ differently from one run to the next, so the trainer turns this off under `full_
 
 Owns `fast_decode_linears(model)`, the context the decoding loop runs its steps in, the per-process table of
 measured choices, and the products themselves (`transposed_linear`, with `OneRow` buffers for a caller that keeps
-them across steps, as `decode_forward` does; `PackedWeight`; `decode_kernel.linear` for the compiled one). Applies only where it was measured to matter: plain
-`nn.Linear` layers with fp32 weights on CPU, without autograd or autocast, up to `MAX_ROWS` rows. What it does not
-own: the decoding loop (`decoding.py`), the step's forward around the products (`decode_forward.py`).
+them across steps, as `decode_forward` does; `PackedWeight`; `compiled_linear`). Applies only where it was measured
+to matter: plain `nn.Linear` layers with fp32 weights on CPU, without autograd or autocast, up to `MAX_ROWS` rows.
+What it does not own: the decoding loop (`decoding.py`), the step's forward around the products
+(`decode_forward.py`), the compiled loop itself and its build (`decode_kernel.py`).
 """
 
 from __future__ import annotations
@@ -109,10 +110,10 @@ def packing_available() -> bool:
 def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
     """For each weight shape among `weights` and each row count from 1 to `MAX_ROWS`, the form to compute it in:
     the fastest of `transposed`, `packed` (when oneDNN runs here) and `compiled` (up to its `MAX_LINEAR_ROWS`, when
-    `decode_kernel` is built here) if it is at least `MIN_SPEEDUP` times faster than `F.linear`, else `linear`. Timed at the row counts of `MEASURED_ROWS` on the weights themselves, in their
-    order, as a decoding step reads them (from memory, not from cache): per row count, passes over all of them
-    alternate between the forms, one untimed pass each, then the least of `repeats` timed passes per shape (about
-    5 s for SmolLM2-135M on 2 cores)."""
+    `decode_kernel` is built here) if it is at least `MIN_SPEEDUP` times faster than `F.linear`, else `linear`.
+    Timed at the row counts of `MEASURED_ROWS` on the weights themselves, in their order, as a decoding step reads
+    them (from memory, not from cache): per row count, passes over all of them alternate between the forms, one
+    untimed pass each, then the least of `repeats` timed passes per shape (about 5 s for SmolLM2-135M on 2 cores)."""
     products = {LINEAR: lambda index, x: nn.functional.linear(x, weights[index]),
                 TRANSPOSED: lambda index, x: _transposed_product(weights[index], x)}
     if packing and packing_available():
@@ -241,7 +242,9 @@ def fast_decode_linears(model: nn.Module):
     if not layers or sum(layer.weight.numel() * 4 for layer in layers) < MIN_WEIGHT_BYTES:
         yield
         return
-    key = (packing, compiling, *(tuple(layer.weight.shape) for layer in layers))
+    # The forms on offer are part of the key: a benchmark that switches the compiled one off (`compiling`, or
+    # `decode_kernel.enabled`) gets choices measured without it.
+    key = (packing, compiling and decode_kernel.available(), *(tuple(layer.weight.shape) for layer in layers))
     with _choices_lock:
         if key not in _choices:
             start = time.perf_counter()

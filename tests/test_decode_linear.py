@@ -1,6 +1,6 @@
-"""gspo_trl.decode_linear: the transposed, packed and compiled products equal `F.linear`, the measured choice, and the context
-that swaps the forwards of a model's linear layers in and out (also around a whole decoding loop, and its opt-out
-under `full_determinism`)."""
+"""gspo_trl.decode_linear: the transposed, packed and compiled products equal `F.linear`, the measured choice, and the
+context that swaps the forwards of a model's linear layers in and out (also around a whole decoding loop, and its
+opt-out under `full_determinism`)."""
 
 from __future__ import annotations
 
@@ -158,6 +158,20 @@ def test_choices_are_measured_once_per_model_shape(monkeypatch):
         with fast_decode_linears(layer):
             pass
     assert calls == [[(4, 8)], [(8, 4)]]  # a snapshot of a model (same shapes) reuses the original's choices
+
+
+def test_choices_without_the_compiled_form_are_measured_apart(monkeypatch):
+    """A benchmark that switches the kernels off (`decode_kernel.enabled`, as `decoding.py --loops gspo_sdpa` does)
+    must not reuse choices that name the compiled form: they are measured again without it."""
+    calls = []
+    force_choices(monkeypatch, TRANSPOSED, calls)
+    layer = nn.Linear(8, 4)
+    with fast_decode_linears(layer):
+        pass
+    monkeypatch.setattr(decode_kernel, "enabled", False)
+    with fast_decode_linears(layer):
+        pass
+    assert calls == [[(4, 8)], [(4, 8)]]
 
 
 @pytest.mark.parametrize("form", [TRANSPOSED, PACKED, COMPILED])
