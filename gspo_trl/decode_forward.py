@@ -120,8 +120,8 @@ class StepForward:
             if q_norm is not None:
                 query, key = q_norm(query), k_norm(key)
             value = v(x).view(rows, -1, 1, head_dim)
-            packed = query.new_empty(rows, kv_heads, groups, head_dim)
-            if self.fused_rotary and _rotate_into_cache(query, key, value, flat_cos, flat_sin, packed, cache_layer):
+            packed = query.new_empty(rows, kv_heads, groups, head_dim) if self.fused_rotary else None
+            if packed is not None and _rotate_into_cache(query, key, value, flat_cos, flat_sin, packed, cache_layer):
                 keys, values = cache_layer.keys, cache_layer.values
             else:
                 query, key = self.rotate(query, key, cos, sin)

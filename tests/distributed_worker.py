@@ -12,6 +12,7 @@ the top-half-entropy tokens with an entropy bonus (quantities that span every pr
 two-turn episodes of a text environment with turn-level ratios and advantages, `+async` samples the second
 rollout in the background during the first one's training (async_rollouts), `+linears` decodes with
 `decode_linear`'s transposed products at every row count (the tiny model is too small to qualify by itself),
+`+compiled` with its compiled (`decode_kernel`) products at every row count up to 8,
 `+passes` trains each micro-batch in passes of at most 2 rows (max_tokens_per_pass), `+scripted` gets its completions from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
 completions per micro-step over however many processes run. Each rank writes
@@ -103,16 +104,29 @@ def scripted_rollout(prompts, trainer):
     return output
 
 
-def force_transposed_linears() -> list:
-    """Every linear layer of every model decodes in decode_linear's transposed form at every row count; returns the
-    list that each transposed product appends its row count to."""
-    from gspo_trl import decode_linear
+def force_linears(form: str) -> list:
+    """Every linear layer of every model decodes in decode_linear's `form` ("transposed", or "compiled" up to its 8
+    rows) at every row count; returns the list that each product computed in that form appends its row count to."""
+    from gspo_trl import decode_kernel, decode_linear
 
-    calls, product = [], decode_linear._transposed_product
+    calls = []
     decode_linear.MIN_WEIGHT_BYTES = 0
     decode_linear.measure_choices = lambda weights: {tuple(weight.shape): dict.fromkeys(
-        range(1, decode_linear.MAX_ROWS + 1), decode_linear.TRANSPOSED) for weight in weights}
-    decode_linear._transposed_product = lambda weight, x, *rest: calls.append(x.shape[0]) or product(weight, x, *rest)
+        range(1, decode_linear.MAX_ROWS + 1), form) for weight in weights}
+    if form == decode_linear.COMPILED:
+        product = decode_kernel.linear
+
+        def counted(x, *rest, **checked):  # counted where the kernel computed it
+            out = product(x, *rest, **checked)
+            if out is not None:
+                calls.append(x.shape[0])
+            return out
+
+        decode_kernel.linear = counted
+    else:
+        transposed = decode_linear._transposed_product
+        decode_linear._transposed_product = lambda weight, x, *rest: calls.append(x.shape[0]) or transposed(
+            weight, x, *rest)
     return calls
 
 
@@ -157,7 +171,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 generation_kwargs={"sequence_bias": [[[2], 4.0]]})  # id 2 ends a turn: favour it
            if "episodes" in options else {}),
     )
-    transposed_products = force_transposed_linears() if "linears" in options else []
+    forced_products = (force_linears("compiled") if "compiled" in options
+                       else force_linears("transposed") if "linears" in options else [])
     passes = []
     if "passes" in options:  # count the passes cut out of micro-batches
         import gspo_trl.trainer
@@ -212,7 +227,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
                    "optimizer": type(getattr(trainer.deepspeed, "basic_optimizer",
                                              trainer.optimizer.optimizer)).__name__,
                    "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes),
-                   "transposed_products": len(transposed_products), "pass_rows": passes,
+                   "forced_products": len(forced_products), "pass_rows": passes,
                    "grad_norms": [e.get("grad_norm") for e in trainer.state.log_history if "loss" in e]}, handle)
 
 

@@ -139,23 +139,27 @@ def test_decode_linear_forms_train_the_same_run_under_ddp_zero3_and_fsdp2(tmp_pa
     """decode_linear's transposed products (forced on: the tiny model is below its size threshold) in the decoding
     loops of every rank, with and without LoRA: the same run as F.linear's within float rounding, and the same under
     ZeRO-3 and FSDP2, whose weights are gathered whole for the rollout; not under ZeRO-3 without that gathering (the
-    layers hold empty shards when the loop starts, and are left alone)."""
+    layers hold empty shards when the loop starts, and are left alone). The compiled form under DDP too."""
     plain = launch(tmp_path, tiny_model_dir, "ddp+beta")
     ddp = launch(tmp_path, tiny_model_dir, "ddp+beta+linears")
-    assert plain[0]["transposed_products"] == 0 and ddp[0]["transposed_products"] > 0
+    assert plain[0]["forced_products"] == 0 and ddp[0]["forced_products"] > 0
     assert_same_run(ddp[0], ddp[1], 0)
     assert_same_run(plain[0], ddp[0], 1e-5)
+    compiled = launch(tmp_path, tiny_model_dir, "ddp+beta+compiled")  # decode_kernel's loop on both ranks
+    assert all(rank["forced_products"] > 0 for rank in compiled)
+    assert_same_run(compiled[0], compiled[1], 0)
+    assert_same_run(plain[0], compiled[0], 1e-5)
     for mode in ("zero3+beta+linears", "fsdp2+beta+linears"):
         sharded = launch(tmp_path, tiny_model_dir, mode)
-        assert all(rank["transposed_products"] > 0 for rank in sharded), mode
+        assert all(rank["forced_products"] > 0 for rank in sharded), mode
         assert_same_run(sharded[0], sharded[1], 0)
         assert_same_run(ddp[0], sharded[0], 1e-6)
     partitioned = launch(tmp_path, tiny_model_dir, "zero3+beta+nogather+linears")
-    assert partitioned[0]["transposed_products"] == 0
+    assert partitioned[0]["forced_products"] == 0
     assert_same_run(plain[0], partitioned[0], 1e-6)
     lora_plain = launch(tmp_path, tiny_model_dir, "ddp+lora+beta")  # peft's layers wrap plain nn.Linear ones
     lora = launch(tmp_path, tiny_model_dir, "ddp+lora+beta+linears")
-    assert lora[0]["transposed_products"] > 0
+    assert lora[0]["forced_products"] > 0
     assert_same_run(lora_plain[0], lora[0], 1e-5)
 
 
