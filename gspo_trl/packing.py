@@ -174,10 +174,11 @@ def _assign_rows(
 ) -> tuple[float, list[list[_Unit]]]:
     """Completions to rows: few positions, little padding, bounded attention. Returns (cost, rows).
 
-    A micro-batch that fits `max_row_tokens` becomes one row. Otherwise, for a few row counts from
-    the fewest that can hold it, completions go longest first to the row they lengthen least (a row
-    that already holds their prompt saves the prompt), and the cheapest candidate wins, counting a
-    row of L positions as L + attention_pair_cost × L² (attention inside a row is dense). Rows stay
+    For a few row counts from the fewest that can hold the micro-batch, completions go longest first
+    to the row they lengthen least (a row that already holds their prompt saves the prompt), or whole
+    prompt groups go, largest first, to the row they lengthen least; the cheapest candidate wins, counting a row of L positions as L + attention_pair_cost × L² (attention
+    inside a row is dense). So a micro-batch that fits one row still takes one row per prompt group
+    when the attention that saves outweighs the padding added at the row ends. Rows stay
     within `max_row_tokens`, or within the longest prompt + completion where that is longer: every
     row is padded to the longest anyway, so filling the others up to it costs no positions.
     """
@@ -204,26 +205,35 @@ def _assign_rows(
     longest = max(prompts[key].numel() + c.numel() for _, key, c in items)
     # Every row is padded to the longest, so a prompt + completion longer than max_row_tokens makes room in the others.
     capacity = max(max_row_tokens, longest)
-    if total <= capacity:
-        candidates = range(1, 2)  # everything fits one row: no padding at all
-    else:
-        fewest = min(len(items), math.ceil(total / capacity))
-        candidates = range(fewest, min(len(items), fewest + 3) + 1)
+    # A few row counts from the fewest that hold everything: more rows add padding (and repeated prompts)
+    # but shrink the dense attention, so one prompt's group per row can beat one row for the whole batch.
+    fewest = min(len(items), math.ceil(total / capacity))
+    groups: dict[tuple[int, ...], list] = {}
+    for item in items:
+        groups.setdefault(item[1], []).append(item)
+    whole_groups = sorted(groups.values(), key=lambda group: -sum(c.numel() for _, _, c in group))
     best = None
-    for num_rows in candidates:
-        rows: list[dict[tuple[int, ...], _Unit]] = [{} for _ in range(num_rows)]
-        lengths = [0] * num_rows
-        for row, key, completion in items:
-            grown = [lengths[r] + completion.numel() + (0 if key in rows[r] else prompts[key].numel()) for r in range(num_rows)]
-            r = min(range(num_rows), key=grown.__getitem__)
-            unit = rows[r].setdefault(key, _Unit(prompt=prompts[key], rows=[], completions=[]))
-            unit.rows.append(row)
-            unit.completions.append(completion)
-            lengths[r] = grown[r]
-        length = max(lengths)
-        rank = (length > capacity, num_rows * length * (1 + attention_pair_cost * length))
-        if best is None or rank < best[0]:
-            best = (rank, [list(units.values()) for units in rows if units])
+    for num_rows in range(fewest, min(len(items), fewest + 3) + 1):
+        # Completion by completion, or each prompt's group kept whole in the row it lengthens least.
+        for batches in ([[item] for item in items], whole_groups if num_rows <= len(groups) else None):
+            if batches is None:
+                continue
+            rows: list[dict[tuple[int, ...], _Unit]] = [{} for _ in range(num_rows)]
+            lengths = [0] * num_rows
+            for batch in batches:
+                key = batch[0][1]
+                added = sum(c.numel() for _, _, c in batch)
+                grown = [lengths[r] + added + (0 if key in rows[r] else prompts[key].numel()) for r in range(num_rows)]
+                r = min(range(num_rows), key=grown.__getitem__)
+                unit = rows[r].setdefault(key, _Unit(prompt=prompts[key], rows=[], completions=[]))
+                for row, _, completion in batch:
+                    unit.rows.append(row)
+                    unit.completions.append(completion)
+                lengths[r] = grown[r]
+            length = max(lengths)
+            rank = (length > capacity, num_rows * length * (1 + attention_pair_cost * length))
+            if best is None or rank < best[0]:
+                best = (rank, [list(units.values()) for units in rows if units])
     return best[0][1], best[1]
 
 

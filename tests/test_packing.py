@@ -84,6 +84,25 @@ def test_rows_are_balanced_longest_completion_first():
     assert packed.input_ids.shape == (2, 10) and packed.num_padding_tokens == 0
 
 
+def test_groups_that_fit_one_row_take_a_row_each_when_the_dense_attention_costs_more():
+    # Two prompts of 2 tokens, each with completion inputs of 3 and 3 tokens: 16 positions in all. As one row,
+    # 16 × (1 + c·16); as a row per prompt, 2 × 8 × (1 + c·8), no padding. With c = 0.1: 41.6 against 28.8
+    # (completion by completion into 4 rows repeats each prompt: 4 × 5 × 1.5 = 30).
+    prompt_ids = torch.tensor([[1, 2], [1, 2], [3, 4], [3, 4]])
+    completion_ids = torch.arange(10, 26).reshape(4, 4)
+    completion_mask = torch.ones_like(completion_ids)
+    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
+                                attention_pair_cost=0.1)
+    assert packed.input_ids.tolist() == [[1, 2, 10, 11, 12, 14, 15, 16], [3, 4, 18, 19, 20, 22, 23, 24]]
+    assert packed.num_padding_tokens == 0
+    # The second prompt's completion inputs shrink to 1 token each: 12 positions as one row; every split pads a row
+    # or repeats a prompt, so with attention free (c = 0) the single row wins.
+    completion_mask[2:, 2:] = 0
+    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
+                                attention_pair_cost=0.0)
+    assert packed.input_ids.shape == (1, 12) and packed.num_padding_tokens == 0
+
+
 def test_a_completion_longer_than_the_row_cap_makes_room_in_every_row():
     # Completion inputs of 12, 2, 2 and 2 tokens after a 2-token prompt, rows capped at 6: the long one needs a row of
     # 14 positions and every row is padded to 14, so the short ones share a second row (not three rows of their own).
