@@ -353,6 +353,15 @@ class GSPOConfig(TrainingArguments):
             "Bounds the logits memory at chunk × vocabulary floats; never the full (batch, length, vocabulary)."
         },
     )
+    logprob_kept_logits_mb: float = field(
+        default=1024,
+        metadata={
+            "help": "MiB of fp32 logits the training forward keeps for the backward pass, chunk by chunk "
+            "(logprob_chunk_size tokens each): chunks past it are checkpointed and projected through the LM head "
+            "again in the backward pass (one more head product each, about a quarter of the head's work). 0: "
+            "recompute every chunk (least memory)."
+        },
+    )
     max_tokens_per_pass: int | None = field(
         default=None,
         metadata={
@@ -732,6 +741,9 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"max_tokens_per_pass must be >= 0 (0: no limit) or None, got {self.max_tokens_per_pass}.")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
+        if not self.logprob_kept_logits_mb >= 0:
+            raise ValueError(f"logprob_kept_logits_mb must be >= 0 (MiB; 0 recomputes every chunk), got "
+                             f"{self.logprob_kept_logits_mb}.")
         if self.eval_strategy != "no" and self.per_device_eval_batch_size * self.world_size % self.num_generations:
             raise ValueError(
                 f"per_device_eval_batch_size × num_processes ({self.per_device_eval_batch_size} × {self.world_size}) "

@@ -4,8 +4,9 @@ Owns the forward pass that turns (prompt + completion) ids into log π(y_t | x, 
 completion token, plus the token entropy for logging. It never builds the (batch, length,
 vocabulary) logits tensor: the model returns its final hidden states, only the valid completion
 positions are kept, and those are projected through the LM head a chunk of tokens at a time. In
-training each chunk is checkpointed, so its logits exist only while that chunk is being processed
-(forward, then again in backward). What it does not own: which tokens count (the caller's mask)
+training the chunks whose logits fit `kept_logits_mb` keep them for the backward pass; the rest are
+checkpointed, so their logits exist only while that chunk is being processed (forward, then again in
+backward). What it does not own: which tokens count (the caller's mask)
 and anything about the objective. With `padding_free`, the forward runs on the packed layout built
 by `packing` instead of padded rows (two forwards when `packing.plan_forwards` cuts the micro-batch).
 """
@@ -22,6 +23,9 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 from .distributed import fsdp2_modules, is_fsdp2_module, is_partitioned, unshard_fsdp2_owner, unwrap_model
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, plan_forwards, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
+
+
+DEFAULT_KEPT_LOGITS_MB = 1024  # fp32 logits kept from the forward for the backward pass; the rest are recomputed
 
 
 class CompletionScores(NamedTuple):
@@ -44,13 +48,39 @@ def _chunk_logps_and_entropy(
         logits = logits * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
+    if not entropy_grad:
+        return _LabelLogProbs.apply(logits, labels)
     log_normalizer = torch.logsumexp(logits, dim=-1)  # (N,)
     logps = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_normalizer
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        probs = torch.softmax(logits, dim=-1)
-        entropy = log_normalizer - (probs * logits).sum(-1)
+    probs = torch.softmax(logits, dim=-1)
+    entropy = log_normalizer - (probs * logits).sum(-1)
     return logps, entropy
+
+
+class _LabelLogProbs(torch.autograd.Function):
+    """(log softmax(z)[y], entropy of softmax(z)) for each row z of the logits and its label y; the entropy
+    is for logging (not differentiated). The backward pass is the closed form d log p_y / dz = onehot(y) − p
+    from the probabilities saved in the forward pass: fewer passes over the (N, V) logits than autograd's
+    log-sum-exp and gather backward, and only the probabilities are kept."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.log_softmax(logits, dim=-1)  # (N, V) log-probabilities for now; faster on CPU than logsumexp
+        logps = probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        log_normalizer = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logps
+        probs.exp_()  # in place: one (N, V) buffer in all
+        entropy = log_normalizer - torch.linalg.vecdot(probs, logits)
+        ctx.save_for_backward(labels, probs)
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor, _grad_entropy) -> tuple[torch.Tensor, None]:
+        labels, probs = ctx.saved_tensors
+        grad = probs * -grad_logps.unsqueeze(-1)
+        return grad.scatter_add_(-1, labels.unsqueeze(-1), grad_logps.unsqueeze(-1)), None
 
 
 def _project(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
@@ -90,6 +120,7 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    kept_logits_mb: float = DEFAULT_KEPT_LOGITS_MB,
     padding_free: bool = False,
     max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
     entropy_grad: bool = False,
@@ -106,6 +137,9 @@ def completion_logprobs(
     prompt once, no padding inside rows): the same values up to float rounding, for less work. The
     caller checks that the model supports it (`packing.padding_free_unsupported_reason`).
 
+    `kept_logits_mb` bounds the fp32 logits kept for the backward pass (MiB): chunks past it are
+    checkpointed and projected again in the backward pass, which costs one more LM-head product each.
+
     `entropy_grad` keeps the entropies in the graph (for an entropy bonus); `router_aux_loss` asks a
     Mixture-of-Experts model for its load-balancing loss (padded rows only: the loss reads a 2-D mask).
     """
@@ -120,7 +154,7 @@ def completion_logprobs(
         if len(forwards) > 1:  # long and short completions in forwards of their own (each planned again)
             parts = [completion_logprobs(model, input_ids[rows], attention_mask[rows], completion_ids[rows],
                                          completion_mask[rows], temperature=temperature, chunk_size=chunk_size,
-                                         padding_free=True, max_row_tokens=max_row_tokens, entropy_grad=entropy_grad)
+                                         kept_logits_mb=kept_logits_mb, padding_free=True, max_row_tokens=max_row_tokens, entropy_grad=entropy_grad)
                      for rows in forwards]
             return CompletionScores(_rows_together(forwards, [part.logps for part in parts]),
                                     _rows_together(forwards, [part.entropy for part in parts]), None)
@@ -142,7 +176,8 @@ def completion_logprobs(
         hidden = hidden[:, -completion_length - 1 : -1]  # (B, C, H)
         hidden_valid = hidden[valid]  # (N, H), padding-free from here on
 
-    logps, entropy = _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, entropy_grad)
+    logps, entropy = _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, kept_logits_mb,
+                                          entropy_grad)
     per_token_logps = hidden.new_zeros(completion_ids.shape, dtype=torch.float32)
     per_token_entropy = torch.zeros_like(per_token_logps)
     if logps is None:
@@ -231,24 +266,28 @@ def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_
     return is_prefix and not bool((completion_mask.bool() & ~completion_attention.bool()).any())
 
 
-def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, entropy_grad=False):
-    """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time."""
+def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, kept_logits_mb, entropy_grad=False):
+    """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time. With gradients,
+    the chunks whose fp32 logits fit `kept_logits_mb` together keep them for the backward pass; later chunks are
+    checkpointed (their logits projected again in the backward pass)."""
     head = unwrap_model(model).get_output_embeddings()
     owner = unshard_fsdp2_owner(unwrap_model(model), head)  # a head resharded after the forward: whole again, once
     text_config = unwrap_model(model).config.get_text_config()
     scale, softcap = output_logit_scale(text_config), getattr(text_config, "final_logit_softcapping", None)
-    use_checkpoint = torch.is_grad_enabled() and hidden_valid.requires_grad
+    with_grad = torch.is_grad_enabled() and hidden_valid.requires_grad
+    vocab_size = getattr(text_config, "vocab_size", None)
+    kept_tokens = int(kept_logits_mb * 2**20) // (4 * vocab_size) if vocab_size else 0
     logps_chunks, entropy_chunks = [], []
     for start in range(0, hidden_valid.shape[0], chunk_size):
-        args = (hidden_valid[start : start + chunk_size], head, labels_valid[start : start + chunk_size], temperature,
-                scale, softcap, entropy_grad)
-        if use_checkpoint:
+        end = min(start + chunk_size, hidden_valid.shape[0])
+        args = (hidden_valid[start:end], head, labels_valid[start:end], temperature, scale, softcap, entropy_grad)
+        if with_grad and end > kept_tokens:
             logps, entropy = checkpoint(_chunk_logps_and_entropy, *args, use_reentrant=False)
         else:
             logps, entropy = _chunk_logps_and_entropy(*args)
         logps_chunks.append(logps)
         entropy_chunks.append(entropy)
-    if owner is not None and not use_checkpoint:  # no backward will reshard it (a reference, a π_old pass)
+    if owner is not None and not with_grad:  # no backward will reshard it (a reference, a π_old pass)
         owner.reshard()
     if not logps_chunks:
         return None, None

@@ -612,6 +612,7 @@ class GSPOTrainer(Trainer):
             mask,
             temperature=self.args.temperature,
             chunk_size=self.args.logprob_chunk_size,
+            kept_logits_mb=self.args.logprob_kept_logits_mb,
             padding_free=self.padding_free,
             entropy_grad=self.entropy_coefficient.enabled,
             router_aux_loss=self.router_aux_loss_coef != 0.0,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch.utils.checkpoint import checkpoint
+
+from gspo_trl import logprobs
 from gspo_trl.logprobs import completion_logprobs
 
 
@@ -36,16 +39,34 @@ def test_matches_full_logits_for_every_chunk_size(tiny_model):
         assert (entropy[inputs[3] == 0] == 0).all() and (entropy[inputs[3] == 1] > 0).all()
 
 
-def test_gradient_matches_full_logits(tiny_model):
+# Chunks of 2 scored tokens (8 in all, so 4 chunks): every chunk recomputed in backward, the first one's logits
+# kept, or all of them kept.
+@pytest.mark.parametrize("kept_chunks", [0, 1, 4])
+def test_gradient_matches_full_logits(tiny_model, monkeypatch, kept_chunks):
     inputs = batch(tiny_model.config.vocab_size)
     weights = torch.randn(inputs[2].shape)
     (reference_logps(tiny_model, *inputs, temperature=1.0) * weights).sum().backward()
     expected = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
     tiny_model.zero_grad()
-    logps, _, _ = completion_logprobs(tiny_model, *inputs, chunk_size=2)  # checkpointed chunks
+    checkpointed = []
+
+    def counting_checkpoint(function, *args, **kwargs):
+        checkpointed.append(args[0].shape[0])
+        return checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(logprobs, "checkpoint", counting_checkpoint)
+    kept_mb = kept_chunks * 2 * 4 * tiny_model.config.vocab_size / 2**20  # fp32 logits of kept_chunks chunks of 2
+    logps, _, _ = completion_logprobs(tiny_model, *inputs, chunk_size=2, kept_logits_mb=kept_mb)
     (logps * weights).sum().backward()
+    assert checkpointed == [2, 2, 2, 2][kept_chunks:]
     for name, parameter in tiny_model.named_parameters():
         torch.testing.assert_close(parameter.grad, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_no_chunk_is_checkpointed_without_gradients(tiny_model, monkeypatch):
+    monkeypatch.setattr(logprobs, "checkpoint", lambda *args, **kwargs: pytest.fail("checkpointed without grad"))
+    with torch.no_grad():
+        completion_logprobs(tiny_model, *batch(tiny_model.config.vocab_size), chunk_size=2, kept_logits_mb=0)
 
 
 def test_entropy_is_the_distribution_entropy(tiny_model):
