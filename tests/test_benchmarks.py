@@ -1,6 +1,7 @@
 """Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
 the GPU suite's CPU mode, with both libraries' workers, the static-decoding agreement check, the sharded and offload
-cells of the distributed benchmark, the decoding, async-rollouts and training-length benchmarks."""
+cells of the distributed benchmark, the decoding, async-rollouts and training-length benchmarks, and the training
+micro-batch's settings."""
 
 from __future__ import annotations
 
@@ -185,3 +186,15 @@ def test_distributed_benchmark_smoke_runs_zero_offload_on_a_random_architecture(
     [row] = record["rows"]
     assert row["mode"] == "zero3_offload" and row["distributed_type"] == "DistributedType.DEEPSPEED"
     assert row["step_s"] > 0 and len(row["reward"]) == 2  # the warm-up rollout and the timed one
+
+
+def test_train_microbatch_benchmark_smoke_times_every_setting(tmp_path, tiny_model_dir):
+    out = tmp_path / "train_microbatch.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "train_microbatch.py"), "--rounds", "1",
+               "--model", tiny_model_dir, "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record["times_s"]) == {"default", "recompute", "one_row", "one_row_recompute"}
+    assert all(len(times) == 1 and times[0] > 0 for times in record["times_s"].values())
+    assert record["layouts"]["one_row"][0][0] == 1  # attention free: the whole micro-batch in one row
