@@ -6,9 +6,9 @@ vocabulary) logits tensor: the model returns its final hidden states, only the v
 positions are kept, and those are projected through the LM head a chunk of tokens at a time. In
 training the chunks whose logits fit `kept_logits_mb` keep them for the backward pass; the rest are
 checkpointed, so their logits exist only while that chunk is being processed (forward, then again in
-backward). What it does not own: which tokens count (the caller's mask)
-and anything about the objective. With `padding_free`, the forward runs on the packed layout built
-by `packing` instead of padded rows (two forwards when `packing.plan_forwards` cuts the micro-batch).
+backward). What it does not own: which tokens count (the caller's mask) and anything about the
+objective. With `padding_free`, the forward runs on the packed layout built by `packing` instead of
+padded rows (two forwards when `packing.plan_forwards` cuts the micro-batch).
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def completion_logprobs(
         if len(forwards) > 1:  # long and short completions in forwards of their own (each planned again)
             parts = [completion_logprobs(model, input_ids[rows], attention_mask[rows], completion_ids[rows],
                                          completion_mask[rows], temperature=temperature, chunk_size=chunk_size,
-                                         kept_logits_mb=kept_logits_mb, padding_free=True, max_row_tokens=max_row_tokens, entropy_grad=entropy_grad)
+                                         kept_logits_mb=kept_logits_mb, padding_free=True,
+                                         max_row_tokens=max_row_tokens, entropy_grad=entropy_grad)
                      for rows in forwards]
             return CompletionScores(_rows_together(forwards, [part.logps for part in parts]),
                                     _rows_together(forwards, [part.entropy for part in parts]), None)
@@ -266,7 +267,8 @@ def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_
     return is_prefix and not bool((completion_mask.bool() & ~completion_attention.bool()).any())
 
 
-def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, kept_logits_mb, entropy_grad=False):
+def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, kept_logits_mb,
+                         entropy_grad=False):
     """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time. With gradients,
     the chunks whose fp32 logits fit `kept_logits_mb` together keep them for the backward pass; later chunks are
     checkpointed (their logits projected again in the backward pass)."""

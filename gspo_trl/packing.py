@@ -176,9 +176,10 @@ def _assign_rows(
 
     For a few row counts from the fewest that can hold the micro-batch, completions go longest first
     to the row they lengthen least (a row that already holds their prompt saves the prompt), or whole
-    prompt groups go, largest first, to the row they lengthen least; the cheapest candidate wins, counting a row of L positions as L + attention_pair_cost × L² (attention
-    inside a row is dense). So a micro-batch that fits one row still takes one row per prompt group
-    when the attention that saves outweighs the padding added at the row ends. Rows stay
+    prompt groups go, largest first, to the row they lengthen least; the cheapest candidate wins,
+    counting a row of L positions as L + attention_pair_cost × L² (attention inside a row is dense).
+    So a micro-batch that fits one row still takes one row per prompt group when the attention that
+    saves outweighs the padding added at the row ends. Rows stay
     within `max_row_tokens`, or within the longest prompt + completion where that is longer: every
     row is padded to the longest anyway, so filling the others up to it costs no positions.
     """
@@ -211,13 +212,12 @@ def _assign_rows(
     groups: dict[tuple[int, ...], list] = {}
     for item in items:
         groups.setdefault(item[1], []).append(item)
+    by_completion = [[item] for item in items]
     whole_groups = sorted(groups.values(), key=lambda group: -sum(c.numel() for _, _, c in group))
     best = None
     for num_rows in range(fewest, min(len(items), fewest + 3) + 1):
-        # Completion by completion, or each prompt's group kept whole in the row it lengthens least.
-        for batches in ([[item] for item in items], whole_groups if num_rows <= len(groups) else None):
-            if batches is None:
-                continue
+        # Completion by completion, or each prompt's group kept whole, to the row it lengthens least.
+        for batches in [by_completion] + ([whole_groups] if num_rows <= len(groups) else []):
             rows: list[dict[tuple[int, ...], _Unit]] = [{} for _ in range(num_rows)]
             lengths = [0] * num_rows
             for batch in batches:
