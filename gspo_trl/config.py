@@ -741,6 +741,8 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"max_tokens_per_pass must be >= 0 (0: no limit) or None, got {self.max_tokens_per_pass}.")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
+        if isinstance(self.logprob_kept_logits_mb, bool) or not isinstance(self.logprob_kept_logits_mb, (int, float)):
+            raise TypeError(f"logprob_kept_logits_mb must be a number of MiB, got {self.logprob_kept_logits_mb!r}.")
         if not self.logprob_kept_logits_mb >= 0:
             raise ValueError(f"logprob_kept_logits_mb must be >= 0 (MiB; 0 recomputes every chunk), got "
                              f"{self.logprob_kept_logits_mb}.")

@@ -152,10 +152,12 @@ def completion_logprobs(
         pair_cost = relative_attention_cost(unwrap_model(model).config)
         forwards = plan_forwards(*layout, max_row_tokens=max_row_tokens, attention_pair_cost=pair_cost)
         if len(forwards) > 1:  # long and short completions in forwards of their own (each planned again)
+            # All of them stay alive until the one backward pass, so they share the kept logits by scored tokens.
+            scored = valid.sum().clamp(min=1)
             parts = [completion_logprobs(model, input_ids[rows], attention_mask[rows], completion_ids[rows],
                                          completion_mask[rows], temperature=temperature, chunk_size=chunk_size,
-                                         kept_logits_mb=kept_logits_mb, padding_free=True,
-                                         max_row_tokens=max_row_tokens, entropy_grad=entropy_grad)
+                                         kept_logits_mb=kept_logits_mb * float(valid[rows].sum() / scored),
+                                         padding_free=True, max_row_tokens=max_row_tokens, entropy_grad=entropy_grad)
                      for rows in forwards]
             return CompletionScores(_rows_together(forwards, [part.logps for part in parts]),
                                     _rows_together(forwards, [part.entropy for part in parts]), None)

@@ -127,3 +127,8 @@ def test_turn_level_defaults_to_the_papers_sequence_clipping_range(tmp_path):
     args = make(tmp_path, per_device_train_batch_size=8, importance_sampling_level="turn", advantage_granularity="turn")
     assert (args.epsilon, args.epsilon_high) == (3e-4, 4e-4)
     assert args.max_turns is None and args.turn_discount == 1.0
+
+
+def test_kept_logits_must_be_a_number(tmp_path):
+    with pytest.raises(TypeError, match="logprob_kept_logits_mb"):
+        make(tmp_path, per_device_train_batch_size=8, logprob_kept_logits_mb="1GB")

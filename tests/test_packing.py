@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from gspo_trl import logprobs
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.packing import (
     pack_shared_prefix,
@@ -326,3 +328,30 @@ def test_long_and_short_completions_in_two_forwards_match_padded_rows(tiny_model
     torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=1e-5)
     for name, grad in padded_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_forwards_cut_from_one_micro_batch_share_the_kept_logits(tiny_model, monkeypatch):
+    # The long and short forwards stay alive until one backward pass: their kept logits together stay within the budget.
+    input_ids, attention_mask, completion_ids, completion_mask = group_batch(
+        tiny_model.config.vocab_size, groups=2, group_size=4, completion_length=48, seed=3)
+    attention_mask[0, -48:] = 1
+    completion_mask[0] = 1
+    short = torch.arange(48) < 4
+    for row in range(1, 8):
+        attention_mask[row, -48:] *= short
+        completion_mask[row] *= short
+        completion_ids[row] *= short
+    recomputed = []
+
+    def counting_checkpoint(function, *args, **kwargs):
+        recomputed.append(args[0].shape[0])
+        return checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(logprobs, "checkpoint", counting_checkpoint)
+    budget_tokens = 20
+    kept_mb = budget_tokens * 4 * tiny_model.config.vocab_size / 2**20
+    scores = completion_logprobs(tiny_model, input_ids, attention_mask, completion_ids, completion_mask, chunk_size=5,
+                                 padding_free=True, max_row_tokens=16, kept_logits_mb=kept_mb)
+    scores.logps.sum().backward()
+    kept = int(completion_mask.sum()) - sum(recomputed)
+    assert 0 < kept <= budget_tokens
