@@ -21,6 +21,7 @@ from trl.trainer.utils import RepeatSampler
 
 from . import __version__
 from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
+from .checkpointing import checkpoint_kwargs, enable_kept_attention
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
 from .dataset_checks import check_enough_prompts, check_prompt_dataset
@@ -418,6 +419,7 @@ class GSPOTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _inner_training_loop(self, *args, **kwargs):
+        enable_kept_attention(self.model, self.args)  # Trainer.train has just enabled checkpointing without it
         self._buffered_inputs = None
         self._window_global_step, self._window_offset = None, 0
         self._restored_rollout = None
@@ -534,7 +536,7 @@ class GSPOTrainer(Trainer):
         stack.enter_context(precision_context(self.accelerator))
         stack.enter_context(weights_for_generation(
             self.model_wrapped, self.accelerator, self.args.ds3_gather_for_generation,
-            self.args.gradient_checkpointing_kwargs,
+            checkpoint_kwargs(self.args),
         ))
         return stack
 

@@ -158,6 +158,17 @@ def test_train_length_benchmark_smoke_runs_both_layouts(tmp_path, tiny_model_dir
     assert all(r["seconds"] > 0 and r["tokens"] == 2 * r["length"] for r in rows)
 
 
+def test_train_length_benchmark_smoke_runs_each_checkpointing(tmp_path, tiny_model_dir):
+    out = tmp_path / "train_length.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "train_length.py"), "--lengths", "8", "--layouts",
+               "packed", "--checkpointing", "none", "full", "keep_attention", "--model", tiny_model_dir, "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["checkpointing"] for r in rows] == ["none", "full", "keep_attention"]
+    assert all(r["seconds"] > 0 for r in rows)
+
+
 def test_packed_microbatch_benchmark_smoke_runs_two_passes(tmp_path, tiny_model_dir):
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "packed_microbatch.py"), "--lengths", "24", "--short", "3",
                "--short_length", "4", "--model", tiny_model_dir]

@@ -132,3 +132,8 @@ def test_turn_level_defaults_to_the_papers_sequence_clipping_range(tmp_path):
 def test_kept_logits_must_be_a_number(tmp_path):
     with pytest.raises(TypeError, match="logprob_kept_logits_mb"):
         make(tmp_path, per_device_train_batch_size=8, logprob_kept_logits_mb="1GB")
+
+
+def test_keep_attention_must_be_a_bool(tmp_path):
+    with pytest.raises(TypeError, match="activation_checkpointing_keep_attention"):
+        make(tmp_path, per_device_train_batch_size=8, activation_checkpointing_keep_attention="no")

@@ -418,6 +418,21 @@ def test_activation_checkpointing_keeps_the_loss_and_gradient(tmp_path, tiny_mod
         torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["attention kept", "everything recomputed"])
+def test_activation_checkpointing_keeps_attention_outputs_by_default(tmp_path, tiny_model_dir, keep):
+    # Trainer.train enables checkpointing with the user's kwargs; GSPOTrainer enables it again with the policy that
+    # keeps SDPA's output, on every checkpointed layer, unless asked not to.
+    config = make_config(tmp_path, activation_checkpointing=True, activation_checkpointing_keep_attention=keep,
+                         activation_checkpointing_kwargs={"use_reentrant": False}, max_steps=1)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()
+    layers = trainer.accelerator.unwrap_model(trainer.model).model.layers
+    assert all(layer.gradient_checkpointing for layer in layers)
+    policies = [layer._gradient_checkpointing_func.keywords.get("context_fn") for layer in layers]
+    assert all((policy is not None) == keep for policy in policies)
+    assert all(layer._gradient_checkpointing_func.keywords["use_reentrant"] is False for layer in layers)
+
+
 def test_micro_batches_hold_whole_groups():
     from gspo_trl.schedule import split_into_micro_batches
 
