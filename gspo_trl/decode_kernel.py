@@ -8,7 +8,7 @@ rollout, where a few rows decode alone, both are far from the hardware. The C lo
 (docs/benchmarks.md, "Attention at the memory bandwidth" and "Few-row products at the memory bandwidth"); the
 rotary loop replaces some 18 small operators per layer with one call. They are compiled once per machine with the
 C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`), into one library in gspo-trl's cache
-folder, and loaded with ctypes; their threads are PyTorch's own OpenMP threads where PyTorch ships its OpenMP
+folder (builds no process has loaded for `UNUSED_DAYS` are removed when a new one is built), and loaded with ctypes; their threads are PyTorch's own OpenMP threads where PyTorch ships its OpenMP
 runtime. Without a compiler, or where the build fails, `attention()`, `linear()` and
 `rotary()` return None (False) once a warning has said why, and the caller keeps PyTorch's operators.
 `GSPO_TRL_DECODE_KERNEL=0` switches them off.
@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -219,8 +220,10 @@ def _build() -> Path:
                          + _cpu_identity().encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"decode_kernels-{key}.so"
     if target.exists():
+        _mark_used(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    _prune(target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as folder:  # built aside, then moved in whole
         built = Path(folder) / target.name
         for command in compile_commands(Path(folder), built):
@@ -230,6 +233,28 @@ def _build() -> Path:
                                    f"{completed.stderr.strip()[-500:]}")
         os.replace(built, target)
     return target
+
+
+# A build no process has loaded for this long (another gspo-trl version's, another CPU's in a shared cache) is
+# removed when a new one is built; loading one marks it used (its modification time).
+UNUSED_DAYS = 30
+
+
+def _mark_used(library: Path) -> None:
+    try:
+        os.utime(library)
+    except OSError:  # a cache this process may read but not write
+        pass
+
+
+def _prune(folder: Path) -> None:
+    cutoff = time.time() - UNUSED_DAYS * 86400
+    for library in folder.glob("decode_kernels-*.so"):
+        try:
+            if library.stat().st_mtime < cutoff:
+                library.unlink()
+        except OSError:  # removed by another process meanwhile, or not ours to remove
+            pass
 
 
 def _cpu_identity() -> str:

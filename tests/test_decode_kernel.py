@@ -7,7 +7,9 @@ and where it cannot be built both fall back with a warning."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -210,6 +212,24 @@ def test_built_once_per_source_and_cpu(fresh_kernel, tmp_path, monkeypatch):
     monkeypatch.setattr(decode_kernel, "_cpu_identity", lambda: "model name: another CPU")
     with pytest.raises(pytest.fail.Exception, match="compiled again"):
         decode_kernel._build()
+
+
+def test_a_new_build_removes_the_builds_unused_for_a_month(fresh_kernel, tmp_path):
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    old, recent, other = folder / "decode_kernels-0ld.so", folder / "decode_kernels-recent.so", folder / "notes.txt"
+    month_ago = time.time() - (decode_kernel.UNUSED_DAYS + 1) * 86400
+    for path in (old, recent, other):
+        path.write_bytes(b"")
+    for path in (old, other):
+        os.utime(path, (month_ago, month_ago))
+    assert decode_kernel.available()
+    built = [path for path in folder.glob("decode_kernels-*.so") if path not in (old, recent)]
+    assert len(built) == 1 and not old.exists() and recent.exists() and other.exists()
+    # loading a build from the cache marks it used
+    os.utime(built[0], (month_ago, month_ago))
+    decode_kernel._build()
+    assert built[0].stat().st_mtime > month_ago + 86400
 
 
 @pytest.mark.parametrize("compiler", ["no-such-compiler-gspo", "false"])
