@@ -455,7 +455,8 @@ RESOLVED_FIELDS = [
     "top_k", "min_p", "repetition_penalty", "importance_sampling_level", "loss_type", "epsilon", "epsilon_high",
     "beta", "scale_rewards", "mask_truncated_completions", "disable_dropout", "learning_rate", "lr_scheduler_type",
     "optim", "weight_decay", "max_grad_norm", "seed", "bf16", "fp16", "use_cpu", "activation_checkpointing",
-    "gradient_checkpointing", "use_liger_kernel", "shuffle_dataset", "use_vllm", "use_transformers_continuous_batching",
+    "gradient_checkpointing", "activation_checkpointing_keep_attention", "use_liger_kernel", "shuffle_dataset",
+    "use_vllm", "use_transformers_continuous_batching",
 ]
 
 
