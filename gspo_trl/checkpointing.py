@@ -10,7 +10,7 @@ tensors are what the recomputation would have produced. SmolLM2-135M on a 2-core
 10.9–11.3 against 12.0–12.5 ms per token (docs/benchmarks.md, "Checkpointing that keeps attention").
 
 Owns the policy and the checkpoint keyword arguments built from `GSPOConfig`; `enable_kept_attention` re-enables a
-model's checkpointing with them after `Trainer.__init__` has enabled it with the user's. Attention implementations
+model's checkpointing with them after `Trainer.train` has enabled it with the user's. Attention implementations
 that are not one fused kernel (eager, SDPA's math fallback) have nothing to keep and are recomputed as before.
 """
 
@@ -58,7 +58,7 @@ def checkpoint_kwargs(args) -> dict | None:
 
 
 def enable_kept_attention(model: torch.nn.Module, args) -> None:
-    """Enable `model`'s checkpointing again, as `Trainer.__init__` did, with the kept-attention policy added, where
+    """Enable `model`'s checkpointing again, as `Trainer.train` did, with the kept-attention policy added, where
     `keeps_attention(args)`; otherwise leave it as it is."""
     if not keeps_attention(args):
         return
