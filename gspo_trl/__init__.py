@@ -4,7 +4,7 @@ The public names load on first use, so that a process without TRL (a vLLM server
 `gspo_trl.vllm.worker_extension`) can import a submodule without pulling in the trainer.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["GSPOConfig", "GSPOTrainer", "policy_loss", "__version__"]
 
