@@ -305,7 +305,7 @@ def packing_pays_on(device_type: str) -> bool:
     """Whether the packed layout is the faster default on this kind of device.
 
     On CPU it is (docs/benchmarks.md: training phase 0.28× TRL's, no padding). On a GPU, SDPA with a
-    dense (rows, 1, L, L) mask cannot use its flash kernel: measured on an H100 (issue 15, bf16,
+    dense (rows, 1, L, L) mask cannot use its flash kernel: measured on an H100 (bf16,
     SmolLM2-1.7B architecture, 1024-token completions) the packed training phase took 1.26× TRL's and
     padded rows 1.02×, with more memory. So accelerators default to padded rows until packing has a
     kernel that takes the block-tree layout without a dense mask.
