@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -24,6 +25,14 @@ def length_reward(completion_ids, **kwargs):
 
 def text_dataset(n=8):
     return Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(n)], "answer": [str(2 * i + 1) for i in range(n)]})
+
+
+def close(value, tolerance: float):
+    """`pytest.approx` for a logged number of two runs that differ only in float rounding: within `tolerance` of
+    max(1, |value|). Float32 rounding scales with a value's magnitude (an entropy near 6 carries 8x the rounding of
+    one near 0.7), so values of order one or more are compared relatively; values near zero (a KL before the first
+    update, a clip fraction) absolutely."""
+    return pytest.approx(value, rel=tolerance, abs=tolerance)
 
 
 def small_config(output_dir, **overrides) -> GSPOConfig:

@@ -20,7 +20,7 @@ from gspo_trl.async_rollouts import (
     earliest_launch_step,
 )
 from gspo_trl.logprobs import completion_logprobs
-from helpers import count_digits, small_config, text_dataset
+from helpers import close, count_digits, small_config, text_dataset
 
 
 # --- the parts ---------------------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def test_unchanged_weights_give_the_synchronous_numbers_at_any_staleness(tmp_pat
     for ours, theirs in zip(logs, sync_logs):
         for key in ("loss", "reward", "completions/mean_length", "ratio/mean", "entropy"):
             if key in theirs:
-                assert ours[key] == pytest.approx(theirs[key], abs=1e-6), key
+                assert ours[key] == close(theirs[key], 1e-6), key
 
 
 @pytest.mark.parametrize("decode_logprobs_as_old", [None, False], ids=["decoded", "scored by the frozen copy"])
