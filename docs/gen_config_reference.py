@@ -34,6 +34,10 @@ transformers documentation). Each field is also a `--flag` of `gspo-trl train` a
 Fields that also exist in TRL's `GRPOConfig` keep TRL's name and meaning; some defaults differ (see
 [migrating-from-trl.md](migrating-from-trl.md)).
 
+Each help text is a sentence or two; a field that needs more (when to change it, trade-offs, caveats) links to
+the section that explains it. The decoding, packing and memory options are explained in
+[performance-options.md](performance-options.md).
+
 ## Batch sizes and the rollout schedule
 
 A *rollout* samples completions for a batch of prompts, scores them and computes their advantages; the
@@ -114,6 +118,19 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+# A help text's pointer to a docs page, e.g. "See docs/vllm.md#set-up.": links in the rendered page.
+DOCS_POINTER = re.compile(r"\bdocs/([\w.-]+\.md)(#[\w-]+)?")
+
+
+def _link_pointers(cell: str) -> str:
+    def link(match: re.Match) -> str:
+        page, anchor = match.group(1), match.group(2) or ""
+        target = anchor if page == OUTPUT_PATH.name and anchor else page + anchor
+        return f"[{page}{anchor}]({target})"
+
+    return DOCS_POINTER.sub(link, cell)
+
+
 def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
@@ -148,10 +165,8 @@ def render_config_reference() -> str:
         out.append("| name | type | default | help |\n|---|---|---|---|\n")
         for name in group:
             f = fields[name]
-            help_text = f.metadata.get("help", "")
-            out.append(
-                f"| `{name}` | `{_cell(_annotation(annotations[name]))}` | {_default(f)} | {_cell(help_text)} |\n"
-            )
+            help_text = _link_pointers(_cell(f.metadata.get("help", "")))
+            out.append(f"| `{name}` | `{_cell(_annotation(annotations[name]))}` | {_default(f)} | {help_text} |\n")
     return "".join(out)
 
 

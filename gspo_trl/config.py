@@ -65,15 +65,15 @@ class GSPOConfig(TrainingArguments):
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "Use bf16 mixed precision. If unset: on when a CUDA GPU with bf16 support is present and neither "
-            "fp16 nor use_cpu is set, otherwise off (bf16 autocast on CPU is slower and less accurate)."
+            "help": "Use bf16 mixed precision. None: on with a bf16-capable CUDA GPU unless fp16 or use_cpu is set, "
+            "off otherwise."
         },
     )
     remove_unused_columns: bool | None = field(
         default=False,
         metadata={
-            "help": "Keep False so that every dataset column reaches the reward functions as a keyword argument. "
-            "True keeps only the 'prompt' column."
+            "help": "False passes every dataset column to the reward functions as keyword arguments; True keeps only "
+            "the 'prompt' column."
         },
     )
 
@@ -88,16 +88,16 @@ class GSPOConfig(TrainingArguments):
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={
-            "help": "Keep the LM head's weight in fp32 and project to the vocabulary in fp32, outside autocast, for "
-            "precise log-probabilities with a bf16/fp16 model (the ScaleRL recipe, as in TRL). A tied head's input "
-            "embedding becomes fp32 too (its output is cast back). Not with a PEFT adapter on lm_head."
+            "help": "Keep the LM head in fp32 and project to the vocabulary in fp32, for precise log-probabilities "
+            "with a bf16/fp16 model (as in TRL). A tied head's input embedding becomes fp32 too; not with a PEFT "
+            "adapter on lm_head."
         },
     )
     disable_dropout: bool = field(
         default=True,
         metadata={
-            "help": "Set every dropout probability to 0, so that the old, current and reference log-probabilities "
-            "of a sample differ only because the weights changed (TRL's default is False)."
+            "help": "Set every dropout probability to 0, so that old, current and reference log-probabilities differ "
+            "only through the weights (TRL's default is False)."
         },
     )
 
@@ -108,9 +108,7 @@ class GSPOConfig(TrainingArguments):
     )
     max_prompt_length: int | None = field(
         default=None,
-        metadata={
-            "help": "If set, prompts longer than this many tokens are truncated from the left. None keeps them whole."
-        },
+        metadata={"help": "Truncate prompts longer than this many tokens from the left; None keeps them whole."},
     )
     max_completion_length: int = field(
         default=512, metadata={"help": "Maximum number of tokens generated per completion."}
@@ -119,15 +117,15 @@ class GSPOConfig(TrainingArguments):
     generation_batch_size: int | None = field(
         default=None,
         metadata={
-            "help": "Completions generated per rollout, over all processes. Must be a multiple of num_generations "
-            "and of per_device_train_batch_size × num_processes. Set this or steps_per_generation, not both."
+            "help": "Completions generated per rollout over all processes: a multiple of num_generations and of "
+            "per_device_train_batch_size × num_processes. Set this or steps_per_generation, not both."
         },
     )
     steps_per_generation: int | None = field(
         default=None,
         metadata={
-            "help": "Micro-batches trained on per rollout (as in TRL). If unset (and generation_batch_size is unset), "
-            "4 × gradient_accumulation_steps: four optimizer steps per rollout batch, as in the GSPO paper."
+            "help": "Micro-batches trained on per rollout (as in TRL). None: 4 × gradient_accumulation_steps, the GSPO "
+            "paper's four optimizer steps per rollout (unless generation_batch_size is set)."
         },
     )
     num_iterations: int = field(
@@ -137,31 +135,25 @@ class GSPOConfig(TrainingArguments):
     async_rollouts: bool = field(
         default=False,
         metadata={
-            "help": "Sample the next rollout in a background thread while the current one trains (one rollout "
-            "ahead, as verl's one-step-off): on the trained model, from a copy of the weights (one more copy in "
-            "memory); with use_vllm, on the server, which gets the weights at launch. The importance ratio's π_old "
-            "is the sampling weights' own log-probs. Pays where sampling and training use different hardware (a "
-            "vLLM server) or leave each other idle (GPU decoding); docs/async_rollouts.md."
+            "help": "Sample the next rollout in a background thread while the current one trains, from a snapshot of "
+            "the weights (or on the vLLM server), with the sampling weights' log-probs as π_old. See "
+            "docs/async_rollouts.md#when-it-pays."
         },
     )
     max_staleness: int | None = field(
         default=None,
         metadata={
-            "help": "With async_rollouts: the most optimizer steps between the weights that sample a rollout and the "
-            "first optimizer step that trains on it; the next rollout starts sampling as soon as that allows. None: "
-            "the optimizer steps per rollout (sampling overlaps the whole rollout's training). 0 samples each "
-            "rollout when its training starts, as the synchronous trainer does. At most one rollout is sampled "
-            "ahead, so larger values act as the optimizer steps per rollout."
+            "help": "With async_rollouts: the most optimizer steps between the weights that sample a rollout and its "
+            "first training step; None: the optimizer steps per rollout, 0: synchronous sampling. See "
+            "docs/async_rollouts.md#what-happens."
         },
     )
     always_compute_old_logprobs: bool = field(
         default=False,
         metadata={
-            "help": "Run the π_old forward for every micro-batch of a rollout. By default it is skipped for the "
-            "micro-batches whose every use comes before the first optimizer step after their rollout: there the "
-            "current weights are π_old, so old = sg[log π] and the ratio is exactly 1; and for the others where the "
-            "decoding loop recorded π_old (decode_logprobs_as_old). Same results either way (a reference mode for "
-            "checking the schedule), one forward more per skipped micro-batch."
+            "help": "Run the π_old forward pass for every micro-batch, also where it is skipped by default (ratio "
+            "exactly 1, or log-probs recorded while decoding); same results, slower. See "
+            "docs/performance-options.md#old-log-probs."
         },
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature. Must be > 0."})
@@ -186,54 +178,41 @@ class GSPOConfig(TrainingArguments):
     layout_independent_sampling: bool = field(
         default=False,
         metadata={
-            "help": "Give every completion its own random stream, a function of (seed, optimizer step, its index in "
-            "the global generation batch): the same completions whatever the number of processes or the batch they "
-            "are generated in (exact sampling of the same distribution). With decode_loop='gspo' it costs one hash "
-            "per row and step; with 'generate' a hash of every (row, vocabulary) pair per step (Gumbel-max: 0.12 s per "
-            "step for 64 rows × 49,152 tokens on 2 CPU cores)."
+            "help": "Give every completion its own random stream keyed by (seed, optimizer step, index in the global "
+            "generation batch), so rollouts do not depend on the number of processes. See "
+            "docs/distributed.md#same-results-on-1-or-n-processes."
         },
     )
     decode_loop: str = field(
         default="gspo",
         metadata={
-            "help": "How completions are sampled from the training model: 'gspo', gspo-trl's loop (a completion leaves "
-            "the batch at its EOS, inverse-CDF sampling from the same distribution as generate); 'generate', "
-            "transformers' `generate`. generation_kwargs the loop does not implement (beams, n-gram bans, bad words, "
-            "...) or a cache_implementation make it use generate."
+            "help": "'gspo': gspo-trl's decoding loop (the same distribution as generate; finished completions leave "
+            "the batch); 'generate': transformers' `generate`, also used when generation_kwargs or "
+            "cache_implementation need it. See docs/performance-options.md#decoding."
         },
     )
     decode_cuda_graphs: bool = field(
         default=True,
         metadata={
-            "help": "With decode_loop='gspo' on a CUDA device: decode on a static KV cache and replay each step's "
-            "forward as a CUDA graph (captured once per 256 cache positions and batch size), removing the per-step "
-            "Python and kernel-launch time that dominates decoding on a GPU. Models whose attention takes no 4-D mask "
-            "(flash/flex attention), sliding-window or linear-attention caches, and sharded parameters (ZeRO-3, FSDP) "
-            "decode without graphs. No effect on CPU."
+            "help": "With decode_loop='gspo' on a CUDA device, decode on a static KV cache and replay each step as a "
+            "CUDA graph (models that cannot take it decode without; no effect on CPU). See "
+            "docs/performance-options.md#decoding."
         },
     )
     decode_max_rows: int | None = field(
         default=None,
         metadata={
-            "help": "The most completions the trained model decodes at once (use_vllm=False): a rollout with more "
-            "rows is decoded in slices of this many, one after another, each slice's KV cache freed before the next. "
-            "None: on a CUDA device, all rows when their KV cache (rows × (prompt + max_completion_length) positions "
-            "× layers × 2 × KV heads × head dim × bytes) fits in 80% of the free memory, else the fewest even slices "
-            "that fit (logged once); on CPU, all rows. Slices sample the same distribution; with "
-            "layout_independent_sampling, the same completions."
+            "help": "The most completions the trained model decodes at once, larger rollouts being decoded in slices; "
+            "None: on a GPU, the fewest even slices whose KV cache fits in free memory, on CPU all rows. See "
+            "docs/performance-options.md#decoding."
         },
     )
     decode_logprobs_as_old: bool | None = field(
         default=None,
         metadata={
-            "help": "With decode_loop='gspo': record each sampled token's log-prob as the loop samples it (log-softmax "
-            "of the logits at `temperature`, as training scores them) and use these as π_old (GSPO paper §5.4), "
-            "skipping the trainer's π_old forward pass over the rollout's off-policy micro-batches (and, with "
-            "async_rollouts, the scoring pass of a rollout sampled ahead). None: on when sampling runs in full "
-            "precision (float32 weights, neither bf16 nor fp16, no TF32 on a GPU), where the two differ by float32 "
-            "rounding only; off otherwise, where the decoding and training kernels round differently and "
-            "recomputing is the safe choice. Rollouts that fall back to `generate`, and rollout_func rollouts, always "
-            "recompute."
+            "help": "With decode_loop='gspo', use the log-probs the decoding loop recorded as π_old instead of a π_old "
+            "forward pass; None: on when sampling runs in float32 (no bf16, fp16 or TF32), off otherwise. See "
+            "docs/performance-options.md#old-log-probs."
         },
     )
     cache_implementation: str | None = field(
@@ -243,25 +222,24 @@ class GSPOConfig(TrainingArguments):
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={
-            "help": "Under DeepSpeed ZeRO-3 or FSDP2, gather every parameter once for a rollout's generation instead "
-            "of layer by layer at every decoding step: much faster sampling, at the cost of one full copy of the weights "
-            "per process while it runs. False for models that do not fit one device whole. TRL's field (TRL gathers "
-            "under ZeRO-3 only)."
+            "help": "Under DeepSpeed ZeRO-3 or FSDP2, gather all parameters once per rollout for generation instead of "
+            "layer by layer at each decoding step: faster, for a full copy of the weights per process. False if the "
+            "model does not fit one device."
         },
     )
     # --- Generation with vLLM (TRL's names) --------------------------------------------------
     use_vllm: bool = field(
         default=False,
         metadata={
-            "help": "Sample completions on a vLLM server instead of the trained model (docs/vllm.md). The server gets "
-            "the trained weights before every rollout whose weights changed."
+            "help": "Sample completions on a vLLM server instead of the trained model; the server gets the trained "
+            "weights before each rollout whose weights changed. See docs/vllm.md#set-up."
         },
     )
     vllm_mode: str = field(
         default="server",
         metadata={
-            "help": "'server': a vLLM server started with `gspo-trl vllm-serve MODEL`. 'colocate' (vLLM inside the "
-            "training process, TRL's default) is not available yet. gspo-trl's default is 'server'."
+            "help": "'server': a vLLM server started with `gspo-trl vllm-serve MODEL` (the default here). 'colocate', "
+            "TRL's default, is not available yet."
         },
     )
     vllm_server_base_url: str | None = field(
@@ -280,18 +258,17 @@ class GSPOConfig(TrainingArguments):
     vllm_weight_sync_dir: str | None = field(
         default=None,
         metadata={
-            "help": "Directory the trainer writes weight snapshots into and the server reloads them from. None: a "
-            "temporary directory in /dev/shm (the server must run on this machine). For a server on another "
-            "machine, a shared filesystem path both can read."
+            "help": "Directory the trainer writes weight snapshots to and the server reloads them from; None: a "
+            "temporary directory in /dev/shm, for a server on this machine. See "
+            "docs/vllm.md#the-weights-on-their-way-to-the-server."
         },
     )
     vllm_lora_adapter_sync: bool | None = field(
         default=None,
         metadata={
-            "help": "Training a LoRA adapter: send the server only the adapter, which vLLM applies at runtime (the "
-            "server needs --enable-lora --max-lora-rank R), instead of merged full weights. None: whenever the "
-            "server and the adapter allow it (no DoRA/rsLoRA, modules_to_save, embedding/LM-head targets or sharded "
-            "parameters); True: required; False: always merged weights."
+            "help": "When training LoRA, send the server only the adapter (needs --enable-lora) instead of merged "
+            "weights; None: whenever the server and adapter allow, True: required, False: merged weights. See "
+            "docs/vllm.md#the-weights-on-their-way-to-the-server."
         },
     )
     vllm_group_port: int = field(
@@ -315,17 +292,16 @@ class GSPOConfig(TrainingArguments):
     vllm_importance_sampling_correction: bool = field(
         default=True,
         metadata={
-            "help": "Reweight the loss by π_old / π_vllm, the trainer's over the server's probability of each "
-            "sampled token, to correct for the numerical gap between the two engines (docs/vllm.md)."
+            "help": "Weight the loss by π_old / π_vllm, truncated or masked, to correct for the numerical gap between "
+            "the trainer and the vLLM server. See docs/vllm.md#the-trainerserver-mismatch-and-its-correction."
         },
     )
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask",
         metadata={
-            "help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask' (TRL's names). Sequence "
-            "modes use the length-normalised ratio (geometric mean of the token ratios, as GSPO's own), where TRL "
-            "multiplies the token ratios; *_truncate clips the weight to [clip_min, clip_max], *_mask drops the "
-            "token or sequence outside it."
+            "help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask': `*_truncate` clips the "
+            "correction weight to [clip_min, clip_max], `*_mask` drops the token or sequence outside it (sequence "
+            "weights are length-normalised). See docs/vllm.md#the-trainerserver-mismatch-and-its-correction."
         },
     )
     vllm_importance_sampling_clip_min: float | None = field(
@@ -337,9 +313,8 @@ class GSPOConfig(TrainingArguments):
     vllm_logprobs_as_old: bool = field(
         default=False,
         metadata={
-            "help": "Use the server's log-probs of the sampled tokens as π_old (GSPO paper §5.4) and skip the trainer's "
-            "π_old forward pass. Saves that pass; the ratio then also carries the engines' numerical gap, which "
-            "GSPO's sequence-level clipping tolerates better than token-level ratios do (docs/vllm.md)."
+            "help": "Use the server's log-probs as π_old and skip the trainer's π_old forward pass; the ratio then "
+            "also carries the engines' numerical gap. See docs/vllm.md#skipping-the-π_old-pass-paper-54."
         },
     )
     vllm_importance_sampling_cap: float | None = field(
@@ -349,63 +324,46 @@ class GSPOConfig(TrainingArguments):
     logprob_chunk_size: int = field(
         default=1024,
         metadata={
-            "help": "Completion tokens projected through the LM head at once when computing log-probabilities. "
-            "Bounds the logits memory at chunk × vocabulary floats; never the full (batch, length, vocabulary)."
+            "help": "Completion tokens projected through the LM head at once when computing log-probs, bounding the "
+            "logits memory to chunk × vocabulary floats. See docs/performance-options.md#memory."
         },
     )
     logprob_kept_logits_mb: float = field(
         default=1024,
         metadata={
-            "help": "MiB of fp32 logits the training forward keeps for the backward pass, chunk by chunk "
-            "(logprob_chunk_size tokens each): chunks past it are checkpointed and projected through the LM head "
-            "again in the backward pass (one more head product each, about a quarter of the head's work). 0: "
-            "recompute every chunk (least memory)."
+            "help": "MiB of fp32 logits the training forward keeps for the backward pass; chunks past it are projected "
+            "again in the backward pass (0: recompute every chunk, least memory). See "
+            "docs/performance-options.md#memory."
         },
     )
     activation_checkpointing_keep_attention: bool = field(
         default=True,
         metadata={
-            "help": "With activation (gradient) checkpointing: keep each layer's attention output for the backward "
-            "pass instead of computing attention again there (PyTorch's selective checkpointing; SDPA's fused "
-            "kernels). Attention is the part of a layer that grows as L², so long completions train faster (10% per "
-            "token at 4,096 tokens on CPU), for one more hidden-size tensor per layer and token; gradients are the "
-            "same. False: every operator recomputed (transformers' and TRL's checkpointing). Not applied with "
-            "use_reentrant=True, offload=True or a context_fn of your own in activation_checkpointing_kwargs."
+            "help": "With activation checkpointing, keep each layer's attention output for the backward pass instead "
+            "of recomputing it: same gradients, faster long completions, a little more memory; False recomputes all. "
+            "See docs/performance-options.md#memory."
         },
     )
     max_tokens_per_pass: int | None = field(
         default=None,
         metadata={
-            "help": "The most positions (rows × padded length) one training forward/backward pass runs on: a "
-            "micro-batch with more is trained as several passes over row slices (rows of similar length together), "
-            "each back-propagated before the next, whose gradients add up to the micro-batch's. Bounds the "
-            "activation memory of the training step without changing the optimizer step (verl's dynamic batch "
-            "size). None (default): 8192 on a CUDA GPU, no limit on CPU; 0: one pass per micro-batch. A "
-            "micro-batch stays one pass with top_entropy_quantile < 1 or a Mixture-of-Experts load-balancing loss "
-            "(terms over the whole micro-batch)."
+            "help": "The most positions (rows × padded length) in one training forward/backward pass; larger "
+            "micro-batches run as several passes with the same gradient (None: 8192 on a CUDA GPU, no limit on CPU; 0: "
+            "one pass). See docs/performance-options.md#memory."
         },
     )
     cpu_memory_pool: bool = field(
         default=True,
         metadata={
-            "help": "When training on CPU with glibc, keep freed memory in the process for reuse (mallopt: no "
-            "mmap-backed blocks, trim only above 2 GiB) instead of faulting in fresh pages for every step's "
-            "activations; this cut the CPU training phase by about a third in docs/benchmarks.md. Process-wide; "
-            "resident memory then stays near its peak. No effect on GPUs or without glibc."
+            "help": "On CPU with glibc, keep freed memory in the process for reuse instead of faulting in fresh pages "
+            "every step; resident memory stays near its peak. See docs/performance-options.md#memory."
         },
     )
     padding_free: bool | None = field(
         default=None,
         metadata={
-            "help": "Run the training forward and the old-log-prob / reference passes on packed rows: each prompt "
-            "once, followed by its completions, under a block-tree attention mask, with no padding inside rows. "
-            "Same log-probabilities and gradients as padded rows up to float rounding, for far fewer tokens; a "
-            "micro-batch whose completion lengths differ widely runs as two forwards (its longest completions, then "
-            "the rest) so that short completions are not padded to the longest. None "
-            "(default) packs on CPU, where it is much faster, and uses padded rows on GPUs, where the dense "
-            "block-tree mask measured slower than padded rows; True or False forces the choice. Models that cannot "
-            "take the mask (flash-attention, sliding-window or ALiBi attention) fall back to padded rows with a "
-            "warning."
+            "help": "Pack each prompt once with its completions under a block-tree attention mask for the training and "
+            "log-prob passes; None: packed on CPU, padded rows on GPUs. See docs/performance-options.md#packed-rows."
         },
     )
 
@@ -413,33 +371,31 @@ class GSPOConfig(TrainingArguments):
     importance_sampling_level: str | None = field(
         default=None,
         metadata={
-            "help": "'sequence' (GSPO, paper Eq. 5–7), 'sequence_token' (GSPO-token, Eq. 13–14, for per-token "
-            "advantages), 'token' (GRPO's per-token ratio, for comparison runs) or 'turn' (multi-turn episodes: Eq. 7 "
-            "per assistant turn, clipped per turn; the same as 'sequence' for single-turn completions). None: "
-            "'sequence' for the per-sequence objectives (grpo, sapo, luspo), 'token' for the token-summed ones and "
-            "vespo."
+            "help": "'sequence' (GSPO), 'sequence_token' (GSPO-token, per-token advantages), 'token' (GRPO's ratio) or "
+            "'turn' (one ratio per assistant turn). None: 'sequence' for loss_type grpo, sapo and luspo, 'token' for "
+            "the others."
         },
     )
     epsilon: float | None = field(
         default=None,
         metadata={
-            "help": "Lower clipping range, in (0, 1): ratios below 1 − epsilon are clipped. None: 3e-4 (the paper's "
-            "GSPO setting) for sequence-level ratios, 0.2 (TRL's and GRPO's) for importance_sampling_level='token'."
+            "help": "Lower clipping range, in (0, 1): ratios below 1 − epsilon are clipped. None: 3e-4 (the paper's) "
+            "for sequence-level ratios, 0.2 (TRL's) for importance_sampling_level='token'."
         },
     )
     epsilon_high: float | None = field(
         default=None,
         metadata={
-            "help": "Upper clipping range: ratios above 1 + epsilon_high are clipped. With loss_type='cispo' it is "
-            "ε_max, the cap on the importance weight itself. None: 4e-4 (the paper's) with sequence-level ratios and "
-            "epsilon unset, otherwise epsilon (TRL's meaning); 5.0 for 'cispo' (ScaleRL's recommendation)."
+            "help": "Upper clipping range: ratios above 1 + epsilon_high are clipped (for 'cispo', the cap on the "
+            "weight). None: 5.0 for 'cispo', 4e-4 with epsilon unset and a non-token level, else epsilon."
         },
     )
     delta: float | None = field(
         default=None,
         metadata={
-            "help": "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta, which bounds the loss of "
-            "negative-advantage samples whose ratio ran far above 1. Must be > 1; use > 1 + epsilon_high. None: off."
+            "help": "Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta (> 1, best > 1 + epsilon_high) "
+            "to bound the loss of negative-advantage samples; None: off. See "
+            "docs/objective.md#options-that-combine-with-any-loss_type."
         },
     )
     sapo_temperature_pos: float = field(
@@ -482,11 +438,9 @@ class GSPOConfig(TrainingArguments):
     loss_type: str = field(
         default="grpo",
         metadata={
-            "help": "The objective and how its per-token losses are averaged (docs/objective.md). 'grpo': GSPO's "
-            "clipped objective, each sequence weighing the same (the paper's). 'sapo': a soft sigmoid gate instead "
-            "of the clip. 'cispo': REINFORCE with a capped, detached importance weight. 'vespo': REINFORCE weighted "
-            "by a gamma kernel of the whole-sequence ratio. 'luspo': GSPO with each sequence weighed by its length. "
-            "'dapo', 'bnpo', 'dr_grpo': the clipped objective summed over tokens (TRL's token-level aggregations)."
+            "help": "'grpo' (GSPO's clipped objective, each sequence weighing the same), 'sapo', 'cispo', 'vespo', "
+            "'luspo', or the token-summed 'dapo', 'bnpo' and 'dr_grpo'. See "
+            "docs/objective.md#the-gspo-family-loss_type."
         },
     )
     scale_rewards: str = field(
@@ -510,30 +464,31 @@ class GSPOConfig(TrainingArguments):
     off_policy_mask_threshold: float | None = field(
         default=None,
         metadata={
-            "help": "Off-policy sequence masking (DeepSeek-V3.2, Eq. 9): drop negative-advantage sequences whose mean "
-            "per-token log(π_old / π_θ) exceeds this (e.g. 0.5). None: off."
+            "help": "Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage sequences whose mean "
+            "per-token log(π_sampler / π_θ) exceeds this (e.g. 0.5); None: off. See "
+            "docs/objective.md#options-that-combine-with-any-loss_type."
         },
     )
     top_entropy_quantile: float = field(
         default=1.0,
         metadata={
-            "help": "Keep the policy gradient only on the top quantile of completion tokens by entropy (Beyond the "
-            "80/20 Rule recommends 0.2), over all processes' tokens. In [0, 1]; 1.0 keeps every token."
+            "help": "Keep the policy gradient only on this top quantile of completion tokens by entropy, over all "
+            "processes (0.2 in Beyond the 80/20 Rule). In [0, 1]; 1.0 keeps every token."
         },
     )
     entropy_coef: float = field(
         default=0.0,
         metadata={
-            "help": "Entropy bonus: subtract entropy_coef × the mean per-token entropy (of the tokens the policy term "
-            "learns from) from the loss. With use_adaptive_entropy, the starting coefficient. 0.0: off."
+            "help": "Entropy bonus: subtract entropy_coef × the mean entropy of the tokens the policy term learns "
+            "from; with use_adaptive_entropy, the starting coefficient. 0.0: off."
         },
     )
     use_adaptive_entropy: bool = field(
         default=False,
         metadata={
             "help": "Skywork-OR1's adaptive entropy control: after each optimizer step, raise entropy_coef by "
-            "entropy_coef_delta when the step's mean entropy is at or below entropy_target, lower it otherwise; the "
-            "bonus applies only while the entropy is at or below the target."
+            "entropy_coef_delta when the mean entropy is at or below entropy_target, else lower it. See "
+            "docs/objective.md#options-that-combine-with-any-loss_type."
         },
     )
     entropy_coef_min: float = field(default=0.0, metadata={"help": "Lower bound of the adaptive entropy_coef."})
@@ -544,15 +499,15 @@ class GSPOConfig(TrainingArguments):
     entropy_target: float = field(
         default=0.2,
         metadata={
-            "help": "Mean per-token entropy (nats) below which adaptive control applies the bonus. Language models "
-            "start near 1–3 nats on their own samples: set it near the entropy you see early in training."
+            "help": "Mean per-token entropy (nats) at or below which adaptive control applies the bonus. Set it near "
+            "the entropy you see early in training (often 1–3 nats)."
         },
     )
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={
-            "help": "Weight of a Mixture-of-Experts model's load-balancing loss, added to the loss (and logged as "
-            "aux_loss). None: the model config's own coefficient (0 for models without one)."
+            "help": "Weight of a Mixture-of-Experts model's load-balancing loss, added to the loss and logged as "
+            "aux_loss. None: the model config's own coefficient (0 without one)."
         },
     )
 
@@ -560,26 +515,23 @@ class GSPOConfig(TrainingArguments):
     max_turns: int | None = field(
         default=None,
         metadata={
-            "help": "Most assistant turns per episode of an env_factory environment; an episode still running then "
-            "ends as truncated. None: episodes end only when the environment ends them or max_completion_length (which "
-            "counts every turn and every environment token) runs out."
+            "help": "Most assistant turns per env_factory episode, after which it ends as truncated; None: only the "
+            "environment or max_completion_length (which counts every turn's tokens) ends it."
         },
     )
     max_tool_calling_iterations: int | None = field(
         default=None,
         metadata={
-            "help": "With tools or environment_factory: the most rounds of tool calls per episode (TRL's field); "
-            "the episode then ends after the turn that asked for more. None: bounded by max_turns and "
-            "max_completion_length only."
+            "help": "With tools or environment_factory, the most rounds of tool calls per episode (TRL's field); None: "
+            "bounded by max_turns and max_completion_length only."
         },
     )
     advantage_granularity: str = field(
         default="trajectory",
         metadata={
-            "help": "'trajectory': one advantage per episode, from its total reward, for every turn. 'turn': each turn "
-            "gets the advantage of its return (the rewards from that turn on, discounted by turn_discount), "
-            "normalised within the group over the episodes that reached that turn; needs importance_sampling_level "
-            "'turn', 'sequence_token' or 'token'."
+            "help": "'trajectory': every turn gets the episode's advantage; 'turn': each turn gets the "
+            "group-normalised advantage of its discounted return (needs importance_sampling_level 'turn', "
+            "'sequence_token' or 'token'). See docs/agents.md#turn-level-gspo."
         },
     )
     turn_discount: float = field(

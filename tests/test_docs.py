@@ -117,6 +117,48 @@ def test_shared_fields_keep_trl_names():
     assert not missing_in_trl, f"TRL's GRPOConfig no longer has {missing_in_trl}: update SHARED_WITH_TRL and the docs"
 
 
+# A field's help is one or two sentences (as TRL's); explanations belong in the docs page it points to.
+MAX_HELP_SENTENCES, MAX_HELP_WORDS = 2, 60
+_ABBREVIATION = re.compile(r"\b(?:e\.g|i\.e|vs|cf|etc|Eq)\.", re.IGNORECASE)
+_SENTENCE_BREAK = re.compile(r"[.!?][)'\"]*\s+(?=[A-Z0-9'\"`(])")
+_DOCS_POINTER = re.compile(r"\bdocs/([\w.-]+\.md)(?:#([\w-]+))?")
+
+
+def _sentences(text: str) -> int:
+    return len(_SENTENCE_BREAK.split(_ABBREVIATION.sub("abbr", text.strip())))
+
+
+def _heading_anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the headings of a markdown page (code fences skipped)."""
+    anchors, fenced = set(), False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (heading := re.match(r"#{1,6}\s+(.+?)\s*$", line)):
+            anchors.add(re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_sentence_counter():
+    assert _sentences("Keep it short (e.g. 0.5); None: off. See docs/vllm.md#set-up.") == 2
+    assert _sentences("'a' (i.e. one) vs. 'b'. 'c' is off. Three.") == 3
+
+
+def test_every_declared_field_help_is_one_or_two_sentences():
+    too_long, pointers = [], []
+    for name in GSPOConfig.__dict__["__annotations__"]:
+        text = GSPOConfig.__dataclass_fields__[name].metadata["help"]
+        if _sentences(text) > MAX_HELP_SENTENCES or len(text.split()) > MAX_HELP_WORDS:
+            too_long.append(f"{name} ({_sentences(text)} sentences, {len(text.split())} words)")
+        assert "%" not in text, f"{name}: argparse expands '%' in help texts (`gspo-trl train --help` would fail)"
+        pointers += [(name, *match.groups()) for match in _DOCS_POINTER.finditer(text)]
+    assert not too_long, f"help texts longer than {MAX_HELP_SENTENCES} sentences / {MAX_HELP_WORDS} words: {too_long}"
+    assert pointers, "no help text points to a docs section?"
+    for name, page, anchor in pointers:
+        assert (DOCS / page).is_file(), f"{name}: docs/{page} does not exist"
+        assert anchor is None or anchor in _heading_anchors(DOCS / page), f"{name}: no heading #{anchor} in docs/{page}"
+
+
 # --- docs/migrating-from-trl.md ----------------------------------------------------------------
 
 def _claimed_value(expression: str):
