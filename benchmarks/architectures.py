@@ -12,12 +12,30 @@ from pathlib import Path
 
 # Sizes of HuggingFaceTB/SmolLM2-135M and SmolLM2-1.7B (Llama architecture, tied embeddings).
 ARCHITECTURES = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, rope_theta=100000.0),
-    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
-                         num_key_value_heads=32, rope_theta=130000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, rope_theta=10000.0),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rope_theta=100000.0,
+    ),
+    "smollm2-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        rope_theta=130000.0,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+    ),
 }
 
 
@@ -25,8 +43,9 @@ def smollm2_tokenizer_dir(cache_dir: Path) -> Path:
     """The SmolLM2 tokenizer saved as plain files (3.5 MB), taken from the demo model's GGUF once."""
     target = cache_dir / "smollm2-tokenizer"
     if not (target / "tokenizer.json").exists():
-        from gspo_trl.default_model import default_model_path
         from transformers import AutoTokenizer
+
+        from gspo_trl.default_model import default_model_path
 
         AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(target)
     return target

@@ -12,7 +12,8 @@ rollout, 4 optimizer steps per rollout, up to `--max_completion_length` new toke
 
 Reported per run: the whole `train()` time; the steady-state time per round (a rollout's sampling and its 4
 optimizer steps), over the rounds between the first (whose sampling overlaps nothing) and the last (which has no
-next rollout to overlap); the mean staleness; the rewards and mean completion lengths. Results go to `--out` (JSON) and a table on stdout.
+next rollout to overlap); the mean staleness; the rewards and mean completion lengths. Results go to `--out` (JSON)
+and a table on stdout.
 """
 
 from __future__ import annotations
@@ -61,14 +62,29 @@ def run_once(args) -> dict:
             step_ends.append(time.perf_counter())
 
     config = GSPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="gspo-async-bench-"), per_device_train_batch_size=16, num_generations=8,
-        steps_per_generation=steps_per_rollout, max_steps=args.rounds * steps_per_rollout,
-        max_completion_length=args.max_completion_length, learning_rate=1e-6, logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=args.device == "cpu", bf16=args.device == "cuda", seed=0,
-        layout_independent_sampling=True, async_rollouts=args.worker == "async",
+        output_dir=tempfile.mkdtemp(prefix="gspo-async-bench-"),
+        per_device_train_batch_size=16,
+        num_generations=8,
+        steps_per_generation=steps_per_rollout,
+        max_steps=args.rounds * steps_per_rollout,
+        max_completion_length=args.max_completion_length,
+        learning_rate=1e-6,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda",
+        seed=0,
+        layout_independent_sampling=True,
+        async_rollouts=args.worker == "async",
     )
-    trainer = GSPOTrainer(args.model or default_model_path(), default_task_reward(), args=config,
-                          train_dataset=default_task_dataset(64, seed=0), callbacks=[StepClock()])
+    trainer = GSPOTrainer(
+        args.model or default_model_path(),
+        default_task_reward(),
+        args=config,
+        train_dataset=default_task_dataset(64, seed=0),
+        callbacks=[StepClock()],
+    )
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
@@ -83,8 +99,9 @@ def run_once(args) -> dict:
         "mean_staleness": statistics.mean(e["rollout/staleness"] for e in logs) if args.worker == "async" else None,
         "rewards_per_rollout": rewards,
         # Rollouts differ between the modes after the first: the lengths say how much work each round sampled.
-        "mean_completion_length_per_rollout": [entry["completions/mean_length"] for entry in logs
-                                               if "completions/mean_length" in entry],
+        "mean_completion_length_per_rollout": [
+            entry["completions/mean_length"] for entry in logs if "completions/mean_length" in entry
+        ],
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -99,26 +116,48 @@ def main(argv=None) -> None:
     runs = []
     for repeat in range(args.repeats):
         for mode in MODES:
-            command = [sys.executable, __file__, "--worker", mode, "--rounds", str(args.rounds), "--device",
-                       args.device, "--max_completion_length", str(args.max_completion_length)]
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                mode,
+                "--rounds",
+                str(args.rounds),
+                "--device",
+                args.device,
+                "--max_completion_length",
+                str(args.max_completion_length),
+            ]
             if args.model:
                 command += ["--model", args.model]
             output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             result = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])
             result["repeat"] = repeat
             runs.append(result)
-            print(f"{mode:5s} repeat {repeat}: {result['train_seconds']:.1f} s, {result['seconds_per_round']:.2f} s per "
-                  "round", flush=True)
+            print(
+                f"{mode:5s} repeat {repeat}: {result['train_seconds']:.1f} s, {result['seconds_per_round']:.2f} s per "
+                "round",
+                flush=True,
+            )
     summary = {}
     for mode in MODES:
         mine = [r for r in runs if r["mode"] == mode]
         summary[mode] = {key: statistics.median(r[key] for r in mine) for key in ("train_seconds", "seconds_per_round")}
-        summary[mode]["mean_staleness"] = None if mode == "sync" else statistics.median(r["mean_staleness"] for r in mine)
-    summary["async/sync, seconds per round"] = summary["async"]["seconds_per_round"] / summary["sync"]["seconds_per_round"]
+        summary[mode]["mean_staleness"] = (
+            None if mode == "sync" else statistics.median(r["mean_staleness"] for r in mine)
+        )
+    summary["async/sync, seconds per round"] = (
+        summary["async"]["seconds_per_round"] / summary["sync"]["seconds_per_round"]
+    )
     record = {
-        "date": _dt.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "device": args.device, "rounds": args.rounds,
-        "max_completion_length": args.max_completion_length, "runs": runs, "median": summary,
+        "date": _dt.date.today().isoformat(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "device": args.device,
+        "rounds": args.rounds,
+        "max_completion_length": args.max_completion_length,
+        "runs": runs,
+        "median": summary,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")

@@ -39,8 +39,11 @@ def parse_args(argv=None):
     parser.add_argument("--contexts", default="128,2048")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
-    parser.add_argument("--unpacked", action="store_true",
-                        help="decode_linear's F.linear and transposed forms only, without packed weights")
+    parser.add_argument(
+        "--unpacked",
+        action="store_true",
+        help="decode_linear's F.linear and transposed forms only, without packed weights",
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "decode_step.json"))
     return parser.parse_args(argv)
 
@@ -74,8 +77,14 @@ def step_ms(model, cache, rows: int, context: int, repeats: int, step_forward=No
     for _ in range(repeats + 2):
         start = time.perf_counter()
         if step_forward is None:
-            model(input_ids=token, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache),
-                  use_cache=True, logits_to_keep=1)
+            model(
+                input_ids=token,
+                attention_mask=mask,
+                position_ids=positions,
+                **cache_kwargs(model, cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         else:
             step_forward(token, mask, positions, cache)
         times.append(time.perf_counter() - start)
@@ -86,9 +95,8 @@ def step_ms(model, cache, rows: int, context: int, repeats: int, step_forward=No
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
     from distributed import cpu_model  # benchmarks/, on the path when this script runs
+    from transformers import AutoModelForCausalLM
 
     from gspo_trl import decode_kernel, decode_linear
     from gspo_trl.decode_attention import packed_gqa_decoding
@@ -107,19 +115,42 @@ def main(argv=None) -> None:
                 with packed_gqa_decoding(model), torch.no_grad():
                     packed = step_ms(model, cache, rows, context, args.repeats)
                     step_forward = StepForward.of(model)
-                    own = None if step_forward is None else step_ms(model, cache, rows, context, args.repeats,
-                                                                    step_forward)
-            results.append({"rows": rows, "context": context, "plain_ms": plain, "decode_linear_ms": fast,
-                            "packed_gqa_ms": packed, "step_forward_ms": own})
-            print(f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, decode_linear {fast:.1f} ms, "
-                  f"with packed GQA heads {packed:.1f} ms, decode_forward's step "
-                  + ("(does not apply)" if own is None else f"{own:.1f} ms"), flush=True)
-    choices = {f"{out}x{inp}": decode_linear.describe_forms(by_rows) for (out, inp), by_rows in
-               next(iter(decode_linear._choices.values()), {}).items()}
-    record = {"date": _dt.date.today().isoformat(), "cpus": os.cpu_count(), "processor": cpu_model(),
-              "decode_kernel": decode_kernel.available(),
-              "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
-              "decode_linear_forms_by_shape": choices, "steps": results}
+                    own = (
+                        None
+                        if step_forward is None
+                        else step_ms(model, cache, rows, context, args.repeats, step_forward)
+                    )
+            results.append(
+                {
+                    "rows": rows,
+                    "context": context,
+                    "plain_ms": plain,
+                    "decode_linear_ms": fast,
+                    "packed_gqa_ms": packed,
+                    "step_forward_ms": own,
+                }
+            )
+            print(
+                f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, decode_linear {fast:.1f} ms, "
+                f"with packed GQA heads {packed:.1f} ms, decode_forward's step "
+                + ("(does not apply)" if own is None else f"{own:.1f} ms"),
+                flush=True,
+            )
+    choices = {
+        f"{out}x{inp}": decode_linear.describe_forms(by_rows)
+        for (out, inp), by_rows in next(iter(decode_linear._choices.values()), {}).items()
+    }
+    record = {
+        "date": _dt.date.today().isoformat(),
+        "cpus": os.cpu_count(),
+        "processor": cpu_model(),
+        "decode_kernel": decode_kernel.available(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "args": vars(args),
+        "decode_linear_forms_by_shape": choices,
+        "steps": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(render_table(record))
@@ -127,15 +158,20 @@ def main(argv=None) -> None:
 
 
 def render_table(record: dict) -> str:
-    lines = ["| rows | context | `F.linear` (ms) | `decode_linear` (ms) | ratio | + packed GQA heads (ms) | ratio "
-             "| `decode_forward` (ms) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| rows | context | `F.linear` (ms) | `decode_linear` (ms) | ratio | + packed GQA heads (ms) | ratio "
+        "| `decode_forward` (ms) | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for step in record["steps"]:
         plain, fast = step["plain_ms"], step["decode_linear_ms"]
         packed = step.get("packed_gqa_ms")  # absent from records made before decode_attention
         own = step.get("step_forward_ms")  # absent before decode_forward, None where it does not apply
-        lines.append(f"| {step['rows']} | {step['context']} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f} | "
-                     + ("– | – |" if packed is None else f"{packed:.1f} | {packed / plain:.2f} |")
-                     + (" – | – |" if own is None else f" {own:.1f} | {own / plain:.2f} |"))
+        lines.append(
+            f"| {step['rows']} | {step['context']} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f} | "
+            + ("– | – |" if packed is None else f"{packed:.1f} | {packed / plain:.2f} |")
+            + (" – | – |" if own is None else f" {own:.1f} | {own / plain:.2f} |")
+        )
     return "\n".join(lines)
 
 

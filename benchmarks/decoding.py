@@ -57,9 +57,11 @@ def parse_args(argv=None):
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--layout_independent_sampling", action="store_true")
-    parser.add_argument("--loops", default=",".join(LOOPS),
-                        help=f"comma-separated, from "
-                        f"{LOOPS + (FULL_BUFFERS, PLAIN_LINEARS, MODULE_FORWARD, UNPACKED, SDPA_ATTENTION)}")
+    parser.add_argument(
+        "--loops",
+        default=",".join(LOOPS),
+        help=f"comma-separated, from {LOOPS + (FULL_BUFFERS, PLAIN_LINEARS, MODULE_FORWARD, UNPACKED, SDPA_ATTENTION)}",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,10 +88,17 @@ def main(argv=None) -> None:
     loops = args.loops.split(",")
     backends = {}
     for loop in loops:
-        config = GSPOConfig(output_dir="/tmp/gspo-decoding-bench", per_device_train_batch_size=rows,
-                            num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-                            temperature=args.temperature, decode_loop="generate" if loop == "generate" else "gspo",
-                            use_cpu=args.device == "cpu", bf16=args.device == "cuda", report_to="none")
+        config = GSPOConfig(
+            output_dir="/tmp/gspo-decoding-bench",
+            per_device_train_batch_size=rows,
+            num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            decode_loop="generate" if loop == "generate" else "gspo",
+            use_cpu=args.device == "cpu",
+            bf16=args.device == "cuda",
+            report_to="none",
+        )
         backends[loop] = HFGenerateBackend(lambda: model, tokenizer, config)
         assert backends[loop].use_decode_loop == (loop != "generate")
     growing_room = decoding.INITIAL_ROOM
@@ -124,14 +133,25 @@ def main(argv=None) -> None:
     summary = {}
     for loop, results in runs.items():
         seconds = [r["seconds"] for r in results]
-        summary[loop] = {"min_s": min(seconds), "median_s": statistics.median(seconds),
-                         "mean_length": statistics.mean(r["mean_length"] for r in results),
-                         "steps": statistics.mean(r["steps"] for r in results)}
+        summary[loop] = {
+            "min_s": min(seconds),
+            "median_s": statistics.median(seconds),
+            "mean_length": statistics.mean(r["mean_length"] for r in results),
+            "steps": statistics.mean(r["steps"] for r in results),
+        }
     if {"gspo", "generate"} <= summary.keys():
         summary["speedup_median"] = summary["generate"]["median_s"] / summary["gspo"]["median_s"]
-    record = {"date": _dt.date.today().isoformat(), "device": args.device, "cpus": os.cpu_count(),
-              "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
-              "decode_kernel_built": kernel_built, "runs": runs, "summary": summary}
+    record = {
+        "date": _dt.date.today().isoformat(),
+        "device": args.device,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "args": vars(args),
+        "decode_kernel_built": kernel_built,
+        "runs": runs,
+        "summary": summary,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(render_table(record))
@@ -140,10 +160,15 @@ def main(argv=None) -> None:
 
 def render_table(record: dict) -> str:
     s = record["summary"]
-    lines = ["| loop | rollout (s), min | median | mean completion (tokens) | decoding steps |", "|---|---|---|---|---|"]
+    lines = [
+        "| loop | rollout (s), min | median | mean completion (tokens) | decoding steps |",
+        "|---|---|---|---|---|",
+    ]
     for loop in record["runs"]:
-        lines.append(f"| {loop} | {s[loop]['min_s']:.2f} | {s[loop]['median_s']:.2f} | {s[loop]['mean_length']:.1f} | "
-                     f"{s[loop]['steps']:.1f} |")
+        lines.append(
+            f"| {loop} | {s[loop]['min_s']:.2f} | {s[loop]['median_s']:.2f} | {s[loop]['mean_length']:.1f} | "
+            f"{s[loop]['steps']:.1f} |"
+        )
     return "\n".join(lines)
 
 

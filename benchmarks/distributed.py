@@ -56,13 +56,21 @@ HERE = Path(__file__).resolve().parent
 # "auto" everywhere transformers fills a value (its recommended way): batch fields from GSPOConfig, bucket sizes
 # from the hidden size (hidden² elements); DeepSpeed's own bucket default (5e8 elements) allocates 1.9 GiB per
 # bucket on CPU, which `--deepspeed_defaults` measures instead.
-AUTO_BATCH = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto",
-              "bf16": {"enabled": "auto"}}  # from GSPOConfig's bf16: on with --device cuda, off on CPU
+AUTO_BATCH = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+}  # from GSPOConfig's bf16: on with --device cuda, off on CPU
 AUTO_BUCKETS = {
     "zero2": {"reduce_bucket_size": "auto"},
-    "zero3": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-              "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True},
+    "zero3": {
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
 }
 
 
@@ -86,18 +94,32 @@ GLOBAL_BATCH, NUM_GENERATIONS, STEPS_PER_ROLLOUT = 16, 8, 2
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="ddp,zero2,zero3",
-                        help="comma-separated, from ddp, zero2, zero3, zero2_offload, zero3_offload, fsdp2")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: the GPU recipe (bf16 weights, bf16=True); peak GPU memory per rank is recorded")
-    parser.add_argument("--architecture", choices=("smollm2-135m", "smollm2-1.7b", "tiny"), default=None,
-                        help="a random-init model of these sizes (benchmarks/architectures.py) instead of --model")
+    parser.add_argument(
+        "--modes",
+        default="ddp,zero2,zero3",
+        help="comma-separated, from ddp, zero2, zero3, zero2_offload, zero3_offload, fsdp2",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the GPU recipe (bf16 weights, bf16=True); peak GPU memory per rank is recorded",
+    )
+    parser.add_argument(
+        "--architecture",
+        choices=("smollm2-135m", "smollm2-1.7b", "tiny"),
+        default=None,
+        help="a random-init model of these sizes (benchmarks/architectures.py) instead of --model",
+    )
     parser.add_argument("--tokenizer", default=None, help="with --architecture: the SmolLM2 tokenizer directory")
     parser.add_argument("--processes", default="1,2", help="comma-separated process counts")
     parser.add_argument("--rollouts", type=int, default=2, help="timed rollouts after one warm-up rollout")
     parser.add_argument("--max_completion_length", type=int, default=32)
-    parser.add_argument("--deepspeed_defaults", action="store_true",
-                        help="leave DeepSpeed's bucket sizes at its own defaults instead of transformers' 'auto'")
+    parser.add_argument(
+        "--deepspeed_defaults",
+        action="store_true",
+        help="leave DeepSpeed's bucket sizes at its own defaults instead of transformers' 'auto'",
+    )
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     parser.add_argument("--out", default=str(HERE / "results" / "distributed.json"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -106,6 +128,7 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------- worker side
+
 
 def live_tensor_storages() -> dict[int, int]:
     """Bytes of every live tensor storage in this process by address, each counted once (views share one)."""
@@ -147,13 +170,25 @@ def worker(args) -> None:
     total_steps = (args.rollouts + 1) * STEPS_PER_ROLLOUT
     gpu = args.device == "cuda"
     config = GSPOConfig(
-        output_dir=f"{args.worker_out}.output", per_device_train_batch_size=GLOBAL_BATCH // processes,
-        gradient_accumulation_steps=1, steps_per_generation=STEPS_PER_ROLLOUT, num_generations=NUM_GENERATIONS,
-        max_completion_length=args.max_completion_length, max_steps=total_steps, learning_rate=1e-6,
-        layout_independent_sampling=True, use_cpu=not gpu, bf16=gpu,
+        output_dir=f"{args.worker_out}.output",
+        per_device_train_batch_size=GLOBAL_BATCH // processes,
+        gradient_accumulation_steps=1,
+        steps_per_generation=STEPS_PER_ROLLOUT,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=args.max_completion_length,
+        max_steps=total_steps,
+        learning_rate=1e-6,
+        layout_independent_sampling=True,
+        use_cpu=not gpu,
+        bf16=gpu,
         model_init_kwargs={"dtype": "bfloat16" if gpu else "float32"},
         deepspeed=deepspeed_config(mode, not args.deepspeed_defaults),
-        logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True, **fsdp,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+        **fsdp,
     )
     model, dataset, reward = args.model or default_model_path(), default_task_dataset(64), default_task_reward()
     if args.architecture:  # the model the driver built; synthetic chat prompts, a length reward
@@ -166,26 +201,34 @@ def worker(args) -> None:
     ends = [start] + step_ends
     step_times = [b - a for a, b in zip(ends, ends[1:])][STEPS_PER_ROLLOUT:]  # the warm-up rollout is untimed
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    held = sum((p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)).numel()
-               for p in unwrapped.parameters())
+    held = sum(
+        (p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)).numel() for p in unwrapped.parameters()
+    )
     full = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters())
     gc.collect()
     storages = live_tensor_storages()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if gpu:  # the device's side: its peak over the run, and what stays allocated after training (model states)
-        device_figures = {"peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20,
-                          "gpu_allocated_mib": torch.cuda.memory_allocated() / 2**20}
+        device_figures = {
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20,
+            "gpu_allocated_mib": torch.cuda.memory_allocated() / 2**20,
+        }
     else:
         device_figures = {}
     result = {
-        "mode": mode, "processes": processes, "rank": rank,
+        "mode": mode,
+        "processes": processes,
+        "rank": rank,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "tensor_mib": sum(storages.values()) / 2**20,
-        "largest_storages_mib": sorted((round(b / 2**20, 1) for b in storages.values()), reverse=True)[:12], "parameter_share": held / full,
-        "step_s": statistics.median(step_times), "round_s": sum(step_times) / args.rollouts,
+        "largest_storages_mib": sorted((round(b / 2**20, 1) for b in storages.values()), reverse=True)[:12],
+        "parameter_share": held / full,
+        "step_s": statistics.median(step_times),
+        "round_s": sum(step_times) / args.rollouts,
         "threads": torch.get_num_threads(),
-        "reward": [e["reward"] for e in trainer.state.log_history if "reward" in e], **device_figures,
+        "reward": [e["reward"] for e in trainer.state.log_history if "reward" in e],
+        **device_figures,
     }
     with open(f"{args.worker_out}.rank{rank}.json", "w", encoding="utf-8") as handle:
         json.dump(result, handle)
@@ -193,14 +236,30 @@ def worker(args) -> None:
 
 # ----------------------------------------------------------------------------------------------- driver side
 
+
 def launch(args, mode: str, processes: int, folder: Path) -> list[dict]:
     out = folder / f"{mode}_{processes}"
     threads = max(1, (os.cpu_count() or 1) // processes)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               str(Path(__file__).resolve()), "--worker", mode, "--worker_out", str(out),
-               "--rollouts", str(args.rollouts), "--max_completion_length", str(args.max_completion_length),
-               "--device", args.device]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        str(Path(__file__).resolve()),
+        "--worker",
+        mode,
+        "--worker_out",
+        str(out),
+        "--rollouts",
+        str(args.rollouts),
+        "--max_completion_length",
+        str(args.max_completion_length),
+        "--device",
+        args.device,
+    ]
     if args.model:
         command += ["--model", args.model]
     if args.architecture:
@@ -230,16 +289,20 @@ def load_rows(path: str | Path = HERE / "results" / "distributed.json") -> list[
 
 def table(rows: list[dict]) -> str:
     gpu = any("peak_gpu_mib" in r for r in rows)
-    lines = ["| mode | processes | rank | peak RSS (MiB) | live tensors (MiB) | parameter share | step (s) |"
-             + (" peak GPU (MiB) | GPU after training (MiB) |" if gpu else ""),
-             "|---|---|---|---|---|---|---|" + ("---|---|" if gpu else "")]
+    lines = [
+        "| mode | processes | rank | peak RSS (MiB) | live tensors (MiB) | parameter share | step (s) |"
+        + (" peak GPU (MiB) | GPU after training (MiB) |" if gpu else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if gpu else ""),
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['mode']} | {r['processes']} | — | failed | | | |" + (" | |" if gpu else ""))
             continue
-        lines.append(f"| {r['mode']} | {r['processes']} | {r['rank']} | {r['peak_rss_mib']:.0f} | "
-                     f"{r['tensor_mib']:.0f} | {r['parameter_share']:.2f} | {r['step_s']:.2f} |"
-                     + (f" {r['peak_gpu_mib']:.0f} | {r['gpu_allocated_mib']:.0f} |" if gpu else ""))
+        lines.append(
+            f"| {r['mode']} | {r['processes']} | {r['rank']} | {r['peak_rss_mib']:.0f} | "
+            f"{r['tensor_mib']:.0f} | {r['parameter_share']:.2f} | {r['step_s']:.2f} |"
+            + (f" {r['peak_gpu_mib']:.0f} | {r['gpu_allocated_mib']:.0f} |" if gpu else "")
+        )
     return "\n".join(lines)
 
 
@@ -269,15 +332,26 @@ def main(argv=None) -> None:
     import torch
 
     record = {
-        "date": _dt.date.today().isoformat(), "machine": cpu_model(),
+        "date": _dt.date.today().isoformat(),
+        "machine": cpu_model(),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-        "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-        "work": {"model": args.architecture and f"{args.architecture} (random init)" or args.model,
-                 "device": args.device, "global_batch": GLOBAL_BATCH, "num_generations": NUM_GENERATIONS,
-                 "steps_per_rollout": STEPS_PER_ROLLOUT, "max_completion_length": args.max_completion_length,
-                 "timed_rollouts": args.rollouts},
-        "deepspeed": {mode: deepspeed_config(mode, not args.deepspeed_defaults)
-                      for mode in args.modes.split(",") if mode.startswith("zero")},
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "work": {
+            "model": args.architecture and f"{args.architecture} (random init)" or args.model,
+            "device": args.device,
+            "global_batch": GLOBAL_BATCH,
+            "num_generations": NUM_GENERATIONS,
+            "steps_per_rollout": STEPS_PER_ROLLOUT,
+            "max_completion_length": args.max_completion_length,
+            "timed_rollouts": args.rollouts,
+        },
+        "deepspeed": {
+            mode: deepspeed_config(mode, not args.deepspeed_defaults)
+            for mode in args.modes.split(",")
+            if mode.startswith("zero")
+        },
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -107,18 +107,25 @@ def main(argv=None) -> None:
     print("| later turns | rollout (s), min | median | prefill positions | turns per episode | completion tokens |")
     print("|---|---|---|---|---|---|")
     for mode, row in summary.items():
-        print(f"| {mode} | {row['seconds_min']:.2f} | {row['seconds_median']:.2f} | "
-              f"{row['prefill_positions_median']:.0f} | {row['turns_per_episode']:.2f} | {row['completion_tokens']:.0f} |")
+        print(
+            f"| {mode} | {row['seconds_min']:.2f} | {row['seconds_median']:.2f} | "
+            f"{row['prefill_positions_median']:.0f} | {row['turns_per_episode']:.2f} | {row['completion_tokens']:.0f} |"
+        )
     out = Path(args.out or HERE / "results" / f"episode_rollout_{args.env}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": "python benchmarks/episode_rollout.py " + " ".join(argv or os.sys.argv[1:]),
-        "date": _dt.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
-        "episodes": len(batch),
-        "summary": summary,
-        "runs": runs,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/episode_rollout.py " + " ".join(argv or os.sys.argv[1:]),
+                "date": _dt.date.today().isoformat(),
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+                "episodes": len(batch),
+                "summary": summary,
+                "runs": runs,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

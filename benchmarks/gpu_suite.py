@@ -45,10 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None, help="SmolLM2 tokenizer directory (see benchmarks/README.md).")
     parser.add_argument("--out_dir", default=str(DEFAULT_OUT))
     parser.add_argument("--timeout", type=float, default=None, help="Seconds before one worker is killed.")
-    parser.add_argument("--smoke", action="store_true", help="A tiny model, 8 tokens, no warm-up: checks that "
-                        "every part runs (figures meaningless).")
-    parser.add_argument("--gradient_checkpointing", action="store_true", help="Activation checkpointing in both "
-                        "libraries (the 1.7B architecture at 4,096 tokens needs it on an 80 GB GPU).")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="A tiny model, 8 tokens, no warm-up: checks that every part runs (figures meaningless).",
+    )
+    parser.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Activation checkpointing in both "
+        "libraries (the 1.7B architecture at 4,096 tokens needs it on an 80 GB GPU).",
+    )
     parser.add_argument("--impls", default="ours,trl", help="Which libraries run, e.g. 'ours' where TRL cannot.")
     parser.add_argument("--python", default=sys.executable)
     return parser
@@ -56,11 +63,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cell_command(args, architecture: str, length: int, out: Path) -> list[str]:
     command = [
-        args.python, str(HERE / "step_time.py"), "--device", args.device, "--architecture", architecture,
-        "--max_completion_length", str(length), "--repeats", str(args.repeats), "--out", str(out),
+        args.python,
+        str(HERE / "step_time.py"),
+        "--device",
+        args.device,
+        "--architecture",
+        architecture,
+        "--max_completion_length",
+        str(length),
+        "--repeats",
+        str(args.repeats),
+        "--out",
+        str(out),
         # The work: 16 completions per optimizer step, 4 optimizer steps per generation round.
-        "--per_device_train_batch_size", "16", "--steps_per_generation", "4", "--num_generations", "8",
-        "--dataset_size", "64", "--impls", args.impls,
+        "--per_device_train_batch_size",
+        "16",
+        "--steps_per_generation",
+        "4",
+        "--num_generations",
+        "8",
+        "--dataset_size",
+        "64",
+        "--impls",
+        args.impls,
     ]
     if args.gradient_checkpointing:
         command.append("--gradient_checkpointing")

@@ -40,9 +40,11 @@ def score(model, batch, padding_free: bool):
 
 def compare(a, b):
     (logps_a, grad_a), (logps_b, grad_b) = a, b
-    return {"logps_max_abs_diff": float((logps_a - logps_b).abs().max()),
-            "logps_mean_abs_diff": float((logps_a - logps_b).abs().mean()),
-            "grad_rel_norm_diff": float((grad_a - grad_b).norm() / grad_a.norm())}
+    return {
+        "logps_max_abs_diff": float((logps_a - logps_b).abs().max()),
+        "logps_mean_abs_diff": float((logps_a - logps_b).abs().mean()),
+        "grad_rel_norm_diff": float((grad_a - grad_b).norm() / grad_a.norm()),
+    }
 
 
 def main() -> None:
@@ -70,17 +72,30 @@ def main() -> None:
     completion = torch.randint(3, vocab, (args.rows, args.completion), generator=generator)
     lengths = torch.randint(args.completion // 4, args.completion + 1, (args.rows,), generator=generator)
     completion_mask = (torch.arange(args.completion) < lengths[:, None]).long()
-    batch = tuple(t.to(DEVICE) for t in (torch.cat([prompt, completion], 1), torch.cat([prompt_mask, completion_mask], 1),
-                                     completion, completion_mask))
+    batch = tuple(
+        t.to(DEVICE)
+        for t in (
+            torch.cat([prompt, completion], 1),
+            torch.cat([prompt_mask, completion_mask], 1),
+            completion,
+            completion_mask,
+        )
+    )
 
-    results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "shape": vars(args)}
+    results = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shape": vars(args),
+    }
     before = {}
     for padding_free in (False, True):
         fp32_scores = score(fp32, batch, padding_free)
         before[padding_free] = score(bf16, batch, padding_free)
         results[f"padding_free={padding_free}"] = {"bf16_vs_fp32": compare(fp32_scores, before[padding_free])}
     apply_liger_kernel(bf16, None)  # what Trainer does with use_liger_kernel=True and no liger_kernel_config
-    results["patched_mlp"] = type(bf16.model.layers[0].mlp).__name__ + "." + bf16.model.layers[0].mlp.forward.__qualname__
+    results["patched_mlp"] = (
+        type(bf16.model.layers[0].mlp).__name__ + "." + bf16.model.layers[0].mlp.forward.__qualname__
+    )
     results["patched_norm"] = bf16.model.norm.forward.__qualname__
     for padding_free in (False, True):
         plain = results[f"padding_free={padding_free}"]

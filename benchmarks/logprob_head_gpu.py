@@ -31,22 +31,46 @@ def ours_loss(hidden, head, labels, old, advantages, mask, chunk, epsilon, epsil
     flat, flat_labels = hidden.reshape(-1, width), labels.reshape(-1)
     logps, entropy = [], []
     for start in range(0, flat.shape[0], chunk):
-        lp, ent = checkpoint(_chunk_logps_and_entropy, flat[start : start + chunk], head,
-                             flat_labels[start : start + chunk], 1.0, 1.0, None, False, use_reentrant=False)
+        lp, ent = checkpoint(
+            _chunk_logps_and_entropy,
+            flat[start : start + chunk],
+            head,
+            flat_labels[start : start + chunk],
+            1.0,
+            1.0,
+            None,
+            False,
+            use_reentrant=False,
+        )
         logps.append(lp)
         entropy.append(ent)
     per_token = torch.cat(logps).view(rows, length)
-    loss, _ = policy_loss(per_token, old, advantages, mask, loss_type="grpo", importance_sampling_level="sequence",
-                          epsilon=epsilon, epsilon_high=epsilon_high)
+    loss, _ = policy_loss(
+        per_token,
+        old,
+        advantages,
+        mask,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+    )
     return loss
 
 
 def liger_loss_fn(epsilon, epsilon_high, chunk_size):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    fused = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo", epsilon_low=epsilon,
-                                     epsilon_high=epsilon_high, importance_sampling_level="sequence",
-                                     temperature=1.0, chunk_size=chunk_size)
+    fused = LigerFusedLinearGRPOLoss(
+        beta=0.0,
+        use_ref_model=False,
+        loss_type="grpo",
+        epsilon_low=epsilon,
+        epsilon_high=epsilon_high,
+        importance_sampling_level="sequence",
+        temperature=1.0,
+        chunk_size=chunk_size,
+    )
 
     def run(hidden, head, labels, old, advantages, mask):
         out = fused(hidden, head.weight, labels, mask, advantages, old_per_token_logps=old)
@@ -71,9 +95,14 @@ def measure(fn, inputs, repeats: int, warmup: int):
         torch.cuda.synchronize()
         if index >= warmup:
             times.append(time.perf_counter() - start)
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-            "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30, "loss": float(loss),
-            "grad_hidden": hidden.grad.detach().clone(), "grad_head": head.weight.grad.detach().clone()}
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "min_ms": 1e3 * min(times),
+        "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "loss": float(loss),
+        "grad_hidden": hidden.grad.detach().clone(),
+        "grad_head": head.weight.grad.detach().clone(),
+    }
 
 
 def main() -> None:

@@ -31,8 +31,13 @@ OBJECTIVES = {
     "GRPO": ({"importance_sampling_level": "token"}, "clip_ratio/region"),
 }
 BUDGET = {
-    "max_steps": 40, "steps_per_generation": 4, "per_device_train_batch_size": 16, "num_generations": 8,
-    "max_completion_length": 48, "learning_rate": 2e-5, "seed": 0,
+    "max_steps": 40,
+    "steps_per_generation": 4,
+    "per_device_train_batch_size": 16,
+    "num_generations": 8,
+    "max_completion_length": 48,
+    "learning_rate": 2e-5,
+    "seed": 0,
 }
 
 
@@ -40,14 +45,28 @@ def run(name: str, out: Path) -> None:
     overrides, _ = OBJECTIVES[name]
     flags = [f"--{key}={value}" for key, value in {**BUDGET, **overrides}.items()]
     run_dir = Path("/tmp/gspo-objectives") / name  # the saved model (0.5 GB) stays out of the repository
-    command = [sys.executable, "-m", "gspo_trl.cli", "train", f"--output_dir={run_dir}",
-               f"--metrics_file={run_dir}.metrics.json", f"--plot_file={run_dir}.png", *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "gspo_trl.cli",
+        "train",
+        f"--output_dir={run_dir}",
+        f"--metrics_file={run_dir}.metrics.json",
+        f"--plot_file={run_dir}.png",
+        *flags,
+    ]
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT)
     wall = time.perf_counter() - start
     metrics = json.loads(Path(f"{run_dir}.metrics.json").read_text())
-    result = {"objective": name, "overrides": overrides, "budget": BUDGET, "wall_clock_s": wall,
-              "date": time.strftime("%Y-%m-%d"), "log_history": metrics["log_history"]}
+    result = {
+        "objective": name,
+        "overrides": overrides,
+        "budget": BUDGET,
+        "wall_clock_s": wall,
+        "date": time.strftime("%Y-%m-%d"),
+        "log_history": metrics["log_history"],
+    }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
 
 
@@ -57,24 +76,34 @@ def summarize(result: dict) -> dict:
     rewards = [e["reward"] for e in steps if "reward" in e]  # one per rollout
     off_policy = [e[gate_metric] for e in steps if gate_metric in e and e["step"] % BUDGET["steps_per_generation"] != 1]
     return {
-        "first": sum(rewards[:3]) / 3, "last": sum(rewards[-3:]) / 3, "rollouts": len(rewards),
-        "gate_metric": gate_metric, "gate_off_policy": sum(off_policy) / max(len(off_policy), 1),
+        "first": sum(rewards[:3]) / 3,
+        "last": sum(rewards[-3:]) / 3,
+        "rollouts": len(rewards),
+        "gate_metric": gate_metric,
+        "gate_off_policy": sum(off_policy) / max(len(off_policy), 1),
         "wall_min": result["wall_clock_s"] / 60,
     }
 
 
 def render_table(results: dict[str, dict]) -> str:
-    lines = ["| objective | reward, first 3 rollouts | reward, last 3 rollouts | clip / gate on off-policy steps | "
-             "wall-clock |", "|---|---|---|---|---|"]
+    lines = [
+        "| objective | reward, first 3 rollouts | reward, last 3 rollouts | clip / gate on off-policy steps | "
+        "wall-clock |",
+        "|---|---|---|---|---|",
+    ]
     for name, result in results.items():
         s = summarize(result)
-        lines.append(f"| {name} | {s['first']:.3f} | {s['last']:.3f} | `{s['gate_metric']}` = {s['gate_off_policy']:.3f} "
-                     f"| {s['wall_min']:.1f} min |")
+        lines.append(
+            f"| {name} | {s['first']:.3f} | {s['last']:.3f} | `{s['gate_metric']}` = {s['gate_off_policy']:.3f} "
+            f"| {s['wall_min']:.1f} min |"
+        )
     return "\n".join(lines)
 
 
 def load_results(out: Path = RESULTS) -> dict[str, dict]:
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in OBJECTIVES if (out / f"{name}.json").exists()}
+    return {
+        name: json.loads((out / f"{name}.json").read_text()) for name in OBJECTIVES if (out / f"{name}.json").exists()
+    }
 
 
 def plot(results: dict[str, dict], path: Path = PLOT) -> None:

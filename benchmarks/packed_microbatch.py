@@ -39,17 +39,21 @@ def main(argv=None) -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--no_checkpointing", action="store_true")
     parser.add_argument("--no_pool", action="store_true", help="skip gspo_trl.cpu_memory.pool_freed_memory()")
-    parser.add_argument("--one_forward", action="store_true", help="pack the whole micro-batch into one forward "
-                        "(the layout before packing.plan_forwards cut long and short completions apart)")
+    parser.add_argument(
+        "--one_forward",
+        action="store_true",
+        help="pack the whole micro-batch into one forward "
+        "(the layout before packing.plan_forwards cut long and short completions apart)",
+    )
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     args = parser.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM
 
+    import gspo_trl.logprobs
     from gspo_trl.cpu_memory import pool_freed_memory
     from gspo_trl.default_model import default_model_path
-    import gspo_trl.logprobs
     from gspo_trl.logprobs import completion_logprobs
     from gspo_trl.packing import pack_shared_prefix, relative_attention_cost
 
@@ -72,17 +76,33 @@ def main(argv=None) -> None:
     input_ids = torch.cat([prompt, completions], dim=1)
     attention_mask = torch.cat([torch.ones_like(prompt), completion_mask], dim=1)
     pair_cost = relative_attention_cost(model.config)
-    forwards = gspo_trl.logprobs.plan_forwards(prompt, torch.ones_like(prompt), completions, completion_mask,
-                                               attention_pair_cost=pair_cost)
+    forwards = gspo_trl.logprobs.plan_forwards(
+        prompt, torch.ones_like(prompt), completions, completion_mask, attention_pair_cost=pair_cost
+    )
     layout = []  # the first level of the plan (completion_logprobs plans each side again)
     for rows in forwards:
-        packed = pack_shared_prefix(prompt[rows], torch.ones_like(prompt[rows]), completions[rows],
-                                    completion_mask[rows], attention_pair_cost=pair_cost)
-        layout.append({"completions": len(rows), "rows": packed.input_ids.shape[0],
-                       "positions_per_row": packed.input_ids.shape[1], "real_tokens": packed.num_real_tokens,
-                       "dense_mask": packed.attention_mask is not None})
-    print(json.dumps({"lengths": lengths, "checkpointing": not args.no_checkpointing, "pool": not args.no_pool,
-                      "layout": layout}), flush=True)
+        packed = pack_shared_prefix(
+            prompt[rows],
+            torch.ones_like(prompt[rows]),
+            completions[rows],
+            completion_mask[rows],
+            attention_pair_cost=pair_cost,
+        )
+        layout.append(
+            {
+                "completions": len(rows),
+                "rows": packed.input_ids.shape[0],
+                "positions_per_row": packed.input_ids.shape[1],
+                "real_tokens": packed.num_real_tokens,
+                "dense_mask": packed.attention_mask is not None,
+            }
+        )
+    print(
+        json.dumps(
+            {"lengths": lengths, "checkpointing": not args.no_checkpointing, "pool": not args.no_pool, "layout": layout}
+        ),
+        flush=True,
+    )
     for number in range(args.passes):
         model.zero_grad(set_to_none=False)
         start = time.perf_counter()
@@ -90,9 +110,17 @@ def main(argv=None) -> None:
         after_forward = {"resident_mib": resident_mib(), "peak_mib": peak_mib()}
         scores.logps.sum().backward()
         del scores
-        print(json.dumps({"pass": number, "seconds": round(time.perf_counter() - start, 1),
-                          "after_forward": after_forward,
-                          "after_backward": {"resident_mib": resident_mib(), "peak_mib": peak_mib()}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "pass": number,
+                    "seconds": round(time.perf_counter() - start, 1),
+                    "after_forward": after_forward,
+                    "after_backward": {"resident_mib": resident_mib(), "peak_mib": peak_mib()},
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

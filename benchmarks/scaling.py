@@ -31,14 +31,22 @@ def run_length(args, length: int) -> Path:
         print(f"[scaling] {out} exists, reused")
         return out
     command = [
-        sys.executable, str(HERE / "step_time.py"),
-        "--max_completion_length", str(length),
-        "--repeats", str(args.repeats),
-        "--rounds", str(args.rounds),
-        "--warmup_rounds", str(args.warmup_rounds),
-        "--impls", args.impls,
-        "--seed", str(args.seed),
-        "--out", str(out),
+        sys.executable,
+        str(HERE / "step_time.py"),
+        "--max_completion_length",
+        str(length),
+        "--repeats",
+        str(args.repeats),
+        "--rounds",
+        str(args.rounds),
+        "--warmup_rounds",
+        str(args.warmup_rounds),
+        "--impls",
+        args.impls,
+        "--seed",
+        str(args.seed),
+        "--out",
+        str(out),
     ] + (["--gradient_checkpointing"] if args.gradient_checkpointing else [])
     print("[scaling] " + " ".join(command), flush=True)
     # A worker that fails (e.g. killed for memory) is recorded in the JSON; the other lengths still run.
@@ -58,25 +66,33 @@ def collect(paths: dict[int, Path]) -> list[dict]:
         data = json.loads(path.read_text())
         for run in data["runs"]:
             if run.get("error"):
-                rows.append({"max_completion_length": length, "impl": run["impl"], "error": run["error"],
-                             "source": _source(path)})
+                rows.append(
+                    {
+                        "max_completion_length": length,
+                        "impl": run["impl"],
+                        "error": run["error"],
+                        "source": _source(path),
+                    }
+                )
         for impl, figures in data["summary"]["per_impl"].items():
             if "step_s" not in figures:
                 continue
-            rows.append({
-                "max_completion_length": length,
-                "impl": impl,
-                "step_s": figures["step_s"]["median"],
-                "generate_s_per_round": figures["generate_s"]["median"],
-                "train_step_s": figures["train_step_s"]["median"],
-                "round_s": figures["round_s"]["median"],
-                "completion_tokens": figures["completion_tokens"]["median"],
-                "peak_rss_mb": figures["peak_rss_mb"]["median"],
-                "mean_completion_length": figures["mean_completion_length"]["median"],
-                "padding_share": figures.get("padding_share", {}).get("median"),
-                "runs": len(figures["step_s"]["values"]),
-                "source": _source(path),
-            })
+            rows.append(
+                {
+                    "max_completion_length": length,
+                    "impl": impl,
+                    "step_s": figures["step_s"]["median"],
+                    "generate_s_per_round": figures["generate_s"]["median"],
+                    "train_step_s": figures["train_step_s"]["median"],
+                    "round_s": figures["round_s"]["median"],
+                    "completion_tokens": figures["completion_tokens"]["median"],
+                    "peak_rss_mb": figures["peak_rss_mb"]["median"],
+                    "mean_completion_length": figures["mean_completion_length"]["median"],
+                    "padding_share": figures.get("padding_share", {}).get("median"),
+                    "runs": len(figures["step_s"]["values"]),
+                    "source": _source(path),
+                }
+            )
     return rows
 
 
@@ -96,12 +112,23 @@ def plot(rows: list[dict], out: Path) -> None:
         left.plot(lengths, [r["step_s"] for r in points], style, label=label)
         right.plot(lengths, [r["peak_rss_mb"] / 1024 for r in points], style, label=label)
         for r in points:
-            left.annotate(f"{r['mean_completion_length']:.0f}", (r["max_completion_length"], r["step_s"]),
-                          textcoords="offset points", xytext=(4, 4), fontsize=7)
+            left.annotate(
+                f"{r['mean_completion_length']:.0f}",
+                (r["max_completion_length"], r["step_s"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+            )
     for r in rows:
         if "error" in r:
-            left.annotate(f"{r['impl']}: {r['error']}", (r["max_completion_length"], 0), textcoords="offset points",
-                          xytext=(-120, 8), fontsize=7, color="red")
+            left.annotate(
+                f"{r['impl']}: {r['error']}",
+                (r["max_completion_length"], 0),
+                textcoords="offset points",
+                xytext=(-120, 8),
+                fontsize=7,
+                color="red",
+            )
     for axis in (left, right):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("max completion length (tokens)")
@@ -134,7 +161,9 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.plot_only:
-        paths = {n: out_dir / f"step_time_max{n}.json" for n in lengths if (out_dir / f"step_time_max{n}.json").exists()}
+        paths = {
+            n: out_dir / f"step_time_max{n}.json" for n in lengths if (out_dir / f"step_time_max{n}.json").exists()
+        }
     else:
         paths = {n: run_length(args, n) for n in lengths}
     rows = collect(paths)
@@ -144,8 +173,10 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"  max {r['max_completion_length']:>5}  {r['impl']:<4}  failed: {r['error']}")
             continue
-        print(f"  max {r['max_completion_length']:>5}  {r['impl']:<4}  {r['step_s']:7.2f} s/step  "
-              f"{r['peak_rss_mb']:7.0f} MiB  mean completion {r['mean_completion_length']:.1f}")
+        print(
+            f"  max {r['max_completion_length']:>5}  {r['impl']:<4}  {r['step_s']:7.2f} s/step  "
+            f"{r['peak_rss_mb']:7.0f} MiB  mean completion {r['mean_completion_length']:.1f}"
+        )
     return 0
 
 

@@ -37,8 +37,10 @@ from gspo_trl.rollout import keyed_uniform, stream_keys  # noqa: E402
 
 def prompts(tokenizer, rows: int, device):
     texts = [f"What is {i % 7} + {3 * (i % 5)}? Explain step by step." for i in range(rows)]
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                           add_generation_prompt=True) for t in texts]
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        for t in texts
+    ]
     encoded = tokenizer(chats, return_tensors="pt", padding=True, padding_side="left")
     return encoded.input_ids.to(device), encoded.attention_mask.to(device)
 
@@ -50,25 +52,37 @@ def agreement(model_dir, tokenizer, device, new_tokens: int, rows: int = 32) -> 
     # about 2% of the rows end at each step, so rows end at many different steps.
     stops = [tokenizer.eos_token_id, *range(1000, 2000)]
     processors = decoding.logits_processors(
-        GenerationConfig(do_sample=True, temperature=0.9, top_p=0.95, repetition_penalty=1.1))
-    kwargs = dict(max_new_tokens=new_tokens, eos_token_ids=stops, pad_token_id=tokenizer.pad_token_id,
-                  processors=processors, uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+        GenerationConfig(do_sample=True, temperature=0.9, top_p=0.95, repetition_penalty=1.1)
+    )
+    kwargs = dict(
+        max_new_tokens=new_tokens,
+        eos_token_ids=stops,
+        pad_token_id=tokenizer.pad_token_id,
+        processors=processors,
+        uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+    )
     results = {}
-    for name, dtype, autocast in [("fp32", torch.float32, False), ("bf16 weights", torch.bfloat16, False),
-                                  ("fp32 weights, bf16 autocast", torch.float32, True)]:
+    for name, dtype, autocast in [
+        ("fp32", torch.float32, False),
+        ("bf16 weights", torch.bfloat16, False),
+        ("fp32 weights, bf16 autocast", torch.float32, True),
+    ]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            graphed = static_decoding.sample(model, ids, mask, graphs=device.type == "cuda", window_block=64,
-                                             check_every=4, **kwargs).completion_ids
-            eager = static_decoding.sample(model, ids, mask, graphs=False, window_block=64, check_every=4,
-                                           **kwargs).completion_ids
+            graphed = static_decoding.sample(
+                model, ids, mask, graphs=device.type == "cuda", window_block=64, check_every=4, **kwargs
+            ).completion_ids
+            eager = static_decoding.sample(
+                model, ids, mask, graphs=False, window_block=64, check_every=4, **kwargs
+            ).completion_ids
             dynamic = decoding.sample(model, ids, mask, **kwargs).completion_ids
         ended = torch.isin(graphed, torch.tensor(stops, device=device))
         lengths = torch.where(ended.any(1), ended.float().argmax(1) + 1, graphed.shape[1])
         results[name] = {
             "graphs_equal_eager_static": bool(torch.equal(graphed, eager)),
             "token_agreement_with_dynamic": float((graphed == dynamic).float().mean())
-            if graphed.shape == dynamic.shape else None,
+            if graphed.shape == dynamic.shape
+            else None,
             "shapes": [list(graphed.shape), list(dynamic.shape)],
             "rows_that_ended": int(ended.any(1).sum()),
             "distinct_lengths": len(set(lengths.tolist())),
@@ -81,8 +95,12 @@ def timing(model_dir, tokenizer, device, rows: int, new_tokens: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     ids, mask = prompts(tokenizer, rows, device)
     no_eos = [-1]  # random weights; and no row may stop, so every method does the same number of steps
-    kwargs = dict(max_new_tokens=new_tokens, eos_token_ids=no_eos, pad_token_id=tokenizer.pad_token_id,
-                  processors=LogitsProcessorList())
+    kwargs = dict(
+        max_new_tokens=new_tokens,
+        eos_token_ids=no_eos,
+        pad_token_id=tokenizer.pad_token_id,
+        processors=LogitsProcessorList(),
+    )
 
     def clock(fn):
         fn()  # warm-up (captures graphs, loads kernels)
@@ -94,17 +112,24 @@ def timing(model_dir, tokenizer, device, rows: int, new_tokens: int) -> dict:
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / new_tokens * 1000
 
-    config = GenerationConfig(do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = GenerationConfig(
+        do_sample=True,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     with torch.no_grad():
         out = {
-            "generate_ms_per_step": clock(lambda: model.generate(input_ids=ids, attention_mask=mask,
-                                                                 generation_config=config)),
-            "dynamic_loop_ms_per_step": clock(lambda: decoding.sample(
-                model, ids, mask, cache=prefill(model, ids, mask), **kwargs)),
-            "static_graphs_ms_per_step": clock(lambda: static_decoding.sample(
-                model, ids, mask, graphs=device.type == "cuda",
-                **kwargs)),
+            "generate_ms_per_step": clock(
+                lambda: model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            ),
+            "dynamic_loop_ms_per_step": clock(
+                lambda: decoding.sample(model, ids, mask, cache=prefill(model, ids, mask), **kwargs)
+            ),
+            "static_graphs_ms_per_step": clock(
+                lambda: static_decoding.sample(model, ids, mask, graphs=device.type == "cuda", **kwargs)
+            ),
         }
     out.update(rows=rows, new_tokens=new_tokens, prompt_length=ids.shape[1])
     print(out, flush=True)
@@ -113,16 +138,22 @@ def timing(model_dir, tokenizer, device, rows: int, new_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", default=None,
-                        help="SmolLM2 tokenizer directory (default: taken from the demo model, cached in a temp dir)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="SmolLM2 tokenizer directory (default: taken from the demo model, cached in a temp dir)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timing_architecture", default="smollm2-1.7b")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--new_tokens", type=int, default=256)
     parser.add_argument("--agreement_tokens", type=int, default=96)
     parser.add_argument("--skip_timing", action="store_true")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny architecture, 4 rows, 8 tokens, no timing: checks that the script runs")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny architecture, 4 rows, 8 tokens, no timing: checks that the script runs",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -130,14 +161,19 @@ def main() -> None:
         tokenizer_dir = args.tokenizer or smollm2_tokenizer_dir(Path(tmp))
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         small = build_random_model("tiny" if args.smoke else "smollm2-135m", tokenizer_dir, Path(tmp) / "small")
-        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  "torch": torch.__version__,
-                  "agreement": agreement(small, tokenizer, device, 8 if args.smoke else args.agreement_tokens,
-                                         rows=4 if args.smoke else 32)}
+        result = {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "agreement": agreement(
+                small, tokenizer, device, 8 if args.smoke else args.agreement_tokens, rows=4 if args.smoke else 32
+            ),
+        }
         if not (args.skip_timing or args.smoke):
             big = build_random_model(args.timing_architecture, tokenizer_dir, Path(tmp) / "big")
-            result["timing"] = {"architecture": args.timing_architecture,
-                                **timing(big, tokenizer, device, args.rows, args.new_tokens)}
+            result["timing"] = {
+                "architecture": args.timing_architecture,
+                **timing(big, tokenizer, device, args.rows, args.new_tokens),
+            }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -90,31 +90,57 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--impl", choices=IMPLS, default=None, help="Worker mode: train once with this implementation "
-                       "and print one JSON line. Left out: driver mode (starts the workers).")
+    bench.add_argument(
+        "--impl",
+        choices=IMPLS,
+        default=None,
+        help="Worker mode: train once with this implementation "
+        "and print one JSON line. Left out: driver mode (starts the workers).",
+    )
     bench.add_argument("--repeats", type=int, default=1, help="Pairs of runs (ours, TRL), alternating.")
     bench.add_argument("--impls", default="ours,trl", help="Comma-separated implementations the driver runs per pair.")
     bench.add_argument("--warmup_rounds", type=int, default=1, help="Untimed generation rounds before timing.")
     bench.add_argument("--rounds", type=int, default=2, help="Timed generation rounds.")
-    bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (and OMP/MKL threads) in "
-                       "every worker. Default: all cores this process may use.")
+    bench.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (and OMP/MKL threads) in every worker. Default: all cores this process may use.",
+    )
     bench.add_argument("--out", default=str(DEFAULT_OUT), help="JSON file with every run and the summary.")
-    bench.add_argument("--logs_dir", default=None, help="Where worker stdout/stderr go. Default: <out stem>_logs/ "
-                       "next to --out.")
+    bench.add_argument(
+        "--logs_dir", default=None, help="Where worker stdout/stderr go. Default: <out stem>_logs/ next to --out."
+    )
     bench.add_argument("--python", default=sys.executable, help="Interpreter for the workers.")
     bench.add_argument("--timeout", type=float, default=None, help="Seconds before a worker is killed (default: none).")
 
     work = parser.add_argument_group("work (identical for both implementations)")
-    work.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: fp32, use_cpu=True. cuda: the "
-                      "GPU recipe, a bf16 model (model_init_kwargs dtype) with bf16=True; phases timed with the device "
-                      "synchronised; peak GPU memory and a bf16 matmul peak are recorded.")
-    work.add_argument("--architecture", choices=("smollm2-135m", "smollm2-1.7b", "tiny"), default=None,
-                      help="Time a random-init model of these sizes with the SmolLM2 tokenizer (benchmarks/"
-                      "architectures.py) on synthetic chat prompts, instead of --model on the demo's task.")
-    work.add_argument("--tokenizer", default=None, help="With --architecture: a directory holding the SmolLM2 "
-                      "tokenizer files. Default: saved once from the demo model's GGUF.")
-    work.add_argument("--model", default=None, help="Model directory. Default: gspo_trl.default_model.default_model_path() "
-                      "(SmolLM2-135M-Instruct, fp32).")
+    work.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: fp32, use_cpu=True. cuda: the "
+        "GPU recipe, a bf16 model (model_init_kwargs dtype) with bf16=True; phases timed with the device "
+        "synchronised; peak GPU memory and a bf16 matmul peak are recorded.",
+    )
+    work.add_argument(
+        "--architecture",
+        choices=("smollm2-135m", "smollm2-1.7b", "tiny"),
+        default=None,
+        help="Time a random-init model of these sizes with the SmolLM2 tokenizer (benchmarks/"
+        "architectures.py) on synthetic chat prompts, instead of --model on the demo's task.",
+    )
+    work.add_argument(
+        "--tokenizer",
+        default=None,
+        help="With --architecture: a directory holding the SmolLM2 "
+        "tokenizer files. Default: saved once from the demo model's GGUF.",
+    )
+    work.add_argument(
+        "--model",
+        default=None,
+        help="Model directory. Default: gspo_trl.default_model.default_model_path() (SmolLM2-135M-Instruct, fp32).",
+    )
     work.add_argument("--dataset_size", type=int, default=256, help="Prompts drawn from the demo's reasoning-gym task.")
     work.add_argument("--num_generations", type=int, default=8)
     work.add_argument("--per_device_train_batch_size", type=int, default=16)
@@ -125,12 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--learning_rate", type=float, default=1e-6)
     work.add_argument("--epsilon", type=float, default=3e-4)
     work.add_argument("--epsilon_high", type=float, default=4e-4)
-    work.add_argument("--gradient_checkpointing", action="store_true", help="Turn activation (gradient) "
-                      "checkpointing on for both (default: off for both).")
-    work.add_argument("--use_liger_kernel", action="store_true", help="use_liger_kernel=True in both configs "
-                      "(liger-kernel's RMSNorm, SwiGLU and RoPE kernels; GPU only).")
-    work.add_argument("--max_tokens_per_pass", type=int, default=None, help="gspo-trl only: GSPOConfig's "
-                      "max_tokens_per_pass (0: one training pass per micro-batch). Default: the library's.")
+    work.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Turn activation (gradient) checkpointing on for both (default: off for both).",
+    )
+    work.add_argument(
+        "--use_liger_kernel",
+        action="store_true",
+        help="use_liger_kernel=True in both configs (liger-kernel's RMSNorm, SwiGLU and RoPE kernels; GPU only).",
+    )
+    work.add_argument(
+        "--max_tokens_per_pass",
+        type=int,
+        default=None,
+        help="gspo-trl only: GSPOConfig's "
+        "max_tokens_per_pass (0: one training pass per micro-batch). Default: the library's.",
+    )
     work.add_argument("--lora", action="store_true", help="Train a LoRA adapter (r, alpha below, all-linear) in both.")
     work.add_argument("--lora_r", type=int, default=16)
     work.add_argument("--lora_alpha", type=int, default=32)
@@ -141,8 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     problems = []
     if args.steps_per_generation % args.gradient_accumulation_steps:
-        problems.append("steps_per_generation must be a multiple of gradient_accumulation_steps "
-                        "(a generation round must hold whole optimizer steps)")
+        problems.append(
+            "steps_per_generation must be a multiple of gradient_accumulation_steps "
+            "(a generation round must hold whole optimizer steps)"
+        )
     if (args.per_device_train_batch_size * args.steps_per_generation) % args.num_generations:
         problems.append("per_device_train_batch_size × steps_per_generation must be a multiple of num_generations")
     if args.rounds < 1 or args.warmup_rounds < 0 or args.repeats < 1:
@@ -244,8 +283,9 @@ def instrument_trl(recorder: PhaseRecorder) -> None:
     )
     # _generate returns (prompt_ids, completion_ids, ...); completion ids are cut after the first EOS (kept).
     cls._generate = recorder.wrap(
-        cls._generate, "generate", extra=lambda out: {"tokens": sum(len(ids) for ids in out[1]),
-                                                      "completions": len(out[1])}
+        cls._generate,
+        "generate",
+        extra=lambda out: {"tokens": sum(len(ids) for ids in out[1]), "completions": len(out[1])},
     )
     cls._calculate_rewards = recorder.wrap(cls._calculate_rewards, "reward")
     # Inside the rollout it is the old-policy pass (beta=0: no reference pass); in training the
@@ -264,9 +304,12 @@ def instrument_ours(recorder: PhaseRecorder) -> None:
     cls._generate_and_score = recorder.wrap(cls._generate_and_score, "rollout", marks_rollout=True)
     # The completion mask keeps tokens up to and including the first EOS, as TRL's count does.
     HFGenerateBackend.generate = recorder.wrap(
-        HFGenerateBackend.generate, "generate",
-        extra=lambda rollout: {"tokens": int(rollout.completion_mask.sum()),
-                               "completions": int(rollout.completion_ids.shape[0])},
+        HFGenerateBackend.generate,
+        "generate",
+        extra=lambda rollout: {
+            "tokens": int(rollout.completion_mask.sum()),
+            "completions": int(rollout.completion_ids.shape[0]),
+        },
     )
     trainer_module.compute_rewards = recorder.wrap(trainer_module.compute_rewards, "reward")
     cls._score_without_grad = recorder.wrap(cls._score_without_grad, "old_logps")
@@ -330,7 +373,7 @@ def count_forward_tokens(recorder: PhaseRecorder, model) -> None:
             if labels is not None:  # TRL 1.16's fused head scores the positions whose next label is not -100
                 lm_tokens = int((labels[:, 1:] != -100).sum())
             else:
-                lm_tokens = int(mask[:, -(keep - 1):].sum()) if isinstance(keep, int) and keep > 1 else 0
+                lm_tokens = int(mask[:, -(keep - 1) :].sum()) if isinstance(keep, int) and keep > 1 else 0
         recorder.forwards.append((time.perf_counter(), kind, positions, real, pairs, lm_tokens))
 
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -420,8 +463,9 @@ def build_trainer(impl: str, args, model_path: str, dataset, reward, output_dir:
     if args.lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
-                                 task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     # TRL seeds before building the model (LoRA init is random); do the same for both.
     set_seed(args.seed)
     if impl == "trl":
@@ -436,8 +480,14 @@ def build_trainer(impl: str, args, model_path: str, dataset, reward, output_dir:
             cast_lm_head_to_fp32=False,
             multi_objective_aggregation="sum_then_normalize",
         )
-        return GRPOTrainer(model_path, reward_funcs=[reward], args=config, train_dataset=dataset,
-                           peft_config=peft_config, callbacks=[callback])
+        return GRPOTrainer(
+            model_path,
+            reward_funcs=[reward],
+            args=config,
+            train_dataset=dataset,
+            peft_config=peft_config,
+            callbacks=[callback],
+        )
     from gspo_trl import GSPOConfig
     from gspo_trl.trainer import GSPOTrainer
 
@@ -445,18 +495,54 @@ def build_trainer(impl: str, args, model_path: str, dataset, reward, output_dir:
     if args.max_tokens_per_pass is not None:
         ours_only["max_tokens_per_pass"] = args.max_tokens_per_pass
     config = GSPOConfig(**kwargs, **ours_only)
-    return GSPOTrainer(model_path, reward_funcs=[reward], args=config, train_dataset=dataset,
-                       peft_config=peft_config, callbacks=[callback])
+    return GSPOTrainer(
+        model_path,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=dataset,
+        peft_config=peft_config,
+        callbacks=[callback],
+    )
 
 
 RESOLVED_FIELDS = [
-    "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-    "generation_batch_size", "num_generations", "num_iterations", "max_completion_length", "temperature", "top_p",
-    "top_k", "min_p", "repetition_penalty", "importance_sampling_level", "loss_type", "epsilon", "epsilon_high",
-    "beta", "scale_rewards", "mask_truncated_completions", "disable_dropout", "learning_rate", "lr_scheduler_type",
-    "optim", "weight_decay", "max_grad_norm", "seed", "bf16", "fp16", "use_cpu", "activation_checkpointing",
-    "gradient_checkpointing", "activation_checkpointing_keep_attention", "use_liger_kernel", "shuffle_dataset",
-    "use_vllm", "use_transformers_continuous_batching",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+    "num_generations",
+    "num_iterations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "importance_sampling_level",
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "beta",
+    "scale_rewards",
+    "mask_truncated_completions",
+    "disable_dropout",
+    "learning_rate",
+    "lr_scheduler_type",
+    "optim",
+    "weight_decay",
+    "max_grad_norm",
+    "seed",
+    "bf16",
+    "fp16",
+    "use_cpu",
+    "activation_checkpointing",
+    "gradient_checkpointing",
+    "activation_checkpointing_keep_attention",
+    "use_liger_kernel",
+    "shuffle_dataset",
+    "use_vllm",
+    "use_transformers_continuous_batching",
 ]
 
 
@@ -559,29 +645,33 @@ def summarize_worker(args, recorder: PhaseRecorder, callback, dims: dict, matmul
         # on scored tokens; backward twice the forward with full fine-tuning, once (input gradients only)
         # for frozen weights under LoRA. Padding, masked-out pairs and recomputation are not counted.
         forward_flops = sum(
-            2 * dims["linear_params"] * f[3] + dims["attention_flops_per_pair"] * f[4] + dims["lm_head_flops_per_token"] * f[5]
+            2 * dims["linear_params"] * f[3]
+            + dims["attention_flops_per_pair"] * f[4]
+            + dims["lm_head_flops_per_token"] * f[5]
             for f in train
         )
         train_flops = forward_flops * (2 if args.lora else 3)
-        rounds.append({
-            "logprob_positions": positions,
-            "padding_share": (positions - real) / positions if positions else float("nan"),
-            "train_tflop": train_flops / 1e12,
-            "train_gflop_per_s": train_flops / 1e9 / (round_s - rollout),
-            "mfu": train_flops / 1e9 / (round_s - rollout) / matmul_peak_gflops,
-            "round_s": round_s,
-            "rollouts": sum(1 for e in inside if e[0] == "rollout"),
-            "rollout_s": rollout,
-            "generate_s": total("generate"),
-            "reward_s": total("reward"),
-            "old_logps_s": total("old_logps"),
-            "rollout_other_s": rollout - total("generate") - total("reward") - total("old_logps"),
-            "train_s": round_s - rollout,
-            "train_forward_s": forward,
-            "train_backward_etc_s": round_s - rollout - forward,
-            "completion_tokens": tokens,
-            "completions": completions,
-        })
+        rounds.append(
+            {
+                "logprob_positions": positions,
+                "padding_share": (positions - real) / positions if positions else float("nan"),
+                "train_tflop": train_flops / 1e12,
+                "train_gflop_per_s": train_flops / 1e9 / (round_s - rollout),
+                "mfu": train_flops / 1e9 / (round_s - rollout) / matmul_peak_gflops,
+                "round_s": round_s,
+                "rollouts": sum(1 for e in inside if e[0] == "rollout"),
+                "rollout_s": rollout,
+                "generate_s": total("generate"),
+                "reward_s": total("reward"),
+                "old_logps_s": total("old_logps"),
+                "rollout_other_s": rollout - total("generate") - total("reward") - total("old_logps"),
+                "train_s": round_s - rollout,
+                "train_forward_s": forward,
+                "train_backward_etc_s": round_s - rollout - forward,
+                "completion_tokens": tokens,
+                "completions": completions,
+            }
+        )
 
     def mean(key):
         return statistics.fmean(r[key] for r in rounds)
@@ -668,18 +758,20 @@ def run_worker(args) -> dict:
         result["figures"]["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["gpu"] = torch.cuda.get_device_name()
     rewards = [entry["reward"] for entry in log_history if "reward" in entry]
-    result.update({
-        "impl": args.impl,
-        "model_path": model_path,
-        "trainer": described,
-        "train_wall_s": train_wall_s,
-        "worker_wall_s": time.perf_counter() - wall_start,
-        "threads": threads,
-        "reward_per_step": rewards,
-        "old_logps_calls": sum(1 for e in recorder.events if e[0] == "old_logps"),
-        "checkpointing_during_training": getattr(callback, "checkpointing_during_training", None),
-        "versions": library_versions(),
-    })
+    result.update(
+        {
+            "impl": args.impl,
+            "model_path": model_path,
+            "trainer": described,
+            "train_wall_s": train_wall_s,
+            "worker_wall_s": time.perf_counter() - wall_start,
+            "threads": threads,
+            "reward_per_step": rewards,
+            "old_logps_calls": sum(1 for e in recorder.events if e[0] == "old_logps"),
+            "checkpointing_during_training": getattr(callback, "checkpointing_during_training", None),
+            "versions": library_versions(),
+        }
+    )
     return result
 
 
@@ -766,9 +858,23 @@ def other_cpu_load(before: dict | None, after: dict | None, elapsed: float) -> d
 
 def worker_command(args, impl: str, threads: int) -> list[str]:
     command = [args.python, str(Path(__file__).resolve()), "--impl", impl, "--threads", str(threads)]
-    for name in ("warmup_rounds", "rounds", "dataset_size", "num_generations", "per_device_train_batch_size",
-                 "gradient_accumulation_steps", "steps_per_generation", "max_completion_length", "temperature",
-                 "learning_rate", "epsilon", "epsilon_high", "lora_r", "lora_alpha", "seed"):
+    for name in (
+        "warmup_rounds",
+        "rounds",
+        "dataset_size",
+        "num_generations",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "steps_per_generation",
+        "max_completion_length",
+        "temperature",
+        "learning_rate",
+        "epsilon",
+        "epsilon_high",
+        "lora_r",
+        "lora_alpha",
+        "seed",
+    ):
         command += [f"--{name}", str(getattr(args, name))]
     command += ["--device", args.device]
     for name in ("model", "architecture", "tokenizer"):
@@ -788,16 +894,29 @@ def worker_command(args, impl: str, threads: int) -> list[str]:
 def run_one(args, impl: str, pair: int, threads: int, logs_dir: Path) -> dict:
     command = worker_command(args, impl, threads)
     log_path = logs_dir / f"pair{pair}_{impl}.log"
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    record = {"impl": impl, "pair": pair, "command": command, "log": str(log_path),
-              "load_average_before": list(os.getloadavg())}
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    record = {
+        "impl": impl,
+        "pair": pair,
+        "command": command,
+        "log": str(log_path),
+        "load_average_before": list(os.getloadavg()),
+    }
     print(f"[pair {pair}] {impl}: running (log: {log_path})", flush=True)
     cpu_before = cpu_times()
     start = time.perf_counter()
     try:
-        completed = subprocess.run(command, cwd=str(REPO_ROOT), env=env, capture_output=True, text=True,
-                                   timeout=args.timeout)
+        completed = subprocess.run(
+            command, cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, timeout=args.timeout
+        )
         stdout, stderr, returncode = completed.stdout, completed.stderr, completed.returncode
     except subprocess.TimeoutExpired as error:
         stdout = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
@@ -806,19 +925,24 @@ def run_one(args, impl: str, pair: int, threads: int, logs_dir: Path) -> dict:
     record["elapsed_s"] = time.perf_counter() - start
     record["cpu_during_run"] = other_cpu_load(cpu_before, cpu_times(), record["elapsed_s"])
     record["load_average_after"] = list(os.getloadavg())
-    log_path.write_text(f"$ {' '.join(command)}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}",
-                        encoding="utf-8")
+    log_path.write_text(f"$ {' '.join(command)}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}", encoding="utf-8")
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if returncode == 0 and lines:
-        record["result"] = json.loads(lines[-1][len(RESULT_PREFIX):])
+        record["result"] = json.loads(lines[-1][len(RESULT_PREFIX) :])
         figures = record["result"]["figures"]
-        print(f"[pair {pair}] {impl}: round {figures['round_s']:.2f} s, step {figures['step_s']:.2f} s "
-              f"({record['elapsed_s']:.0f} s wall)", flush=True)
+        print(
+            f"[pair {pair}] {impl}: round {figures['round_s']:.2f} s, step {figures['step_s']:.2f} s "
+            f"({record['elapsed_s']:.0f} s wall)",
+            flush=True,
+        )
     else:
         record["error"] = f"exit status {returncode}"
         record["stderr_tail"] = stderr[-4000:]
-        print(f"[pair {pair}] {impl}: FAILED ({record['error']}); last lines of stderr:\n"
-              + "\n".join(stderr.splitlines()[-15:]), flush=True)
+        print(
+            f"[pair {pair}] {impl}: FAILED ({record['error']}); last lines of stderr:\n"
+            + "\n".join(stderr.splitlines()[-15:]),
+            flush=True,
+        )
     return record
 
 
@@ -831,7 +955,10 @@ def summarize_runs(runs: list[dict], impls: list[str]) -> dict:
             values = [f[key] for f in results if key in f]
             if values:
                 summary["per_impl"][impl][key] = {
-                    "min": min(values), "median": statistics.median(values), "max": max(values), "values": values,
+                    "min": min(values),
+                    "median": statistics.median(values),
+                    "max": max(values),
+                    "values": values,
                 }
     if "ours" in impls and "trl" in impls:
         pairs = sorted({r["pair"] for r in runs})
@@ -845,7 +972,8 @@ def summarize_runs(runs: list[dict], impls: list[str]) -> dict:
                     ratios.append(None)
             valid = [x for x in ratios if x is not None]
             summary["ratio_ours_over_trl"][key] = {
-                "per_pair": ratios, "median": statistics.median(valid) if valid else None,
+                "per_pair": ratios,
+                "median": statistics.median(valid) if valid else None,
             }
     return summary
 
@@ -854,28 +982,38 @@ def format_table(machine: dict, args, threads: int, summary: dict, impls: list[s
     lines = []
     versions = machine["versions"]
     lines.append("GSPO step time: gspo-trl GSPOTrainer vs TRL GRPOTrainer (importance_sampling_level='sequence')")
-    lines.append(f"machine : {machine['cpu_model']} | {machine['usable_cores']} usable / {machine['logical_cores']} "
-                 f"logical cores | {machine['memory_gib']:.0f} GiB" if machine["memory_gib"] else
-                 f"machine : {machine['cpu_model']} | {machine['usable_cores']} cores")
-    lines.append(f"software: torch {versions['torch']}, transformers {versions['transformers']}, trl {versions['trl']}, "
-                 f"peft {versions['peft']}, gspo-trl {versions['gspo-trl']}, python {machine['python']}")
+    lines.append(
+        f"machine : {machine['cpu_model']} | {machine['usable_cores']} usable / {machine['logical_cores']} "
+        f"logical cores | {machine['memory_gib']:.0f} GiB"
+        if machine["memory_gib"]
+        else f"machine : {machine['cpu_model']} | {machine['usable_cores']} cores"
+    )
+    lines.append(
+        f"software: torch {versions['torch']}, transformers {versions['transformers']}, trl {versions['trl']}, "
+        f"peft {versions['peft']}, gspo-trl {versions['gspo-trl']}, python {machine['python']}"
+    )
     lines.append(f"date    : {machine['date']} | load average at start {machine['load_average_at_start'][0]:.2f}")
     gpus = sorted({r["result"]["gpu"] for r in runs if "gpu" in r.get("result", {})})
     if gpus:
         lines.append(f"gpu     : {', '.join(gpus)}")
     generation_batch = args.per_device_train_batch_size * args.steps_per_generation
+    model_path = runs[0].get("result", {}).get("model_path", args.model or "default model")
+    work = args.architecture + " (random init)" if args.architecture else Path(model_path).name
     lines.append(
-        f"work    : {args.architecture + ' (random init)' if args.architecture else Path(runs[0].get('result', {}).get('model_path', args.model or 'default model')).name} "
+        f"work    : {work} "
         f"{'bf16 CUDA' if args.device == 'cuda' else 'fp32 CPU'}, "
-        f"{'LoRA r=%d alpha=%d' % (args.lora_r, args.lora_alpha) if args.lora else 'full fine-tune'}, "
+        f"{f'LoRA r={args.lora_r} alpha={args.lora_alpha}' if args.lora else 'full fine-tune'}, "
         f"checkpointing {'on' if args.gradient_checkpointing else 'off'}, {threads} threads; "
         f"{generation_batch} completions/round ({generation_batch // args.num_generations} prompts × "
         f"{args.num_generations}), {optimizer_steps_per_round(args)} optimizer steps/round × "
         f"{args.per_device_train_batch_size * args.gradient_accumulation_steps} completions, "
-        f"≤{args.max_completion_length} tokens, T={args.temperature}")
-    lines.append(f"timing  : {args.warmup_rounds} warm-up + {args.rounds} timed rounds per run, {args.repeats} "
-                 f"pair(s) alternating {' / '.join(impls)}, each run a fresh process; figures are per timed round "
-                 "(mean over rounds), then min / median / max over runs")
+        f"≤{args.max_completion_length} tokens, T={args.temperature}"
+    )
+    lines.append(
+        f"timing  : {args.warmup_rounds} warm-up + {args.rounds} timed rounds per run, {args.repeats} "
+        f"pair(s) alternating {' / '.join(impls)}, each run a fresh process; figures are per timed round "
+        "(mean over rounds), then min / median / max over runs"
+    )
     lines.append("")
     header = f"{'figure':<44}{'unit':>6}"
     for impl in impls:
@@ -905,18 +1043,28 @@ def format_table(machine: dict, args, threads: int, summary: dict, impls: list[s
     failed = [r for r in runs if "error" in r]
     if failed:
         lines.append("")
-        lines.append("FAILED runs: " + ", ".join(f"pair {r['pair']} {r['impl']} ({r['error']}, log {r['log']})"
-                                                  for r in failed))
-    others = [(r["cpu_during_run"]["other_cores"], r["cpu_during_run"]["steal_cores"], r)
-              for r in runs if r.get("cpu_during_run")]
+        lines.append(
+            "FAILED runs: " + ", ".join(f"pair {r['pair']} {r['impl']} ({r['error']}, log {r['log']})" for r in failed)
+        )
+    others = [
+        (r["cpu_during_run"]["other_cores"], r["cpu_during_run"]["steal_cores"], r)
+        for r in runs
+        if r.get("cpu_during_run")
+    ]
     if others:
         lines.append("")
-        lines.append("other CPU use while each worker ran (average cores busy outside the worker; 0 = quiet): "
-                     + ", ".join(f"pair {r['pair']} {r['impl']} {o:.2f}" + (f" (steal {st:.2f})" if st >= 0.01 else "")
-                                 for o, st, r in others))
+        lines.append(
+            "other CPU use while each worker ran (average cores busy outside the worker; 0 = quiet): "
+            + ", ".join(
+                f"pair {r['pair']} {r['impl']} {o:.2f}" + (f" (steal {st:.2f})" if st >= 0.01 else "")
+                for o, st, r in others
+            )
+        )
         if max(o + st for o, st, _ in others) > 0.1:
-            lines.append("WARNING: something else used the CPU during the runs; these timings are not "
-                         "trustworthy. Re-run with nothing else running on the machine.")
+            lines.append(
+                "WARNING: something else used the CPU during the runs; these timings are not "
+                "trustworthy. Re-run with nothing else running on the machine."
+            )
     return "\n".join(lines)
 
 
@@ -965,8 +1113,9 @@ def alignment_lines(runs: list[dict], impls: list[str]) -> list[str]:
     lines = ["", "alignment checks (first successful run of each):"]
     for impl, values in checks["per_impl"].items():
         lines.append(
-            f"  {impl:<5} dtype {values['dtype']}, {values['model_class']}, {values['trainable_parameters']:,} trainable "
-            f"params, checkpointing in training {values['checkpointing_during_training']}, old log-probs computed "
+            f"  {impl:<5} dtype {values['dtype']}, {values['model_class']}, "
+            f"{values['trainable_parameters']:,} trainable params, "
+            f"checkpointing in training {values['checkpointing_during_training']}, old log-probs computed "
             f"{values['old_logps_computed']}, eos {values['eos_token_ids']}, {values['torch_threads']} threads"
         )
     if "ours" in checks["per_impl"] and "trl" in checks["per_impl"]:

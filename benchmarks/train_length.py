@@ -53,8 +53,11 @@ def enable_checkpointing(model, checkpointing: str) -> None:
     if checkpointing == "none":
         return
     model.train()  # transformers checkpoints in training mode only
-    settings = SimpleNamespace(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False},
-                               activation_checkpointing_keep_attention=checkpointing == "keep_attention")
+    settings = SimpleNamespace(
+        activation_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        activation_checkpointing_keep_attention=checkpointing == "keep_attention",
+    )
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs(settings))
 
 
@@ -78,15 +81,22 @@ def run_once(args, length: int, packed: bool, checkpointing: str = "none") -> di
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        scores = completion_logprobs(model, input_ids, ones, completions, torch.ones_like(completions),
-                                     padding_free=packed)
+        scores = completion_logprobs(
+            model, input_ids, ones, completions, torch.ones_like(completions), padding_free=packed
+        )
         scores.logps.sum().backward()
         seconds = time.perf_counter() - start
     tokens = args.completions * length
-    return {"length": length, "layout": "packed" if packed else "padded", "checkpointing": checkpointing,
-            "seconds": seconds, "tokens": tokens,
-            "ms_per_token": 1000 * seconds / tokens, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "threads": torch.get_num_threads()}
+    return {
+        "length": length,
+        "layout": "packed" if packed else "padded",
+        "checkpointing": checkpointing,
+        "seconds": seconds,
+        "tokens": tokens,
+        "ms_per_token": 1000 * seconds / tokens,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main(argv=None) -> None:
@@ -96,21 +106,46 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps(run_once(args, int(length), layout == "packed", checkpointing)), flush=True)
         return
     rows = []
-    for length, layout, checkpointing in ((length, layout, checkpointing) for length in args.lengths
-                                          for layout in args.layouts for checkpointing in args.checkpointing):
-        command = [sys.executable, __file__, "--worker", str(length), layout, checkpointing, "--completions",
-                   str(args.completions)]
+    for length, layout, checkpointing in (
+        (length, layout, checkpointing)
+        for length in args.lengths
+        for layout in args.layouts
+        for checkpointing in args.checkpointing
+    ):
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            str(length),
+            layout,
+            checkpointing,
+            "--completions",
+            str(args.completions),
+        ]
         if args.model:
             command += ["--model", args.model]
         completed = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-        row = json.loads(lines[0][7:]) if lines else {
-            "length": length, "layout": layout, "checkpointing": checkpointing,
-            "failed": f"exit status {completed.returncode}"}
+        row = (
+            json.loads(lines[0][7:])
+            if lines
+            else {
+                "length": length,
+                "layout": layout,
+                "checkpointing": checkpointing,
+                "failed": f"exit status {completed.returncode}",
+            }
+        )
         rows.append(row)
         print(row, flush=True)
-    record = {"date": _dt.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "completions": args.completions, "prompt_tokens": PROMPT_TOKENS, "rows": rows}
+    record = {
+        "date": _dt.date.today().isoformat(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "completions": args.completions,
+        "prompt_tokens": PROMPT_TOKENS,
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print("| completion length | layout | checkpointing | fwd+bwd (s) | ms per completion token | peak RSS (MiB) |")

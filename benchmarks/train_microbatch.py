@@ -66,8 +66,9 @@ def main(argv=None) -> None:
 
     def layout(one_row: bool):
         cost = 0.0 if one_row else pair_cost(model.config)
-        packed = packing.pack_shared_prefix(prompts, torch.ones_like(prompts), completions, completion_mask,
-                                            attention_pair_cost=cost)
+        packed = packing.pack_shared_prefix(
+            prompts, torch.ones_like(prompts), completions, completion_mask, attention_pair_cost=cost
+        )
         return list(packed.input_ids.shape), packed.num_real_tokens
 
     def run(setting: str) -> float:
@@ -75,8 +76,9 @@ def main(argv=None) -> None:
         logprobs.relative_attention_cost = (lambda config: 0.0) if setting.startswith("one_row") else pair_cost
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        scores = logprobs.completion_logprobs(model, input_ids, attention_mask, completions, completion_mask,
-                                              padding_free=True, **kwargs)
+        scores = logprobs.completion_logprobs(
+            model, input_ids, attention_mask, completions, completion_mask, padding_free=True, **kwargs
+        )
         scores.logps.sum().backward()
         return time.perf_counter() - start
 
@@ -89,8 +91,10 @@ def main(argv=None) -> None:
     logprobs.relative_attention_cost = pair_cost
 
     layouts = {"planner": layout(False), "one_row": layout(True)}
-    print(f"micro-batch: {rows} completions, {int(lengths.sum())} completion tokens; packed rows x positions, real "
-          f"tokens: planner {layouts['planner']}, one row {layouts['one_row']}")
+    print(
+        f"micro-batch: {rows} completions, {int(lengths.sum())} completion tokens; packed rows x positions, real "
+        f"tokens: planner {layouts['planner']}, one row {layouts['one_row']}"
+    )
     for setting in settings:
         values = times[setting]
         print(f"{setting:18s} median {statistics.median(values):.3f} s  (min {min(values):.3f}, max {max(values):.3f})")
@@ -98,8 +102,11 @@ def main(argv=None) -> None:
         record = {
             "benchmark": "train_microbatch",
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"cpu_model": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                        "torch": torch.__version__},
+            "machine": {
+                "cpu_model": platform.processor() or platform.machine(),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+            },
             "knows_kept_logits_mb": knows_kept,
             "layouts": layouts,
             "times_s": times,

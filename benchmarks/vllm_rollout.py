@@ -2,7 +2,8 @@
 """Rollouts on a vLLM server against sampling on the trained model, and what a weight sync costs.
 
 Starts `gspo-trl vllm-serve` for SmolLM2-135M-Instruct (fp32, `--enforce-eager`, `--enable-lora`, on the same CPU
-cores as the trainer), builds a `GSPOTrainer` with `use_vllm=True`, and on the step-time benchmark's rollout (8 prompts of the
+cores as the trainer), builds a `GSPOTrainer` with `use_vllm=True`, and on the step-time benchmark's rollout (8
+prompts of the
 demo task × 8 completions = 64 rows, up to `--max_completion_length` new tokens, temperature 1.0) times, in one
 process and alternating `--repeats` times after an untimed warm-up each:
 
@@ -55,14 +56,34 @@ def start_server(model_path: str, vllm_python: str | None) -> tuple[subprocess.P
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "gspo_trl.cli", "vllm-serve", model_path, "--port", str(port),
-               "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--enable-lora", "--max-lora-rank", "16"]
+    command = [
+        sys.executable,
+        "-m",
+        "gspo_trl.cli",
+        "vllm-serve",
+        model_path,
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+    ]
     if vllm_python:
         command += ["--vllm-python", vllm_python]
     log = open(HERE / "results" / "vllm_server.log", "w")
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+    process = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
+    )
     import requests
 
     url = f"http://127.0.0.1:{port}"
@@ -103,13 +124,25 @@ def main(argv=None) -> None:
     os.makedirs(HERE / "results", exist_ok=True)
     server, url, startup_s = start_server(model_path, args.vllm_python)
     try:
+
         def trainer(peft_config=None, **overrides):
-            config = GSPOConfig(output_dir="/tmp/gspo-vllm-bench", per_device_train_batch_size=rows,
-                                num_generations=args.num_generations, steps_per_generation=1,
-                                max_completion_length=args.max_completion_length, temperature=1.0, use_cpu=True,
-                                report_to="none", use_vllm=True, vllm_server_base_url=url, seed=args.seed, **overrides)
-            return GSPOTrainer(model_path, default_task_reward(), args=config, train_dataset=dataset,
-                               peft_config=peft_config)
+            config = GSPOConfig(
+                output_dir="/tmp/gspo-vllm-bench",
+                per_device_train_batch_size=rows,
+                num_generations=args.num_generations,
+                steps_per_generation=1,
+                max_completion_length=args.max_completion_length,
+                temperature=1.0,
+                use_cpu=True,
+                report_to="none",
+                use_vllm=True,
+                vllm_server_base_url=url,
+                seed=args.seed,
+                **overrides,
+            )
+            return GSPOTrainer(
+                model_path, default_task_reward(), args=config, train_dataset=dataset, peft_config=peft_config
+            )
 
         full = trainer()
         model = full.accelerator.unwrap_model(full.model)
@@ -163,8 +196,10 @@ def main(argv=None) -> None:
         "rows": rows,
         "max_completion_length": args.max_completion_length,
         "server_startup_s": startup_s,
-        "rollout": {name: {**summary(seconds), "mean_completion_tokens": statistics.mean(lengths[name])}
-                    for name, seconds in rollouts.items()},
+        "rollout": {
+            name: {**summary(seconds), "mean_completion_tokens": statistics.mean(lengths[name])}
+            for name, seconds in rollouts.items()
+        },
         "weight_sync": {name: summary(seconds) for name, seconds in syncs.items()},
         "old_logprob_forward": summary(old_forward),
     }
@@ -186,26 +221,35 @@ def render_table(result: dict) -> str:
         "| what | min (s) | median (s) | notes |",
         "|---|---|---|---|",
     ]
-    for name, label in (("vllm_server", "rollout on the vLLM server"),
-                        ("gspo_loop", "rollout on the trained model (`decode_loop=\"gspo\"`)"),
-                        ("generate", "rollout on the trained model with transformers' `generate` (TRL's path)")):
+    for name, label in (
+        ("vllm_server", "rollout on the vLLM server"),
+        ("gspo_loop", 'rollout on the trained model (`decode_loop="gspo"`)'),
+        ("generate", "rollout on the trained model with transformers' `generate` (TRL's path)"),
+    ):
         row = result["rollout"].get(name)
         if row is None:
             continue
-        lines.append(f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | mean completion "
-                     f"{row['mean_completion_tokens']:.1f} tokens; {per_1k_tokens(row)} |")
+        lines.append(
+            f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | mean completion "
+            f"{row['mean_completion_tokens']:.1f} tokens; {per_1k_tokens(row)} |"
+        )
     full_sync = "pause, safetensors snapshot, reload, prefix-cache reset, resume"
     for name, label, notes in (
         ("full", "weight sync, full fine-tuning (134.5M parameters, fp32)", full_sync),
-        ("lora_adapter", "weight sync, LoRA r=16 on all linear layers (the adapter alone)",
-         "pause, adapter saved by PEFT, loaded in place, prefix-cache reset, resume"),
+        (
+            "lora_adapter",
+            "weight sync, LoRA r=16 on all linear layers (the adapter alone)",
+            "pause, adapter saved by PEFT, loaded in place, prefix-cache reset, resume",
+        ),
         ("lora_merged", "weight sync, LoRA r=16 on all linear layers (merged, full weights sent)", full_sync),
     ):
         row = result["weight_sync"][name]
         lines.append(f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | {notes} |")
     row = result["old_logprob_forward"]
-    lines.append(f"| π_old forward over the rollout | {row['min_s']:.2f} | {row['median_s']:.2f} | what "
-                 "`vllm_logprobs_as_old=True` skips |")
+    lines.append(
+        f"| π_old forward over the rollout | {row['min_s']:.2f} | {row['median_s']:.2f} | what "
+        "`vllm_logprobs_as_old=True` skips |"
+    )
     lines.append(f"| server start-up (`gspo-trl vllm-serve`) | {result['server_startup_s']:.1f} | | once per run |")
     return "\n".join(lines)
 

@@ -27,8 +27,12 @@ from gspo_trl.environments.calculator import Calculator, correct_answer, questio
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warm_up_steps", type=int, default=3, help="supervised steps of 8 transcripts (12 steps "
-                        "leave GSPO nothing to learn: every episode is already right)")
+    parser.add_argument(
+        "--warm_up_steps",
+        type=int,
+        default=3,
+        help="supervised steps of 8 transcripts (12 steps leave GSPO nothing to learn: every episode is already right)",
+    )
     parser.add_argument("--max_steps", type=int, default=12, help="GSPO optimizer steps (4 per rollout)")
     parser.add_argument("--record", default=None, help="write the per-rollout metrics and timings to this JSON file")
     cli = parser.parse_args()
@@ -47,21 +51,33 @@ def main():
         use_cpu=True,
         report_to="none",
     )
-    trainer = GSPOTrainer(model, reward_funcs=[correct_answer], args=args, processing_class=tokenizer,
-                          train_dataset=questions(size=256, seed=0), environment_factory=Calculator)
+    trainer = GSPOTrainer(
+        model,
+        reward_funcs=[correct_answer],
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=questions(size=256, seed=0),
+        environment_factory=Calculator,
+    )
     trainer.train()
     gspo_seconds = time.perf_counter() - start - warm_up_seconds
     trainer.save_model()
     rollouts = [entry for entry in trainer.state.log_history if "reward" in entry]  # logged once per rollout
     for index, entry in enumerate(rollouts):
-        print(f"rollout {index}: reward {entry['reward']:.3f}, tool calls per episode "
-              f"{entry.get('tools/call_frequency', 0):.2f}")
+        print(
+            f"rollout {index}: reward {entry['reward']:.3f}, tool calls per episode "
+            f"{entry.get('tools/call_frequency', 0):.2f}"
+        )
     if cli.record:
         keys = ("reward", "tools/call_frequency", "tools/failure_frequency", "completions/mean_length")
-        record = {"command": "python examples/train_calculator_agent.py " + " ".join(sys.argv[1:]),
-                  "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores (use_cpu=True)",
-                  "warm_up_seconds": round(warm_up_seconds, 1), "gspo_seconds": round(gspo_seconds, 1),
-                  "rollouts": [{"step": entry["step"], **{key: entry.get(key) for key in keys}} for entry in rollouts]}
+        record = {
+            "command": "python examples/train_calculator_agent.py " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{os.cpu_count()} CPU cores (use_cpu=True)",
+            "warm_up_seconds": round(warm_up_seconds, 1),
+            "gspo_seconds": round(gspo_seconds, 1),
+            "rollouts": [{"step": entry["step"], **{key: entry.get(key) for key in keys}} for entry in rollouts],
+        }
         with open(cli.record, "w") as file:
             json.dump(record, file, indent=2)
 

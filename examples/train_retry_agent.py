@@ -43,8 +43,13 @@ def main():
         use_cpu=True,
         report_to="none",
     )
-    trainer = GSPOTrainer(default_model_path(), reward_funcs=None, args=args,
-                          train_dataset=default_task_dataset(size=256, seed=0), env_factory=RetryArithmeticEnv)
+    trainer = GSPOTrainer(
+        default_model_path(),
+        reward_funcs=None,
+        args=args,
+        train_dataset=default_task_dataset(size=256, seed=0),
+        env_factory=RetryArithmeticEnv,
+    )
     trainer.train()
     trainer.save_model()
 

@@ -174,8 +174,9 @@ def discounted_returns(turn_rewards: torch.Tensor, reached: torch.Tensor, gamma:
         (N, K) float returns, 0 where a turn was not reached.
     """
     if turn_rewards.ndim != 2 or tuple(reached.shape) != tuple(turn_rewards.shape):
-        raise ValueError(f"turn_rewards and reached must both be (N, K), got {tuple(turn_rewards.shape)} and "
-                         f"{tuple(reached.shape)}")
+        raise ValueError(
+            f"turn_rewards and reached must both be (N, K), got {tuple(turn_rewards.shape)} and {tuple(reached.shape)}"
+        )
     if not 0 <= gamma <= 1:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     rewards = torch.where(reached, turn_rewards.float(), torch.zeros_like(turn_rewards, dtype=torch.float32))

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as concurrent_wait
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from transformers.utils import logging
@@ -35,8 +36,9 @@ def earliest_launch_step(rollout_start_step: int, steps_per_rollout: int, max_st
     `rollout_start_step`: it trains from step `rollout_start_step + steps_per_rollout`, at most
     `max_staleness` steps later, and no earlier than the current rollout's start (one rollout ahead at most)."""
     if steps_per_rollout < 1 or max_staleness < 0:
-        raise ValueError(f"steps_per_rollout must be >= 1 and max_staleness >= 0, got {steps_per_rollout} and "
-                         f"{max_staleness}.")
+        raise ValueError(
+            f"steps_per_rollout must be >= 1 and max_staleness >= 0, got {steps_per_rollout} and {max_staleness}."
+        )
     return max(rollout_start_step, rollout_start_step + steps_per_rollout - max_staleness)
 
 
@@ -46,16 +48,20 @@ def check_async_rollouts_supported(backend: RolloutBackend, accelerator) -> None
     if not backend.samples_with_training_model:
         return
     if accelerator.device.type == "cpu":
-        logger.warning("async_rollouts=True on a CPU: sampling and training run side by side on the same cores, which "
-                       "measured no faster than async_rollouts=False (docs/async_rollouts.md). It pays with a vLLM "
-                       "server or on a GPU.")
+        logger.warning(
+            "async_rollouts=True on a CPU: sampling and training run side by side on the same cores, which "
+            "measured no faster than async_rollouts=False (docs/async_rollouts.md). It pays with a vLLM "
+            "server or on a GPU."
+        )
     plugin = accelerator.state.deepspeed_plugin
     sharded = "DeepSpeed ZeRO-3" if plugin is not None and plugin.zero_stage == 3 else None
     if accelerator.distributed_type.name == "FSDP":
         sharded = "FSDP"
     if sharded:
-        raise ValueError(f"async_rollouts=True samples the next rollout from a copy of the weights, which {sharded} "
-                         "shards across processes: sample on a vLLM server (use_vllm=True) or set async_rollouts=False.")
+        raise ValueError(
+            f"async_rollouts=True samples the next rollout from a copy of the weights, which {sharded} "
+            "shards across processes: sample on a vLLM server (use_vllm=True) or set async_rollouts=False."
+        )
 
 
 class Lookahead:
@@ -162,8 +168,11 @@ class RolloutPipeline:
         self.prefetcher = RolloutPrefetcher()
         self.lookahead: Lookahead | None = None
         self.tokenizer = copy.deepcopy(tokenizer)
-        self.runner = None if runner is None else EpisodeRunner(runner.env_factory, self.tokenizer, args,
-                                                                max_turns=runner.max_turns)
+        self.runner = (
+            None
+            if runner is None
+            else EpisodeRunner(runner.env_factory, self.tokenizer, args, max_turns=runner.max_turns)
+        )
         self.snapshot = WeightSnapshot() if backend.samples_with_training_model else None
         self.snapshot_backend: HFGenerateBackend | None = None
 

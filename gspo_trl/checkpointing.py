@@ -22,10 +22,15 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 # SDPA's fused kernels: the CPU flash kernel, and CUDA's flash, memory-efficient and cuDNN kernels.
-_ATTENTION_OP_NAMES = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-ATTENTION_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _ATTENTION_OP_NAMES
-                          if hasattr(torch.ops.aten, name))
+_ATTENTION_OP_NAMES = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+ATTENTION_OPS = frozenset(
+    getattr(torch.ops.aten, name).default for name in _ATTENTION_OP_NAMES if hasattr(torch.ops.aten, name)
+)
 # Keys of `activation_checkpointing_kwargs` that transformers takes itself (not torch.utils.checkpoint's).
 _TRANSFORMERS_KEYS = ("every_n_layers", "offload")
 
@@ -40,17 +45,24 @@ def keeps_attention(args) -> bool:
     the user's kwargs leave room for it (non-reentrant checkpointing, no `context_fn` of their own, no `offload`,
     which asks for the least device memory)."""
     kwargs = args.activation_checkpointing_kwargs or {}
-    return bool(args.activation_checkpointing and args.activation_checkpointing_keep_attention
-                and not kwargs.get("use_reentrant", False) and "context_fn" not in kwargs
-                and not kwargs.get("offload", False))
+    return bool(
+        args.activation_checkpointing
+        and args.activation_checkpointing_keep_attention
+        and not kwargs.get("use_reentrant", False)
+        and "context_fn" not in kwargs
+        and not kwargs.get("offload", False)
+    )
 
 
 def checkpoint_kwargs(args) -> dict | None:
     """The keyword arguments of `torch.utils.checkpoint.checkpoint` for the model's layers: the user's
     `activation_checkpointing_kwargs` without transformers' own keys, plus the kept-attention policy where
     `keeps_attention(args)`. None where that leaves nothing (transformers' default then)."""
-    kwargs = {key: value for key, value in (args.activation_checkpointing_kwargs or {}).items()
-              if key not in _TRANSFORMERS_KEYS}
+    kwargs = {
+        key: value
+        for key, value in (args.activation_checkpointing_kwargs or {}).items()
+        if key not in _TRANSFORMERS_KEYS
+    }
     if keeps_attention(args):
         kwargs["use_reentrant"] = False
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_attention)

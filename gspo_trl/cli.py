@@ -99,8 +99,10 @@ class RunArguments:
     )
     warm_up_steps: int = field(
         default=3,
-        metadata={"help": "--env calculator: supervised warm-up steps (TRL's SFTTrainer, 8 tool-call transcripts "
-                  "each) before GSPO; 0 skips it (SmolLM2 then makes no tool calls)."},
+        metadata={
+            "help": "--env calculator: supervised warm-up steps (TRL's SFTTrainer, 8 tool-call transcripts "
+            "each) before GSPO; 0 skips it (SmolLM2 then makes no tool calls)."
+        },
     )
     dataset_size: int = field(default=2000, metadata={"help": "Number of reasoning-gym prompts to generate."})
     reward_funcs: list[str] = field(
@@ -121,7 +123,9 @@ class RunArguments:
 
 def parse_train_args(argv: list[str]) -> tuple[RunArguments, GSPOConfig]:
     parser = HfArgumentParser((RunArguments, GSPOConfig), prog="gspo-trl train")
-    parser.add_argument("--config", default=None, help="YAML file of RunArguments/GSPOConfig fields; flags override it.")
+    parser.add_argument(
+        "--config", default=None, help="YAML file of RunArguments/GSPOConfig fields; flags override it."
+    )
     parser.set_defaults(**DEMO_DEFAULTS)
     env = _flag_value(argv, "--env")
     if env is not None:
@@ -209,7 +213,9 @@ def _load_local_dataset(path: str):
     extension = path.rsplit(".", 1)[-1]
     builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(extension)
     if builder is None:
-        raise ValueError(f"--dataset_name {path!r}: expected a save_to_disk folder or a .json/.jsonl/.csv/.parquet file.")
+        raise ValueError(
+            f"--dataset_name {path!r}: expected a save_to_disk folder or a .json/.jsonl/.csv/.parquet file."
+        )
     return datasets.load_dataset(builder, data_files=path, split="train")
 
 
@@ -226,8 +232,9 @@ def train(argv: list[str]) -> dict:
         if run_args.warm_up_steps > 0:
             from .environments.calculator import warm_up
 
-            model, tool_kwargs["processing_class"] = warm_up(model, run_args.warm_up_steps,
-                                                       os.path.join(config.output_dir, "warm-up"))
+            model, tool_kwargs["processing_class"] = warm_up(
+                model, run_args.warm_up_steps, os.path.join(config.output_dir, "warm-up")
+            )
     peft_config = None
     if run_args.use_peft:
         from peft import LoraConfig
@@ -238,8 +245,15 @@ def train(argv: list[str]) -> dict:
             target_modules=run_args.lora_target_modules,
             task_type="CAUSAL_LM",
         )
-    trainer = GSPOTrainer(model, reward_funcs, args=config, train_dataset=dataset, peft_config=peft_config,
-                          env_factory=env_factory, **tool_kwargs)
+    trainer = GSPOTrainer(
+        model,
+        reward_funcs,
+        args=config,
+        train_dataset=dataset,
+        peft_config=peft_config,
+        env_factory=env_factory,
+        **tool_kwargs,
+    )
     trainer.train()
     trainer.save_model()
     trainer.create_model_card()
@@ -280,11 +294,13 @@ def summarize(history: list[dict], window_steps: int = 10, steps_per_rollout: in
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: gspo-trl train [--config run.yaml] [--FIELD VALUE ...]\n"
-              "       gspo-trl vllm-serve MODEL [--host H] [--port P] [vLLM arguments ...]\n\n"
-              "  train       run GSPO (no arguments: the embedded SmolLM2 + reasoning-gym demo on CPU)\n"
-              "  vllm-serve  start a vLLM server for use_vllm=True (docs/vllm.md)\n\n"
-              "`gspo-trl train --help` lists every flag.")
+        print(
+            "usage: gspo-trl train [--config run.yaml] [--FIELD VALUE ...]\n"
+            "       gspo-trl vllm-serve MODEL [--host H] [--port P] [vLLM arguments ...]\n\n"
+            "  train       run GSPO (no arguments: the embedded SmolLM2 + reasoning-gym demo on CPU)\n"
+            "  vllm-serve  start a vLLM server for use_vllm=True (docs/vllm.md)\n\n"
+            "`gspo-trl train --help` lists every flag."
+        )
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "vllm-serve":

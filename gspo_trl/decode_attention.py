@@ -42,19 +42,27 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout: flo
     and nothing but a mask shared by all heads: the packed form; anything else: `sdpa_attention_forward`."""
     groups = getattr(module, "num_key_value_groups", 1)
     rows, heads, length, head_dim = query.shape
-    if (length != 1 or groups <= 1 or dropout or torch.is_grad_enabled() or query.device.type != "cpu"
-            or (attention_mask is not None and attention_mask.shape[1] != 1)
-            or any(kwargs.get(name) for name in ("softcap", "output_attentions"))
-            or any(kwargs.get(name) is not None for name in ("position_bias", "s_aux"))):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    if (
+        length != 1
+        or groups <= 1
+        or dropout
+        or torch.is_grad_enabled()
+        or query.device.type != "cpu"
+        or (attention_mask is not None and attention_mask.shape[1] != 1)
+        or any(kwargs.get(name) for name in ("softcap", "output_attentions"))
+        or any(kwargs.get(name) is not None for name in ("position_bias", "s_aux"))
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     packed = query.reshape(rows, heads // groups, groups, head_dim)  # a group's query heads as query positions
     out = attend(packed, key, value, attention_mask, scaling)
     return out.reshape(rows, 1, heads, value.shape[-1]), None  # (rows, 1, heads, head_dim), as SDPA's path returns
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-           scale: float | None) -> torch.Tensor:
+def attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
     """The packed attention of one step: query (rows, kv_heads, group, head_dim) over keys and values (rows, kv_heads,
     positions, head_dim), `mask` SDPA's. The compiled kernel where it applies (`decode_kernel`), else SDPA."""
     if scale is None:
@@ -75,9 +83,14 @@ def packed_gqa_decoding(model: torch.nn.Module):
     its configuration's attention implementation is restored on exit. Other models are left as they are."""
     config = getattr(model, "config", None)
     parameter = next(model.parameters(), None)
-    if (not enabled or config is None or getattr(config, "_attn_implementation", None) != "sdpa"
-            or parameter is None or parameter.device.type != "cpu"
-            or getattr(config, "num_key_value_heads", None) in (None, getattr(config, "num_attention_heads", None))):
+    if (
+        not enabled
+        or config is None
+        or getattr(config, "_attn_implementation", None) != "sdpa"
+        or parameter is None
+        or parameter.device.type != "cpu"
+        or getattr(config, "num_key_value_heads", None) in (None, getattr(config, "num_attention_heads", None))
+    ):
         yield
         return
     config._attn_implementation = NAME

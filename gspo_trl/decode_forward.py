@@ -38,7 +38,8 @@ enabled = True
 
 _ARCHITECTURES = {  # model class -> its decoder layer, attention and MLP classes, all by name
     name: tuple(f"{family}{part}" for part in ("DecoderLayer", "Attention", "MLP"))
-    for family in ("Llama", "Mistral", "Qwen2", "Qwen3") for name in (f"{family}ForCausalLM",)
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+    for name in (f"{family}ForCausalLM",)
 }
 
 
@@ -52,8 +53,11 @@ class Product:
         self.one_row: decode_linear.OneRow | None = None
         # The compiled form reads this weight as it is: its checks done once, not per product (x, this step's own
         # rows, is contiguous, and the form was chosen only for row counts the kernel computes).
-        self.checked = decode_linear.COMPILED in self.forms.values() and decode_kernel.linear_applies(
-            self.weight.new_zeros(1, self.weight.shape[1]), self.weight, self.bias) and decode_kernel.available()
+        self.checked = (
+            decode_linear.COMPILED in self.forms.values()
+            and decode_kernel.linear_applies(self.weight.new_zeros(1, self.weight.shape[1]), self.weight, self.bias)
+            and decode_kernel.available()
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`layer(x)` for x (rows, in)."""
@@ -64,8 +68,11 @@ class Product:
         if form == decode_linear.LINEAR:
             return nn.functional.linear(x, self.weight, self.bias)
         if form == decode_linear.COMPILED:
-            out = decode_kernel.linear(x, self.weight, self.bias, checked=True) if (
-                self.checked and x.is_contiguous()) else None
+            out = (
+                decode_kernel.linear(x, self.weight, self.bias, checked=True)
+                if (self.checked and x.is_contiguous())
+                else None
+            )
             return decode_linear.compiled_linear(x, self.weight, self.bias) if out is None else out
         if rows == 1 and self.one_row is None:
             self.one_row = decode_linear.OneRow(self.weight)
@@ -88,22 +95,38 @@ class StepForward:
         def product(layer: nn.Module):  # a LoRA layer is called: its forward runs, its base layer's product in it
             return Product(layer, timed_forms) if type(layer) is nn.Linear else layer
 
-        self.fused_rotary = _rotary_kernel_matches(self.rotate, model.config.num_attention_heads, self.kv_heads,
-                                                   self.head_dim)
+        self.fused_rotary = _rotary_kernel_matches(
+            self.rotate, model.config.num_attention_heads, self.kv_heads, self.head_dim
+        )
         self.head = product(model.lm_head)
         self.layers = []  # each decoder layer's modules in the order a step runs them
         for layer in base.layers:
             q, k, v, o, gate, up, down = map(product, _projections(layer))
             q_norm, k_norm = getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)  # Qwen3
-            self.layers.append((layer.input_layernorm, q, k, v, o, q_norm, k_norm, layer.post_attention_layernorm,
-                                gate, up, down, layer.mlp.act_fn))
+            self.layers.append(
+                (
+                    layer.input_layernorm,
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                    layer.post_attention_layernorm,
+                    gate,
+                    up,
+                    down,
+                    layer.mlp.act_fn,
+                )
+            )
 
     @classmethod
     def of(cls, model: nn.Module, timed_forms: bool = True) -> StepForward | None:
         return cls(model, timed_forms) if enabled and applies(model) else None
 
-    def __call__(self, token_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 cache) -> torch.Tensor:
+    def __call__(
+        self, token_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache
+    ) -> torch.Tensor:
         """The (rows, vocab) logits of one new token per row: `token_ids` and `position_ids` (rows, 1),
         `attention_mask` (rows, cache length + 1) as the loop keeps it. Writes the token's keys and values into
         `cache` (its layers `PreallocatedLayer`s)."""
@@ -113,8 +136,9 @@ class StepForward:
         hidden = self.embed(token_ids)[:, 0]  # (rows, hidden)
         cos, sin = self.rotary(hidden, position_ids)  # (rows, 1, head_dim)
         flat_cos, flat_sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
-        for (norm, q, k, v, o, q_norm, k_norm, mlp_norm, gate, up, down, act), cache_layer in zip(self.layers,
-                                                                                                  cache.layers):
+        for (norm, q, k, v, o, q_norm, k_norm, mlp_norm, gate, up, down, act), cache_layer in zip(
+            self.layers, cache.layers
+        ):
             x = norm(hidden)
             query, key = q(x).view(rows, -1, 1, head_dim), k(x).view(rows, -1, 1, head_dim)
             if q_norm is not None:
@@ -134,8 +158,15 @@ class StepForward:
         return self.head(self.norm(hidden))
 
 
-def _rotate_into_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, packed: torch.Tensor, cache_layer) -> bool:
+def _rotate_into_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    packed: torch.Tensor,
+    cache_layer,
+) -> bool:
     """`decode_kernel.rotary` for one step: the rotated query into `packed`, the rotated key and the value into the
     cache's next position (a `PreallocatedLayer`, advanced by one). False, with the cache as it was, where the
     kernel does not take these tensors."""
@@ -144,9 +175,16 @@ def _rotate_into_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return False
     rows, kv_heads, _, head_dim = key.shape
     keys, values = advance(1)
-    if decode_kernel.rotary(query.view(rows, -1, head_dim), key.view(rows, kv_heads, head_dim),
-                            value.view(rows, kv_heads, head_dim), cos, sin, packed.view(rows, -1, head_dim),
-                            keys[:, :, -1], values[:, :, -1]):
+    if decode_kernel.rotary(
+        query.view(rows, -1, head_dim),
+        key.view(rows, kv_heads, head_dim),
+        value.view(rows, kv_heads, head_dim),
+        cos,
+        sin,
+        packed.view(rows, -1, head_dim),
+        keys[:, :, -1],
+        values[:, :, -1],
+    ):
         return True
     cache_layer._expose(cache_layer.length - 1)
     return False
@@ -160,19 +198,35 @@ def _rotary_kernel_matches(rotate, heads: int, kv_heads: int, head_dim: int) -> 
         return False
     generator = torch.Generator().manual_seed(0)
     for rows in (1, 3):
-        query, key = torch.randn(rows, heads, 1, head_dim, generator=generator), torch.randn(
-            rows, kv_heads, 1, head_dim, generator=generator)
-        cos, sin = torch.randn(rows, 1, head_dim, generator=generator), torch.randn(rows, 1, head_dim,
-                                                                                    generator=generator)
+        query, key = (
+            torch.randn(rows, heads, 1, head_dim, generator=generator),
+            torch.randn(rows, kv_heads, 1, head_dim, generator=generator),
+        )
+        cos, sin = (
+            torch.randn(rows, 1, head_dim, generator=generator),
+            torch.randn(rows, 1, head_dim, generator=generator),
+        )
         expected_query, expected_key = rotate(query, key, cos, sin)
-        got_query, got_key, got_value = torch.empty(rows, heads, head_dim), torch.empty(rows, kv_heads, head_dim), \
-            torch.empty(rows, kv_heads, head_dim)
-        if not (decode_kernel.rotary(query.view(rows, heads, head_dim), key.view(rows, kv_heads, head_dim),
-                                     key.view(rows, kv_heads, head_dim), cos.view(rows, head_dim),
-                                     sin.view(rows, head_dim), got_query, got_key, got_value)
-                and torch.equal(got_query, expected_query.view(rows, heads, head_dim))
-                and torch.equal(got_key, expected_key.view(rows, kv_heads, head_dim))
-                and torch.equal(got_value, key.view(rows, kv_heads, head_dim))):
+        got_query, got_key, got_value = (
+            torch.empty(rows, heads, head_dim),
+            torch.empty(rows, kv_heads, head_dim),
+            torch.empty(rows, kv_heads, head_dim),
+        )
+        if not (
+            decode_kernel.rotary(
+                query.view(rows, heads, head_dim),
+                key.view(rows, kv_heads, head_dim),
+                key.view(rows, kv_heads, head_dim),
+                cos.view(rows, head_dim),
+                sin.view(rows, head_dim),
+                got_query,
+                got_key,
+                got_value,
+            )
+            and torch.equal(got_query, expected_query.view(rows, heads, head_dim))
+            and torch.equal(got_key, expected_key.view(rows, kv_heads, head_dim))
+            and torch.equal(got_value, key.view(rows, kv_heads, head_dim))
+        ):
             return False
     return True
 
@@ -183,18 +237,27 @@ def applies(model: nn.Module) -> bool:
     names = _ARCHITECTURES.get(type(inner).__name__)
     config = getattr(inner, "config", None)
     base = getattr(inner, "model", None)
-    if (names is None or config is None or base is None or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
-            or getattr(config, "_attn_implementation", None) != decode_attention.NAME
-            or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
-            or getattr(config, "pretraining_tp", 1) != 1
-            or (type(inner).__name__ == "MistralForCausalLM" and config.sliding_window is not None)):
+    if (
+        names is None
+        or config is None
+        or base is None
+        or torch.is_grad_enabled()
+        or torch.is_autocast_enabled("cpu")
+        or getattr(config, "_attn_implementation", None) != decode_attention.NAME
+        or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
+        or getattr(config, "pretraining_tp", 1) != 1
+        or (type(inner).__name__ == "MistralForCausalLM" and config.sliding_window is not None)
+    ):
         return False
     layer_class, attention_class, mlp_class = names
     layers = getattr(base, "layers", ())
     if not len(layers) or any(
-            type(layer).__name__ != layer_class or type(layer.self_attn).__name__ != attention_class
-            or type(layer.mlp).__name__ != mlp_class or getattr(layer.self_attn, "sliding_window", None)
-            for layer in layers):
+        type(layer).__name__ != layer_class
+        or type(layer.self_attn).__name__ != attention_class
+        or type(layer.mlp).__name__ != mlp_class
+        or getattr(layer.self_attn, "sliding_window", None)
+        for layer in layers
+    ):
         return False
     hooks = nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
@@ -204,13 +267,22 @@ def applies(model: nn.Module) -> bool:
     # layers) run theirs, as in transformers' forward: e.g. the hook on the input embeddings that gradient
     # checkpointing adds.
     linears = [inner.lm_head] + [projection for layer in layers for projection in _projections(layer)]
-    skipped = [model, *([model.base_model] if inner is not model else []), inner, base, *layers,
-               *(layer.self_attn for layer in layers), *(layer.mlp for layer in layers)]
-    if any(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-           for module in skipped) or any(layer._forward_hooks or layer._forward_pre_hooks for layer in linears):
+    skipped = [
+        model,
+        *([model.base_model] if inner is not model else []),
+        inner,
+        base,
+        *layers,
+        *(layer.self_attn for layer in layers),
+        *(layer.mlp for layer in layers),
+    ]
+    if any(
+        module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__ for module in skipped
+    ) or any(layer._forward_hooks or layer._forward_pre_hooks for layer in linears):
         return False
     return all(decode_linear.plain(layer) or _lora(layer) for layer in linears) and all(
-        parameter.device.type == "cpu" and parameter.dtype == torch.float32 for parameter in model.parameters())
+        parameter.device.type == "cpu" and parameter.dtype == torch.float32 for parameter in model.parameters()
+    )
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
@@ -220,11 +292,22 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
     attention, mlp = layer.self_attn, layer.mlp
-    return (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
-            mlp.down_proj)
+    return (
+        attention.q_proj,
+        attention.k_proj,
+        attention.v_proj,
+        attention.o_proj,
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    )
 
 
 def _lora(layer: nn.Module) -> bool:
     """Whether `layer` is PEFT's LoRA linear layer over a plain `nn.Linear`: the step calls it (its own forward)."""
-    return (type(layer).__name__ == "Linear" and type(layer).__module__.startswith("peft.tuners.lora")
-            and "forward" not in layer.__dict__ and decode_linear.plain(getattr(layer, "base_layer", None)))
+    return (
+        type(layer).__name__ == "Linear"
+        and type(layer).__module__.startswith("peft.tuners.lora")
+        and "forward" not in layer.__dict__
+        and decode_linear.plain(getattr(layer, "base_layer", None))
+    )

@@ -8,7 +8,8 @@ rollout, where a few rows decode alone, both are far from the hardware. The C lo
 (docs/benchmarks.md, "Attention at the memory bandwidth" and "Few-row products at the memory bandwidth"); the
 rotary loop replaces some 18 small operators per layer with one call. They are compiled once per machine with the
 C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`), into one library in gspo-trl's cache
-folder (builds no process has loaded for `UNUSED_DAYS` are removed when a new one is built), and loaded with ctypes; their threads are PyTorch's own OpenMP threads where PyTorch ships its OpenMP
+folder (builds no process has loaded for `UNUSED_DAYS` are removed when a new one is built), and loaded with ctypes;
+their threads are PyTorch's own OpenMP threads where PyTorch ships its OpenMP
 runtime. Without a compiler, or where the build fails, `attention()`, `linear()` and
 `rotary()` return None (False) once a warning has said why, and the caller keeps PyTorch's operators.
 `GSPO_TRL_DECODE_KERNEL=0` switches them off.
@@ -39,8 +40,9 @@ from .default_model import cache_root
 
 logger = logging.get_logger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.c", "decode_linear.c", "decode_rotary.c"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "decode_linear.c", "decode_rotary.c")
+)
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # decode_attention.c's array bounds
 MAX_LINEAR_ROWS = 8  # decode_linear.c's row counts: 1 to 8
 # Each source's own flags: the attention's sums reassociated; the rotary arithmetic rounded as PyTorch's operators round
@@ -56,8 +58,9 @@ _tried = False
 _lock = threading.Lock()
 
 
-def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-              scale: float) -> torch.Tensor | None:
+def attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor | None:
     """softmax(q kᵀ · scale) v for query (rows, kv_heads, group, head_dim) over keys and values (rows, kv_heads,
     positions, head_dim), with `mask` None or a boolean (rows, 1, 1, positions) where True attends: SDPA's result
     within float rounding. None where the kernel is not built or the tensors are not what it reads (fp32 on CPU,
@@ -74,10 +77,25 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     scratch = torch.empty(rows * kv_heads * chunks * group * (head_dim + 2))
     attends = None if mask is None else mask[:, 0, 0].view(torch.uint8)  # (rows, positions), a view
     library.decode_attention(
-        query.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
-        None if attends is None else attends.data_ptr(), 0 if attends is None else attends.stride(0),
-        out.data_ptr(), rows, kv_heads, group, head_dim, length, scale, CHUNK, scratch.data_ptr(),
-        torch.get_num_threads())
+        query.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        None if attends is None else attends.data_ptr(),
+        0 if attends is None else attends.stride(0),
+        out.data_ptr(),
+        rows,
+        kv_heads,
+        group,
+        head_dim,
+        length,
+        scale,
+        CHUNK,
+        scratch.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -86,21 +104,38 @@ def applies(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     if query.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride():
         return False
     rows, kv_heads, group, head_dim = query.shape
-    if (keys.shape[0] != rows or keys.shape[1] != kv_heads or keys.shape[3] != head_dim or keys.shape[2] < 1
-            or not 1 <= group <= MAX_GROUP or not 1 <= head_dim <= MAX_HEAD_DIM):
+    if (
+        keys.shape[0] != rows
+        or keys.shape[1] != kv_heads
+        or keys.shape[3] != head_dim
+        or keys.shape[2] < 1
+        or not 1 <= group <= MAX_GROUP
+        or not 1 <= head_dim <= MAX_HEAD_DIM
+    ):
         return False
     tensors = (query, keys, values)
-    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad for t in tensors)
-            or not query.is_contiguous() or keys.stride(3) != 1 or torch.is_grad_enabled()):
+    if (
+        any(t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad for t in tensors)
+        or not query.is_contiguous()
+        or keys.stride(3) != 1
+        or torch.is_grad_enabled()
+    ):
         return False
     if mask is None:
         return True
-    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
-            and mask.shape[0] == rows and mask.shape[3] == keys.shape[2] and mask.stride(3) == 1)
+    return (
+        mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[1:3] == (1, 1)
+        and mask.shape[0] == rows
+        and mask.shape[3] == keys.shape[2]
+        and mask.stride(3) == 1
+    )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           checked: bool = False) -> torch.Tensor | None:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, checked: bool = False
+) -> torch.Tensor | None:
     """`F.linear(x, weight, bias)` for x (rows, in) with 1 to `MAX_LINEAR_ROWS` rows, within float rounding: a new
     contiguous (rows, out). None where the kernel is not built or the tensors are not what it reads (fp32 on CPU,
     contiguous, no autograd), and the caller computes it. `checked`: the caller knows `linear_applies` holds and the
@@ -113,23 +148,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if library is None:
             return None
     out = torch.empty(x.shape[0], weight.shape[0])
-    failed = library.decode_linear(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                   out.data_ptr(), weight.shape[0], weight.shape[1], x.shape[0],
-                                   torch.get_num_threads())
+    failed = library.decode_linear(
+        weight.data_ptr(),
+        x.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        weight.shape[0],
+        weight.shape[1],
+        x.shape[0],
+        torch.get_num_threads(),
+    )
     return None if failed else out  # failed: a row count it does not compute (nothing written)
 
 
 def linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the product kernel reads these tensors as they are (no copy, no autograd)."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
-    return (x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_LINEAR_ROWS and x.shape[1] == weight.shape[1]
-            and weight.shape[0] > 0 and (bias is None or bias.shape == (weight.shape[0],))
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-            and not torch.is_grad_enabled())
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and 1 <= x.shape[0] <= MAX_LINEAR_ROWS
+        and x.shape[1] == weight.shape[1]
+        and weight.shape[0] > 0
+        and (bias is None or bias.shape == (weight.shape[0],))
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and not torch.is_grad_enabled()
+    )
 
 
-def rotary(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           query_out: torch.Tensor, key_slot: torch.Tensor, value_slot: torch.Tensor) -> bool:
+def rotary(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    query_out: torch.Tensor,
+    key_slot: torch.Tensor,
+    value_slot: torch.Tensor,
+) -> bool:
     """transformers' `apply_rotary_pos_emb` for one new position per row, bit for bit, and the cache write: the
     rotated `query` (rows, heads, head_dim) into `query_out` (same shape), the rotated `key` and the `value` (rows,
     kv_heads, head_dim) into `key_slot` and `value_slot` (rows, kv_heads, head_dim views of the cache's new
@@ -139,18 +195,29 @@ def rotary(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: tor
     rows, heads, head_dim = query.shape
     kv_heads = key.shape[1]
     tensors = (query, key, value, cos, sin, query_out, key_slot, value_slot)
-    if (not enabled or head_dim % 2 or key.shape != (rows, kv_heads, head_dim) or value.shape != key.shape
-            or cos.shape != (rows, head_dim) or sin.shape != cos.shape or query_out.shape != query.shape
-            or key_slot.shape != key.shape or value_slot.shape != key.shape
-            or key_slot.stride() != value_slot.stride() or key_slot.stride(2) != 1
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
-            or not all(t.is_contiguous() for t in tensors[:6]) or torch.is_grad_enabled()):
+    if (
+        not enabled
+        or head_dim % 2
+        or key.shape != (rows, kv_heads, head_dim)
+        or value.shape != key.shape
+        or cos.shape != (rows, head_dim)
+        or sin.shape != cos.shape
+        or query_out.shape != query.shape
+        or key_slot.shape != key.shape
+        or value_slot.shape != key.shape
+        or key_slot.stride() != value_slot.stride()
+        or key_slot.stride(2) != 1
+        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+        or not all(t.is_contiguous() for t in tensors[:6])
+        or torch.is_grad_enabled()
+    ):
         return False
     library = _load()
     if library is None:
         return False
-    library.decode_rotary(*(t.data_ptr() for t in tensors), key_slot.stride(0), key_slot.stride(1), rows, heads,
-                          kv_heads, head_dim)
+    library.decode_rotary(
+        *(t.data_ptr() for t in tensors), key_slot.stride(0), key_slot.stride(1), rows, heads, kv_heads, head_dim
+    )
     return True
 
 
@@ -168,17 +235,37 @@ def _load() -> ctypes.CDLL | None:
             try:
                 _library = _bind(ctypes.CDLL(str(_build())))
             except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-                logger.warning(f"gspo-trl's decoding kernels are not available ({error}); decoding steps use "
-                               "PyTorch's SDPA and products. Install a C compiler (e.g. gcc) for them, or set "
-                               "GSPO_TRL_DECODE_KERNEL=0 to silence this.")
+                logger.warning(
+                    f"gspo-trl's decoding kernels are not available ({error}); decoding steps use "
+                    "PyTorch's SDPA and products. Install a C compiler (e.g. gcc) for them, or set "
+                    "GSPO_TRL_DECODE_KERNEL=0 to silence this."
+                )
             _tried = True
     return _library
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, int64, int32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.decode_attention.argtypes = [pointer, pointer, pointer, int64, int64, int64, pointer, int64, pointer,
-                                         int32, int32, int32, int32, int64, ctypes.c_float, int32, pointer, int32]
+    library.decode_attention.argtypes = [
+        pointer,
+        pointer,
+        pointer,
+        int64,
+        int64,
+        int64,
+        pointer,
+        int64,
+        pointer,
+        int32,
+        int32,
+        int32,
+        int32,
+        int64,
+        ctypes.c_float,
+        int32,
+        pointer,
+        int32,
+    ]
     library.decode_attention.restype = None
     library.decode_linear.argtypes = [pointer, pointer, pointer, pointer, int64, int64, int32, int32]
     library.decode_linear.restype = int32
@@ -201,8 +288,10 @@ def compile_commands(folder: Path, target: Path) -> list[list[str]]:
     openmp = (torch_lib / "libgomp.so.1").exists()
     flags.append("-fopenmp" if openmp else "-fopenmp-simd")
     objects = [folder / f"{source.stem}.o" for source in SOURCES]
-    commands = [[*compiler, *flags, *SOURCE_FLAGS.get(source.name, []), "-c", str(source), "-o", str(built)]
-                for source, built in zip(SOURCES, objects)]
+    commands = [
+        [*compiler, *flags, *SOURCE_FLAGS.get(source.name, []), "-c", str(source), "-o", str(built)]
+        for source, built in zip(SOURCES, objects)
+    ]
     link = [*compiler, "-shared", *map(str, objects), "-o", str(target)]
     if openmp:
         link += ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lgomp"]
@@ -216,8 +305,9 @@ def _build() -> Path:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     sources = b"".join(source.read_bytes() for source in SOURCES)
     calls = " ".join(" ".join(command) for command in compile_commands(Path("build"), Path("lib")))
-    key = hashlib.sha256(sources + calls.replace(str(SOURCES[0].parent), "csrc").encode()
-                         + _cpu_identity().encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        sources + calls.replace(str(SOURCES[0].parent), "csrc").encode() + _cpu_identity().encode()
+    ).hexdigest()[:16]
     target = cache_root() / "kernels" / f"decode_kernels-{key}.so"
     if target.exists():
         _mark_used(target)
@@ -229,8 +319,10 @@ def _build() -> Path:
         for command in compile_commands(Path(folder), built):
             completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if completed.returncode != 0:
-                raise RuntimeError(f"compiling {' and '.join(source.name for source in SOURCES)} failed: "
-                                   f"{completed.stderr.strip()[-500:]}")
+                raise RuntimeError(
+                    f"compiling {' and '.join(source.name for source in SOURCES)} failed: "
+                    f"{completed.stderr.strip()[-500:]}"
+                )
         os.replace(built, target)
     return target
 

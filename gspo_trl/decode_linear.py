@@ -100,7 +100,8 @@ def packing_available() -> bool:
         try:
             weight, x = torch.randn(24, 16), torch.randn(3, 16)
             _packing = bool(torch.backends.mkldnn.is_available()) and torch.allclose(
-                PackedWeight(weight).linear(x, None), nn.functional.linear(x, weight), rtol=1e-4, atol=1e-5)
+                PackedWeight(weight).linear(x, None), nn.functional.linear(x, weight), rtol=1e-4, atol=1e-5
+            )
         except (AttributeError, RuntimeError, NotImplementedError):
             _packing = False
     return _packing
@@ -114,8 +115,10 @@ def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
     Timed at the row counts of `MEASURED_ROWS` on the weights themselves, in their order, as a decoding step reads
     them (from memory, not from cache): per row count, passes over all of them alternate between the forms, one
     untimed pass each, then the least of `repeats` timed passes per shape (about 5 s for SmolLM2-135M on 2 cores)."""
-    products = {LINEAR: lambda index, x: nn.functional.linear(x, weights[index]),
-                TRANSPOSED: lambda index, x: _transposed_product(weights[index], x)}
+    products = {
+        LINEAR: lambda index, x: nn.functional.linear(x, weights[index]),
+        TRANSPOSED: lambda index, x: _transposed_product(weights[index], x),
+    }
     if packing and packing_available():
         packed = [PackedWeight(weight) for weight in weights]
         products[PACKED] = lambda index, x: packed[index].linear(x, None)
@@ -125,8 +128,11 @@ def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
     measured: dict[tuple[int, int], dict[int, str]] = {shape: {} for shape in shapes}
     for rows in MEASURED_ROWS:
         inputs = {in_features: torch.full((rows, in_features), 0.5) for _, in_features in shapes}
-        timed = {form: product for form, product in products.items()
-                 if form != COMPILED or rows <= decode_kernel.MAX_LINEAR_ROWS}
+        timed = {
+            form: product
+            for form, product in products.items()
+            if form != COMPILED or rows <= decode_kernel.MAX_LINEAR_ROWS
+        }
         best = {form: dict.fromkeys(shapes, float("inf")) for form in timed}
         for repeat in range(repeats + 1):
             for form, product in timed.items():
@@ -141,8 +147,10 @@ def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
         for shape in shapes:
             fastest = min((form for form in timed if form != LINEAR), key=lambda form: best[form][shape])
             measured[shape][rows] = fastest if best[fastest][shape] * MIN_SPEEDUP <= best[LINEAR][shape] else LINEAR
-    return {shape: {rows: by_rows[min(m for m in MEASURED_ROWS if m >= rows)] for rows in range(1, MAX_ROWS + 1)}
-            for shape, by_rows in measured.items()}
+    return {
+        shape: {rows: by_rows[min(m for m in MEASURED_ROWS if m >= rows)] for rows in range(1, MAX_ROWS + 1)}
+        for shape, by_rows in measured.items()
+    }
 
 
 # The choices measured in this process, by `packing` and the shapes of a model's linear layers in order (a snapshot
@@ -172,8 +180,9 @@ def _transposed_product(weight: torch.Tensor, x: torch.Tensor, buffers: OneRow |
     return buffers.result.contiguous()
 
 
-def transposed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                      buffers: OneRow | None = None) -> torch.Tensor:
+def transposed_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, buffers: OneRow | None = None
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x (rows, in) in the transposed form."""
     out = _transposed_product(weight, x, buffers)
     if bias is not None:
@@ -194,9 +203,15 @@ def plain(layer: nn.Module) -> bool:
     transformers' own or the one `fast_decode_linears` gave it."""
     weight = getattr(layer, "weight", None)
     forward = layer.__dict__.get("forward")
-    return (type(layer) is nn.Linear and (forward is None or hasattr(forward, "forms"))
-            and type(weight) in (torch.Tensor, nn.Parameter) and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.numel() > 0)
+    return (
+        type(layer) is nn.Linear
+        and (forward is None or hasattr(forward, "forms"))
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.numel() > 0
+    )
 
 
 def _applies(layer: nn.Module) -> bool:
@@ -217,8 +232,13 @@ def packed_weight(layer: nn.Module) -> PackedWeight | None:
 def _forward(layer: nn.Linear, by_rows: dict[int, str], packed: PackedWeight | None, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     form = by_rows.get(rows, LINEAR)
-    if (form == LINEAR or x.dtype != torch.float32 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
-            or type(layer.weight) not in (torch.Tensor, nn.Parameter)):
+    if (
+        form == LINEAR
+        or x.dtype != torch.float32
+        or torch.is_grad_enabled()
+        or torch.is_autocast_enabled("cpu")
+        or type(layer.weight) not in (torch.Tensor, nn.Parameter)
+    ):
         return nn.functional.linear(x, layer.weight, layer.bias)
     if form == PACKED and packed.weight is layer.weight:
         return packed.linear(x, layer.bias)
@@ -249,9 +269,11 @@ def fast_decode_linears(model: nn.Module):
         if key not in _choices:
             start = time.perf_counter()
             _choices[key] = measure_choices([layer.weight for layer in layers])
-            logger.info(f"decode_linear: measured in {time.perf_counter() - start:.1f} s; the form of each row "
-                        "count, by weight shape: " + "; ".join(
-                            f"{out}x{inp}: {describe_forms(by_rows)}" for (out, inp), by_rows in _choices[key].items()))
+            logger.info(
+                f"decode_linear: measured in {time.perf_counter() - start:.1f} s; the form of each row "
+                "count, by weight shape: "
+                + "; ".join(f"{out}x{inp}: {describe_forms(by_rows)}" for (out, inp), by_rows in _choices[key].items())
+            )
     choices = _choices[key]
     layers = [layer for layer in layers if set(choices[tuple(layer.weight.shape)].values()) != {LINEAR}]
     forwards = []
@@ -269,8 +291,14 @@ def fast_decode_linears(model: nn.Module):
 
 def describe_forms(by_rows: dict[int, str]) -> str:
     """The measured row counts that take each form other than `linear`, e.g. "transposed [1, 2], packed [3, 4]"."""
-    return ", ".join(f"{form} {[rows for rows in MEASURED_ROWS if by_rows[rows] == form]}"
-                     for form in (TRANSPOSED, PACKED, COMPILED) if form in by_rows.values()) or LINEAR
+    return (
+        ", ".join(
+            f"{form} {[rows for rows in MEASURED_ROWS if by_rows[rows] == form]}"
+            for form in (TRANSPOSED, PACKED, COMPILED)
+            if form in by_rows.values()
+        )
+        or LINEAR
+    )
 
 
 def _bound(layer: nn.Linear, by_rows: dict[int, str]):
@@ -278,5 +306,6 @@ def _bound(layer: nn.Linear, by_rows: dict[int, str]):
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return _forward(layer, by_rows, packed, x)
+
     forward.forms, forward.packed = by_rows, packed
     return forward

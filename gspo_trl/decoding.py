@@ -38,10 +38,22 @@ from .kv_cache import cache_kwargs
 
 # GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram
 # bans, bad words, a minimum length, ...) is `generate`'s job: `supports` says so and the backend falls back.
-HANDLED_FIELDS = frozenset({
-    "do_sample", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-    "pad_token_id", "bos_token_id", "eos_token_id", "use_cache", "cache_implementation",
-})
+HANDLED_FIELDS = frozenset(
+    {
+        "do_sample",
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "use_cache",
+        "cache_implementation",
+    }
+)
 
 
 def unsupported_settings(generation_config: GenerationConfig) -> list[str]:
@@ -84,8 +96,9 @@ def logits_processors(generation_config: GenerationConfig) -> LogitsProcessorLis
 SAMPLING_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
-def inverse_cdf_sample(scores: torch.Tensor, uniforms: torch.Tensor, block: int = SAMPLING_BLOCK,
-                       with_logps: bool = False):
+def inverse_cdf_sample(
+    scores: torch.Tensor, uniforms: torch.Tensor, block: int = SAMPLING_BLOCK, with_logps: bool = False
+):
     """(N,) token ids drawn from softmax(scores) (N, V), one uniform in [0, 1) per row; with `with_logps`, also
     (N,) float32 log softmax(scores) at those tokens (the normaliser comes free from the sampling weights).
 
@@ -242,12 +255,20 @@ def only_scales(processors: LogitsProcessorList, temperature: float) -> bool:
     then the scores sampled from are the ones `token_logps` normalises."""
     if not processors:
         return temperature == 1.0
-    return (len(processors) == 1 and type(processors[0]) is TemperatureLogitsWarper
-            and processors[0].temperature == temperature)
+    return (
+        len(processors) == 1
+        and type(processors[0]) is TemperatureLogitsWarper
+        and processors[0].temperature == temperature
+    )
 
 
-def draw(scores: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor, logp_temperature: float | None,
-         scores_are_scaled_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw(
+    scores: torch.Tensor,
+    logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    logp_temperature: float | None,
+    scores_are_scaled_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoding step's (n,) tokens, drawn from softmax(scores), and with `logp_temperature` their `token_logps`
     (None without): taken from the sampling weights when the scores are the logits / that temperature
     (`only_scales`), otherwise by a pass over `logits`."""
@@ -317,8 +338,14 @@ def sample(
             if t and step_forward is not None:
                 logits = step_forward(step_ids, attention, step_positions, cache)  # (n, V)
             else:
-                logits = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
-                               **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1, :]
+                logits = model(
+                    input_ids=step_ids,
+                    attention_mask=attention,
+                    position_ids=step_positions,
+                    **cache_kwargs(model, cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1, :]
             if t == 0:  # the cache now holds every prompt token: give it room for the completions
                 preallocate(cache, prompt_length + max_new_tokens)
                 if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
@@ -343,8 +370,9 @@ def sample(
                 keep = drop_rows(cache, finished)
                 rows, sequences, attention = rows[keep], sequences[keep], attention[keep]
                 step_ids, step_positions = step_ids[keep], step_positions[keep]
-    return Decoded(completions[:, :length], None if logps is None else logps[:, :length],
-                   states if keep_states else None)
+    return Decoded(
+        completions[:, :length], None if logps is None else logps[:, :length], states if keep_states else None
+    )
 
 
 @dataclass
@@ -370,6 +398,7 @@ def row_states(cache: DynamicCache, batch_rows: torch.Tensor, mask: torch.Tensor
     states = []
     for row in batch_rows.tolist():
         columns = mask[row].bool()
-        states.append(RowState([(layer.keys[row][:, columns], layer.values[row][:, columns])
-                                for layer in cache.layers]))
+        states.append(
+            RowState([(layer.keys[row][:, columns], layer.values[row][:, columns]) for layer in cache.layers])
+        )
     return states

@@ -67,14 +67,17 @@ def check_deepspeed_batch_fields(args, num_processes: int) -> None:
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes,
     }
-    wrong = [f"{name}={config[name]} (GSPOConfig implies {value})" for name, value in expected.items()
-             if isinstance(config.get(name), int) and config[name] != value]
+    wrong = [
+        f"{name}={config[name]} (GSPOConfig implies {value})"
+        for name, value in expected.items()
+        if isinstance(config.get(name), int) and config[name] != value
+    ]
     if wrong:
         raise ValueError(
             f"The DeepSpeed config contradicts GSPOConfig on {num_processes} process(es): {', '.join(wrong)}. "
             "per_device_train_batch_size counts completions per process and micro-step, and train_batch_size = "
             "per_device_train_batch_size × gradient_accumulation_steps × num_processes. Set these DeepSpeed "
-            "fields to \"auto\" (or to the values above)."
+            'fields to "auto" (or to the values above).'
         )
 
 
@@ -99,9 +102,14 @@ def prepare_frozen_model(model: torch.nn.Module, accelerator, scored_by_logprobs
         mesh = getattr(accelerator, "torch_device_mesh", None)
         if mesh is not None and accelerator.parallelism_config is not None:
             mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
-        return shard_frozen_model(model, mesh=mesh, mp_policy=fsdp.mixed_precision_policy,
-                                  offload_policy=fsdp.cpu_offload, block_names=fsdp.transformer_cls_names_to_wrap,
-                                  reshard_root_after_forward=not scored_by_logprobs)
+        return shard_frozen_model(
+            model,
+            mesh=mesh,
+            mp_policy=fsdp.mixed_precision_policy,
+            offload_policy=fsdp.cpu_offload,
+            block_names=fsdp.transformer_cls_names_to_wrap,
+            reshard_root_after_forward=not scored_by_logprobs,
+        )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
         return accelerator.prepare_model(model, evaluation_mode=True)
@@ -116,8 +124,15 @@ def prepare_frozen_model(model: torch.nn.Module, accelerator, scored_by_logprobs
     return engine
 
 
-def shard_frozen_model(model: torch.nn.Module, *, mesh=None, mp_policy=None, offload_policy=None,
-                       block_names=None, reshard_root_after_forward: bool = True) -> torch.nn.Module:
+def shard_frozen_model(
+    model: torch.nn.Module,
+    *,
+    mesh=None,
+    mp_policy=None,
+    offload_policy=None,
+    block_names=None,
+    reshard_root_after_forward: bool = True,
+) -> torch.nn.Module:
     """Shard a model that is only evaluated with FSDP2 (`fully_shard`): each transformer block (the classes
     `block_names` names, by default the model's `_no_split_modules`) and then the root, every one resharded after
     its forward (the root only with `reshard_root_after_forward`; otherwise whoever runs it calls `reshard()`). At
@@ -132,8 +147,11 @@ def shard_frozen_model(model: torch.nn.Module, *, mesh=None, mp_policy=None, off
     if not isinstance(offload_policy, OffloadPolicy):
         offload_policy = CPUOffloadPolicy() if offload_policy else OffloadPolicy()
     names = set(block_names or getattr(model, "_no_split_modules", None) or [])
-    settings = {"reshard_after_forward": True, "mp_policy": mp_policy or MixedPrecisionPolicy(),
-                "offload_policy": offload_policy}
+    settings = {
+        "reshard_after_forward": True,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy,
+    }
     if mesh is not None:
         settings["mesh"] = mesh
     model.requires_grad_(False)
@@ -155,8 +173,7 @@ def warn_if_fsdp_dropped(args, accelerator) -> None:
         )
 
 
-def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_zero3: bool,
-                           checkpointing_kwargs=None):
+def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_zero3: bool, checkpointing_kwargs=None):
     """The context generation runs in: under DeepSpeed ZeRO-3 with `gather_zero3`, every parameter is
     gathered once for the whole rollout (and ZeRO-3's per-module hooks are lifted meanwhile) instead of
     layer by layer at every decoding step, through TRL's own context, so `ds3_gather_for_generation`
@@ -221,12 +238,19 @@ def fsdp2_whole_weights(model: torch.nn.Module):
             # that restoring the settings below does not undo that choice (the root's parameters, freed after every
             # forward, then crashed a backward through them that did not use the model's own output)
             modules[0]._get_fsdp_state()._lazy_init()
-        saved = [(state, state._auto_reshard_after_forward, [group.post_forward_mesh_info for group in
-                                                             state._fsdp_param_groups])
-                 for state in (module._get_fsdp_state() for module in modules)]
+        saved = [
+            (
+                state,
+                state._auto_reshard_after_forward,
+                [group.post_forward_mesh_info for group in state._fsdp_param_groups],
+            )
+            for state in (module._get_fsdp_state() for module in modules)
+        ]
     except AttributeError:
-        logger.warning_once("FSDP2: this torch version keeps reshard_after_forward elsewhere; generation gathers "
-                            "the sharded parameters at every forward")
+        logger.warning_once(
+            "FSDP2: this torch version keeps reshard_after_forward elsewhere; generation gathers "
+            "the sharded parameters at every forward"
+        )
         yield
         return
     for module in modules:
@@ -265,7 +289,7 @@ def gradients_held(accelerator, model: torch.nn.Module, defer_fsdp_reduction=Non
         return
     accelerator.gradient_state._set_sync_gradients(False)
     try:
-        with (defer_fsdp_reduction() if defer_fsdp_reduction is not None else accelerator.no_sync(model)):
+        with defer_fsdp_reduction() if defer_fsdp_reduction is not None else accelerator.no_sync(model):
             yield
     finally:
         accelerator.gradient_state._set_sync_gradients(True)
@@ -283,7 +307,9 @@ def gather_rollout(batch: dict, accelerator, pad_token_id: int) -> dict:
     prompt_length = batch["input_ids"].shape[1] - completion_length
 
     def gathered(tensor, pad_index, pad_first):
-        return accelerator.gather(accelerator.pad_across_processes(tensor, dim=1, pad_index=pad_index, pad_first=pad_first))
+        return accelerator.gather(
+            accelerator.pad_across_processes(tensor, dim=1, pad_index=pad_index, pad_first=pad_first)
+        )
 
     prompt_ids = gathered(batch["input_ids"][:, :prompt_length], pad_token_id, True)
     prompt_mask = gathered(batch["attention_mask"][:, :prompt_length], 0, True)

@@ -26,8 +26,14 @@ class EntropyCoefficient:
 
     @classmethod
     def from_config(cls, args) -> EntropyCoefficient:
-        return cls(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target, args.entropy_coef_delta,
-                   args.entropy_coef_min, args.entropy_coef_max)
+        return cls(
+            args.entropy_coef,
+            args.use_adaptive_entropy,
+            args.entropy_target,
+            args.entropy_coef_delta,
+            args.entropy_coef_min,
+            args.entropy_coef_max,
+        )
 
     @property
     def enabled(self) -> bool:

@@ -24,7 +24,6 @@ from .distributed import fsdp2_modules, is_fsdp2_module, is_partitioned, unshard
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, plan_forwards, relative_attention_cost
 from .precision import Float32LMHead, project_in_fp32
 
-
 DEFAULT_KEPT_LOGITS_MB = 1024  # fp32 logits kept from the forward for the backward pass; the rest are recomputed
 
 
@@ -147,25 +146,45 @@ def completion_logprobs(
     labels_valid = completion_ids[valid]  # (N,)
     packed, aux_loss = None, None
     prompt_length = input_ids.shape[1] - completion_ids.shape[1]
-    if padding_free and not router_aux_loss and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask):
+    if (
+        padding_free
+        and not router_aux_loss
+        and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask)
+    ):
         layout = (input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids, completion_mask)
         pair_cost = relative_attention_cost(unwrap_model(model).config)
         forwards = plan_forwards(*layout, max_row_tokens=max_row_tokens, attention_pair_cost=pair_cost)
         if len(forwards) > 1:  # long and short completions in forwards of their own (each planned again)
             # All of them stay alive until the one backward pass, so they share the kept logits by scored tokens.
             scored = valid.sum().clamp(min=1)
-            parts = [completion_logprobs(model, input_ids[rows], attention_mask[rows], completion_ids[rows],
-                                         completion_mask[rows], temperature=temperature, chunk_size=chunk_size,
-                                         kept_logits_mb=kept_logits_mb * float(valid[rows].sum() / scored),
-                                         padding_free=True, max_row_tokens=max_row_tokens, entropy_grad=entropy_grad)
-                     for rows in forwards]
-            return CompletionScores(_rows_together(forwards, [part.logps for part in parts]),
-                                    _rows_together(forwards, [part.entropy for part in parts]), None)
+            parts = [
+                completion_logprobs(
+                    model,
+                    input_ids[rows],
+                    attention_mask[rows],
+                    completion_ids[rows],
+                    completion_mask[rows],
+                    temperature=temperature,
+                    chunk_size=chunk_size,
+                    kept_logits_mb=kept_logits_mb * float(valid[rows].sum() / scored),
+                    padding_free=True,
+                    max_row_tokens=max_row_tokens,
+                    entropy_grad=entropy_grad,
+                )
+                for rows in forwards
+            ]
+            return CompletionScores(
+                _rows_together(forwards, [part.logps for part in parts]),
+                _rows_together(forwards, [part.entropy for part in parts]),
+                None,
+            )
         packed = pack_shared_prefix(*layout, max_row_tokens=max_row_tokens, attention_pair_cost=pair_cost)
     if packed is not None:
         dtype = unwrap_model(model).get_input_embeddings().weight.dtype
         hidden, _ = _final_hidden_states(
-            model, input_ids=packed.input_ids, position_ids=packed.position_ids,
+            model,
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
             attention_mask=packed.float_attention_mask(dtype),
         )  # (R, L, H)
         hidden_valid = hidden.flatten(0, 1)[packed.score_index]  # (N, H)
@@ -179,8 +198,9 @@ def completion_logprobs(
         hidden = hidden[:, -completion_length - 1 : -1]  # (B, C, H)
         hidden_valid = hidden[valid]  # (N, H), padding-free from here on
 
-    logps, entropy = _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, kept_logits_mb,
-                                          entropy_grad)
+    logps, entropy = _score_hidden_states(
+        model, hidden_valid, labels_valid, temperature, chunk_size, kept_logits_mb, entropy_grad
+    )
     per_token_logps = hidden.new_zeros(completion_ids.shape, dtype=torch.float32)
     per_token_entropy = torch.zeros_like(per_token_logps)
     if logps is None:
@@ -269,8 +289,9 @@ def _attends_completion_prefixes(completion_attention: torch.Tensor, completion_
     return is_prefix and not bool((completion_mask.bool() & ~completion_attention.bool()).any())
 
 
-def _score_hidden_states(model, hidden_valid, labels_valid, temperature, chunk_size, kept_logits_mb,
-                         entropy_grad=False):
+def _score_hidden_states(
+    model, hidden_valid, labels_valid, temperature, chunk_size, kept_logits_mb, entropy_grad=False
+):
     """(log-probs, entropies) of `labels_valid` from the final hidden states, a chunk at a time. With gradients,
     the chunks whose fp32 logits fit `kept_logits_mb` together keep them for the backward pass; later chunks are
     checkpointed (their logits projected again in the backward pass)."""

@@ -87,8 +87,9 @@ class Objective:
         if self.epsilon_high < 0:
             raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
         if self.delta is not None and not self.delta > 1:
-            raise ValueError(f"delta caps the importance ratio and must be > 1 (e.g. 1 + 2 * epsilon_high), "
-                             f"got {self.delta}")
+            raise ValueError(
+                f"delta caps the importance ratio and must be > 1 (e.g. 1 + 2 * epsilon_high), got {self.delta}"
+            )
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -150,8 +151,9 @@ def importance_weights(
     return sequence_log_ratio.detach() + logps - logps.detach()
 
 
-def aggregate(per_token_loss, mask, objective: Objective, token_normalizer=None, num_sequences=None,
-              num_tokens=None) -> torch.Tensor:
+def aggregate(
+    per_token_loss, mask, objective: Objective, token_normalizer=None, num_sequences=None, num_tokens=None
+) -> torch.Tensor:
     """One number from the (B, T) per-token losses, as `AGGREGATIONS` describes.
 
     ``num_sequences`` and ``num_tokens`` are the B and the valid tokens the means divide by when this batch is a row
@@ -180,12 +182,16 @@ def _validate_tensors(per_token_logps, advantages, objective: Objective, beta_ne
         if tensor is not None and tensor.shape != shape:
             raise ValueError(f"{name} must have the shape of per_token_logps {tuple(shape)}, got {tuple(tensor.shape)}")
     if advantages.shape not in (shape[:1], shape):
-        raise ValueError(f"advantages must have shape (B,) = {tuple(shape[:1])} or (B, T) = {tuple(shape)}, "
-                         f"got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must have shape (B,) = {tuple(shape[:1])} or (B, T) = {tuple(shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
     if advantages.dim() == 2 and objective.importance_sampling_level == "sequence":
-        raise ValueError("advantages of shape (B, T) are per-token; importance_sampling_level='sequence' needs (B,) "
-                         "advantages. Use importance_sampling_level='sequence_token' (GSPO-token) for per-token ones, 'turn' for "
-                         "per-turn ones.")
+        raise ValueError(
+            "advantages of shape (B, T) are per-token; importance_sampling_level='sequence' needs (B,) "
+            "advantages. Use importance_sampling_level='sequence_token' (GSPO-token) for per-token ones, 'turn' for "
+            "per-turn ones."
+        )
     if advantages.dim() == 2 and objective.loss_type == "vespo":
         raise ValueError("loss_type='vespo' weighs whole sequences and needs (B,) advantages, got (B, T)")
     if beta_needs_ref:
@@ -253,12 +259,20 @@ def policy_loss(
         tokens; with nothing valid, fractions are 0 and ratios 1.
     """
     objective = objective if objective is not None else Objective(**hyperparameters)
-    _validate_tensors(per_token_logps, advantages, objective,
-                      beta_needs_ref=objective.beta > 0 and ref_per_token_logps is None,
-                      old_per_token_logps=old_per_token_logps, completion_mask=completion_mask,
-                      ref_per_token_logps=ref_per_token_logps, sampling_per_token_logps=sampling_per_token_logps,
-                      sampling_weights=sampling_weights, turn_ids=turn_ids,
-                      policy_token_mask=policy_token_mask, per_token_entropy=per_token_entropy)
+    _validate_tensors(
+        per_token_logps,
+        advantages,
+        objective,
+        beta_needs_ref=objective.beta > 0 and ref_per_token_logps is None,
+        old_per_token_logps=old_per_token_logps,
+        completion_mask=completion_mask,
+        ref_per_token_logps=ref_per_token_logps,
+        sampling_per_token_logps=sampling_per_token_logps,
+        sampling_weights=sampling_weights,
+        turn_ids=turn_ids,
+        policy_token_mask=policy_token_mask,
+        per_token_entropy=per_token_entropy,
+    )
     mask = completion_mask.bool()  # (B, T)
     zeros = torch.zeros_like(per_token_logps)
 
@@ -286,8 +300,14 @@ def policy_loss(
         token_log_ratio = token_log_ratio + torch.where(mask, log_weights, zeros)
     policy_term = POLICY_TERMS[objective.loss_type]
     per_token_loss, term_stats = policy_term(
-        ratio, advantages, logps, **{f.name: getattr(objective, f.name) for f in fields(objective)},
-        token_log_ratio=token_log_ratio, mask=mask, valid_sequences=valid_sequences, reduce=reduce,
+        ratio,
+        advantages,
+        logps,
+        **{f.name: getattr(objective, f.name) for f in fields(objective)},
+        token_log_ratio=token_log_ratio,
+        mask=mask,
+        valid_sequences=valid_sequences,
+        reduce=reduce,
     )  # (B, T)
 
     stats = {}
@@ -331,11 +351,13 @@ def policy_loss(
         any_valid = stat_mask.any()
         inf = torch.full_like(ratio_units, float("inf"))
         stats.update(term_stats)
-        stats.update({
-            "ratio_mean": torch.where(any_valid, masked_mean(ratio_units, stat_mask), one),
-            "ratio_min": torch.where(any_valid, torch.where(stat_mask, ratio_units, inf).amin(), one),
-            "ratio_max": torch.where(any_valid, torch.where(stat_mask, ratio_units, -inf).amax(), one),
-            "log_ratio_abs_mean": reduce(log_is_weight.abs()),
-            "kl_mean": masked_mean(per_token_kl, mask) if per_token_kl is not None else torch.zeros_like(one),
-        })
+        stats.update(
+            {
+                "ratio_mean": torch.where(any_valid, masked_mean(ratio_units, stat_mask), one),
+                "ratio_min": torch.where(any_valid, torch.where(stat_mask, ratio_units, inf).amin(), one),
+                "ratio_max": torch.where(any_valid, torch.where(stat_mask, ratio_units, -inf).amax(), one),
+                "log_ratio_abs_mean": reduce(log_is_weight.abs()),
+                "kl_mean": masked_mean(per_token_kl, mask) if per_token_kl is not None else torch.zeros_like(one),
+            }
+        )
     return loss, {k: v.detach() for k, v in stats.items()}

@@ -96,12 +96,21 @@ def loss_metrics(stats: dict, entropy_mean: torch.Tensor, beta: float) -> dict[s
 # What each loss metric is a mean over, so that the mean over processes weights each process by its count and
 # equals the one-process number. "units": sequences at the sequence level, tokens otherwise (the loss's own unit).
 METRIC_UNITS = {
-    "clip_ratio/low": "units", "clip_ratio/high": "units", "clip_ratio/region": "units",
-    "ratio/mean": "units", "ratio/log_abs_mean": "units", "sapo/gate_weight": "units", "cispo_clip_ratio": "units",
-    "kl": "tokens", "entropy": "tokens",
-    "vespo/phi_seq_mean": "sequences", "off_policy/masked_fraction": "sequences",
-    "sampling/sampling_logp_difference/mean": "tokens", "sampling/mismatch_kl": "tokens",
-    "sampling/importance_sampling_ratio/mean": "correction_units", "sampling/corrected_fraction": "correction_units",
+    "clip_ratio/low": "units",
+    "clip_ratio/high": "units",
+    "clip_ratio/region": "units",
+    "ratio/mean": "units",
+    "ratio/log_abs_mean": "units",
+    "sapo/gate_weight": "units",
+    "cispo_clip_ratio": "units",
+    "kl": "tokens",
+    "entropy": "tokens",
+    "vespo/phi_seq_mean": "sequences",
+    "off_policy/masked_fraction": "sequences",
+    "sampling/sampling_logp_difference/mean": "tokens",
+    "sampling/mismatch_kl": "tokens",
+    "sampling/importance_sampling_ratio/mean": "correction_units",
+    "sampling/corrected_fraction": "correction_units",
 }
 
 
@@ -116,15 +125,19 @@ def metric_counts(
     the sampling correction's unit (sequences for its sequence modes)."""
     mask = completion_mask.bool()  # (B, T)
     tokens, sequences = mask.sum(), mask.any(dim=1).sum()
-    return {"tokens": tokens, "sequences": sequences,
-            "units": sequences if importance_sampling_level == "sequence" else tokens,
-            "correction_units": sequences if (correction_mode or "").startswith("sequence") else tokens}
+    return {
+        "tokens": tokens,
+        "sequences": sequences,
+        "units": sequences if importance_sampling_level == "sequence" else tokens,
+        "correction_units": sequences if (correction_mode or "").startswith("sequence") else tokens,
+    }
 
 
 def reduce_across_processes(
     metrics: dict | list[dict], gather, counts: dict | list[dict] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Combine each process's loss metrics with one collective: min/max for extremes (names ending in /min, /max), otherwise the mean
+    """Combine each process's loss metrics with one collective: min/max for extremes (names ending in /min, /max),
+    otherwise the mean
     weighted by each process's count (`metric_counts`, as `METRIC_UNITS` assigns them): the number one process
     would log for the whole micro-batch. Metrics without a unit (and all of them without counts) take the plain
     mean; so does a metric whose count is zero on every process. A micro-batch trained in several passes gives a
@@ -143,7 +156,7 @@ def reduce_across_processes(
 
     local = torch.stack([local_row(part, part_count) for part, part_count in zip(parts, part_counts)])  # (passes, 2K)
     gathered = gather(local)  # (processes × passes, 2K)
-    values, weights = gathered[:, : len(names)], gathered[:, len(names):]
+    values, weights = gathered[:, : len(names)], gathered[:, len(names) :]
     reduced = {}
     for index, name in enumerate(names):
         column, weight = values[:, index], weights[:, index]
@@ -187,24 +200,36 @@ def training_health(log_history: list[dict], window: int = 3) -> dict:
     }
     hints = []
     if health["zero_std_group_share"] is not None and health["zero_std_group_share"] > HEALTH_ZERO_STD_SHARE:
-        hints.append(f"{health['zero_std_group_share']:.0%} of the groups got equal rewards (no learning signal): the "
-                     "task is too easy or too hard for the model; change its difficulty or num_generations.")
+        hints.append(
+            f"{health['zero_std_group_share']:.0%} of the groups got equal rewards (no learning signal): the "
+            "task is too easy or too hard for the model; change its difficulty or num_generations."
+        )
     if not off_policy and steps:
-        hints.append("Every step was on-policy (ratio 1): clipping never acted. steps_per_generation > "
-                     "gradient_accumulation_steps trains several optimizer steps per rollout, as the paper does.")
+        hints.append(
+            "Every step was on-policy (ratio 1): clipping never acted. steps_per_generation > "
+            "gradient_accumulation_steps trains several optimizer steps per rollout, as the paper does."
+        )
     elif health["clip_ratio_off_policy"] is not None and health["clip_ratio_off_policy"] > HEALTH_CLIP_FRACTION:
-        hints.append(f"{health['clip_ratio_off_policy']:.0%} of the sequences were clipped on off-policy steps: the "
-                     "policy moves far within a rollout; lower learning_rate or steps_per_generation.")
-    if health["length_first"] and health["length_last"] is not None and (
-            health["length_last"] < HEALTH_LENGTH_RATIO * health["length_first"]):
-        hints.append(f"Completions shrank from {health['length_first']:.1f} to {health['length_last']:.1f} tokens: "
-                     "check that the reward does not simply favour short answers.")
+        hints.append(
+            f"{health['clip_ratio_off_policy']:.0%} of the sequences were clipped on off-policy steps: the "
+            "policy moves far within a rollout; lower learning_rate or steps_per_generation."
+        )
+    if (
+        health["length_first"]
+        and health["length_last"] is not None
+        and (health["length_last"] < HEALTH_LENGTH_RATIO * health["length_first"])
+    ):
+        hints.append(
+            f"Completions shrank from {health['length_first']:.1f} to {health['length_last']:.1f} tokens: "
+            "check that the reward does not simply favour short answers."
+        )
     health["hints"] = hints
     return health
 
 
 def format_health(health: dict) -> str:
     """The health summary as the few lines the final report starts with."""
+
     def number(value, spec):
         return "n/a" if value is None else format(value, spec)
 
@@ -221,9 +246,16 @@ def format_health(health: dict) -> str:
     return "\n".join(lines)
 
 
-def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor | None, sampled_tokens: torch.Tensor,
-                    env_tokens: torch.Tensor, end_codes: torch.Tensor, end_reasons: tuple[str, ...],
-                    tool_calls: torch.Tensor | None = None, tool_failures: torch.Tensor | None = None) -> dict[str, float]:
+def episode_metrics(
+    reached: torch.Tensor,
+    turn_rewards: torch.Tensor | None,
+    sampled_tokens: torch.Tensor,
+    env_tokens: torch.Tensor,
+    end_codes: torch.Tensor,
+    end_reasons: tuple[str, ...],
+    tool_calls: torch.Tensor | None = None,
+    tool_failures: torch.Tensor | None = None,
+) -> dict[str, float]:
     """What a batch of multi-turn episodes did (all tensors over every process): turns per episode, the share of
     completion tokens that came from the environment, how episodes ended (`end_codes` index `end_reasons`), the
     mean step reward at each turn index over the episodes that reached it (`turn_rewards` None: tool episodes, which
@@ -232,7 +264,9 @@ def episode_metrics(reached: torch.Tensor, turn_rewards: torch.Tensor | None, sa
     metrics = {
         "episodes/turns/mean": reached.sum(dim=1).float().mean().item(),
         "episodes/turns/max": reached.sum(dim=1).max().item(),
-        "episodes/env_token_fraction": (env_tokens.sum() / (env_tokens.sum() + sampled_tokens.sum()).clamp(min=1)).item(),
+        "episodes/env_token_fraction": (
+            env_tokens.sum() / (env_tokens.sum() + sampled_tokens.sum()).clamp(min=1)
+        ).item(),
     }
     for code, reason in enumerate(end_reasons):
         metrics[f"episodes/ended_by/{reason}"] = (end_codes == code).float().mean().item()
@@ -253,4 +287,5 @@ def print_completions(samples: list[dict], limit: int | None, step: int) -> None
         prompt = sample["prompt"]
         if isinstance(prompt, list):
             prompt = prompt[-1]["content"]
-        print(f"[reward {sample['reward']:+.3f} | advantage {sample['advantage']:+.3f}] {prompt!r} -> {sample['completion']!r}")
+        scores = f"[reward {sample['reward']:+.3f} | advantage {sample['advantage']:+.3f}]"
+        print(f"{scores} {prompt!r} -> {sample['completion']!r}")

@@ -78,7 +78,8 @@ def router_aux_loss_coef(model: PreTrainedModel, coef: float | None) -> float:
     if coef and not returns_router_logits:
         raise ValueError(
             f"router_aux_loss_coef={coef} is set, but {type(unwrap_model(model)).__name__} is not a Mixture-of-Experts "
-            "model that returns router logits: there is no load-balancing loss to weigh. Leave router_aux_loss_coef=None."
+            "model that returns router logits: there is no load-balancing loss to weigh. "
+            "Leave router_aux_loss_coef=None."
         )
     if not returns_router_logits:
         return 0.0

@@ -51,7 +51,9 @@ def clipped(ratio, advantages, logps, *, epsilon, epsilon_high, delta=None, redu
 
 def sapo(ratio, advantages, logps, *, sapo_temperature_pos, sapo_temperature_neg, reduce: Reduce, **_):
     """SAPO's soft gate f(w) = 4/tau * sigmoid(tau (w - 1)) in place of the hard clip."""
-    temperature = torch.where(advantages > 0, ratio.new_tensor(sapo_temperature_pos), ratio.new_tensor(sapo_temperature_neg))
+    temperature = torch.where(
+        advantages > 0, ratio.new_tensor(sapo_temperature_pos), ratio.new_tensor(sapo_temperature_neg)
+    )
     gate = torch.sigmoid(temperature * (ratio - 1.0))
     per_token_loss = -(4.0 / temperature) * gate * advantages
     with torch.no_grad():
@@ -82,11 +84,30 @@ def vespo_weight(token_log_ratio, advantages, mask, *, k_pos, lambda_pos, k_neg,
         return log_phi.exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def vespo(ratio, advantages, logps, *, token_log_ratio, mask, valid_sequences, vespo_k_pos, vespo_lambda_pos,
-          vespo_k_neg, vespo_lambda_neg, **_):
+def vespo(
+    ratio,
+    advantages,
+    logps,
+    *,
+    token_log_ratio,
+    mask,
+    valid_sequences,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+    **_,
+):
     """VESPO: REINFORCE weighted by the detached gamma kernel of the whole-sequence ratio."""
-    phi = vespo_weight(token_log_ratio, advantages, mask, k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos,
-                       k_neg=vespo_k_neg, lambda_neg=vespo_lambda_neg)  # (B, 1)
+    phi = vespo_weight(
+        token_log_ratio,
+        advantages,
+        mask,
+        k_pos=vespo_k_pos,
+        lambda_pos=vespo_lambda_pos,
+        k_neg=vespo_k_neg,
+        lambda_neg=vespo_lambda_neg,
+    )  # (B, 1)
     per_token_loss = -phi * advantages * logps
     valid = valid_sequences.to(phi.dtype)
     stats = {"vespo_weight_mean": (phi.squeeze(1) * valid).sum() / valid.sum().clamp(min=1.0)}

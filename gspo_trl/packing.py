@@ -17,7 +17,8 @@ A micro-batch whose completion lengths differ widely is packed as two forwards (
 longest completions, and the rest in rows of their own length, instead of every row padded to the longest.
 
 What it owns: the packed token layout, its attention mask and position ids, the index of the
-hidden state that predicts each scored completion token, and which completions share a forward. What it does not own: running the model
+hidden state that predicts each scored completion token, and which completions share a forward. What it does not own:
+running the model
 (`logprobs`), and deciding whether a model can take a custom mask (`padding_free_unsupported_reason`
 answers that from the config).
 """
@@ -104,7 +105,9 @@ def pack_shared_prefix(
         raise ValueError(f"max_row_tokens must be >= 1, got {max_row_tokens}.")
     if attention_pair_cost is None:
         attention_pair_cost = DEFAULT_ATTENTION_PAIR_COST
-    _, rows = _assign_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens, attention_pair_cost)
+    _, rows = _assign_rows(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens, attention_pair_cost
+    )
     if not rows:
         return None
     length = max(sum(unit.length for unit in row) for row in rows)
@@ -139,7 +142,9 @@ def pack_shared_prefix(
                 cursor += n
             unit_number += 1
         # Padding continues the last position, so a row of one sequence reads as one sequence to the model.
-        position_ids[r, cursor:] = torch.arange(cursor, length, device=device) + position_ids[r, cursor - 1] + 1 - cursor
+        position_ids[r, cursor:] = (
+            torch.arange(cursor, length, device=device) + position_ids[r, cursor - 1] + 1 - cursor
+        )
 
     attention_mask = None
     if any(len(row) > 1 or len(row[0].completions) > 1 for row in rows):
@@ -165,7 +170,9 @@ def _block_tree_mask(unit_of: torch.Tensor, branch_of: torch.Tensor) -> torch.Te
     same_unit = (unit_of.unsqueeze(2) == unit_of.unsqueeze(1)) & (unit_of.unsqueeze(2) >= 0)
     key_is_prompt_or_same_branch = (branch_of.unsqueeze(1) == -1) | (branch_of.unsqueeze(2) == branch_of.unsqueeze(1))
     causal = torch.ones(length, length, dtype=torch.bool, device=unit_of.device).tril()
-    diagonal = torch.eye(length, dtype=torch.bool, device=unit_of.device)  # padding queries see themselves: no empty rows
+    diagonal = torch.eye(
+        length, dtype=torch.bool, device=unit_of.device
+    )  # padding queries see themselves: no empty rows
     return (same_unit & key_is_prompt_or_same_branch & causal) | diagonal
 
 
@@ -270,12 +277,23 @@ def plan_forwards(
         return everything
 
     def cost(rows: torch.Tensor) -> float:
-        return _assign_rows(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows],
-                            max_row_tokens, attention_pair_cost)[0]
+        return _assign_rows(
+            prompt_ids[rows],
+            prompt_mask[rows],
+            completion_ids[rows],
+            completion_mask[rows],
+            max_row_tokens,
+            attention_pair_cost,
+        )[0]
 
     whole = cost(everything[0])
-    cuts = sorted({next((k for k, n in enumerate(sorted_lengths) if n <= sorted_lengths[0] * share), 0)
-                   for share in (3 / 4, 1 / 2, 1 / 4, 1 / 8)} - {0})
+    cuts = sorted(
+        {
+            next((k for k, n in enumerate(sorted_lengths) if n <= sorted_lengths[0] * share), 0)
+            for share in (3 / 4, 1 / 2, 1 / 4, 1 / 8)
+        }
+        - {0}
+    )
     best = None
     for k in cuts:
         if sorted_lengths[k] == 0:
@@ -328,7 +346,9 @@ def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
     if implementation not in ("sdpa", "eager"):
         return f"its attention implementation is {implementation!r} (padding-free needs 'sdpa' or 'eager')"
     layer_types = getattr(text_config, "layer_types", None) or []
-    sliding = getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True)
+    sliding = getattr(text_config, "sliding_window", None) is not None and getattr(
+        text_config, "use_sliding_window", True
+    )
     if sliding or any("sliding" in str(kind) for kind in layer_types):
         return "it uses sliding-window attention"
     if getattr(text_config, "alibi", False) or getattr(text_config, "model_type", "") in ("bloom", "mpt"):

@@ -30,8 +30,16 @@ DEFAULT_CUDA_PASS_TOKENS = 8192
 # Keys of a micro-batch whose first dimension is not its rows.
 _BATCH_SCALARS = ("num_items_in_batch",)
 # Per-row tensors over the completion's positions (B, C), cut to the pass's longest completion.
-_COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
-                    "sampling_per_token_logps", "decoding_per_token_logps", "turn_ids", "advantages")
+_COMPLETION_KEYS = (
+    "completion_ids",
+    "completion_mask",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "sampling_per_token_logps",
+    "decoding_per_token_logps",
+    "turn_ids",
+    "advantages",
+)
 
 
 def resolve_max_tokens_per_pass(setting: int | None, device_type: str) -> int | None:
@@ -56,13 +64,16 @@ def pass_budget(args, device_type: str, router_aux_loss: bool) -> int | None:
     one pass. A budget set by hand where it cannot apply is a `ValueError`."""
     reason = passes_unsupported_reason(args.top_entropy_quantile, router_aux_loss)
     if reason is not None and args.max_tokens_per_pass:
-        raise ValueError(f"max_tokens_per_pass={args.max_tokens_per_pass} cannot train a micro-batch in several "
-                         f"passes here: {reason}. Set max_tokens_per_pass=0 (one pass per micro-batch).")
+        raise ValueError(
+            f"max_tokens_per_pass={args.max_tokens_per_pass} cannot train a micro-batch in several "
+            f"passes here: {reason}. Set max_tokens_per_pass=0 (one pass per micro-batch)."
+        )
     return None if reason is not None else resolve_max_tokens_per_pass(args.max_tokens_per_pass, device_type)
 
 
-def micro_batch_passes(micro_batch: dict[str, Any], max_tokens: int | None,
-                       most_of_all: Callable[[int], int] | None = None) -> list[torch.Tensor]:
+def micro_batch_passes(
+    micro_batch: dict[str, Any], max_tokens: int | None, most_of_all: Callable[[int], int] | None = None
+) -> list[torch.Tensor]:
     """The rows of each training pass of a micro-batch: one pass within the budget (or without one), else
     `plan_passes` over its rows' padded positions. ``most_of_all`` maps this process's number of passes to the
     largest over all processes (a collective: every process calls it, with the same rows per micro-batch)."""
@@ -103,8 +114,11 @@ def plan_passes(row_positions: torch.Tensor, max_tokens: int | None, min_passes:
     passes = max(min_passes, 1)
     if max_tokens is not None:
         passes = max(passes, math.ceil(rows * int(lengths[-1]) / max_tokens))
-        while passes < rows and max(int(part.numel()) * int(lengths[part[-1]]) for part in
-                                    torch.arange(rows).tensor_split(passes)) > max_tokens:
+        while (
+            passes < rows
+            and max(int(part.numel()) * int(lengths[part[-1]]) for part in torch.arange(rows).tensor_split(passes))
+            > max_tokens
+        ):
             passes += 1
     passes = min(passes, rows)
     return [order[part] for part in torch.arange(rows).tensor_split(passes)]

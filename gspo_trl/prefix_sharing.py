@@ -24,7 +24,6 @@ from transformers import DynamicCache
 
 from .kv_cache import cache_kwargs
 
-
 # The least share of the prefill positions that sharing must save to be used: it costs a second forward.
 MIN_SAVING = 0.125
 
@@ -53,9 +52,13 @@ def shared_prefix_groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
                 best[end], start[end] = saving, first
     groups, end = [], len(order)
     while end > 0:
-        members = order[start[end]:end]
-        groups.append((members, min(len(rows[index]) for index in members) - 1 if len(members) == 1
-                       else _group_prefix(rows, members)))
+        members = order[start[end] : end]
+        groups.append(
+            (
+                members,
+                min(len(rows[index]) for index in members) - 1 if len(members) == 1 else _group_prefix(rows, members),
+            )
+        )
         end = start[end]
     return groups[::-1]
 
@@ -71,8 +74,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def _group_prefix(rows: list[list[int]], members: list[int]) -> int:
     first = rows[members[0]]
-    return min(min(_common_prefix(first, rows[index]) for index in members[1:]),
-               min(len(rows[index]) for index in members) - 1)
+    return min(
+        min(_common_prefix(first, rows[index]) for index in members[1:]), min(len(rows[index]) for index in members) - 1
+    )
 
 
 def _left_pad(sequences: list[list[int]], width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,8 +84,8 @@ def _left_pad(sequences: list[list[int]], width: int, pad_token_id: int) -> tupl
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, sequence in enumerate(sequences):
         if sequence:
-            ids[row, width - len(sequence):] = torch.tensor(sequence)
-            mask[row, width - len(sequence):] = 1
+            ids[row, width - len(sequence) :] = torch.tensor(sequence)
+            mask[row, width - len(sequence) :] = 1
     return ids, mask
 
 
@@ -108,16 +112,24 @@ def prefill_shared_prefixes(model, rows: list[list[int]], pad_token_id: int):
         return None
 
     device = model.device
-    prefix_ids, prefix_mask = _left_pad([rows[members[0]][:length] for members, length in groups], prefix_width,
-                                        pad_token_id)
+    prefix_ids, prefix_mask = _left_pad(
+        [rows[members[0]][:length] for members, length in groups], prefix_width, pad_token_id
+    )
     prefix_positions = (prefix_mask.cumsum(-1) - 1).masked_fill(prefix_mask == 0, 1)
     cache = DynamicCache(config=model.config)
-    model(input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device),
-          position_ids=prefix_positions.to(device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    model(
+        input_ids=prefix_ids.to(device),
+        attention_mask=prefix_mask.to(device),
+        position_ids=prefix_positions.to(device),
+        **cache_kwargs(model, cache),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     group_of_row = torch.tensor(group_of)
     cache.reorder_cache(group_of_row.to(device))
-    return _continue_rows(model, cache, prefix_ids[group_of_row], prefix_mask[group_of_row], rows, prefix_length,
-                          pad_token_id)
+    return _continue_rows(
+        model, cache, prefix_ids[group_of_row], prefix_mask[group_of_row], rows, prefix_length, pad_token_id
+    )
 
 
 @torch.no_grad()
@@ -136,7 +148,7 @@ def prefill_after_states(model, rows: list[list[int]], states: list, pad_token_i
         batch_keys = keys.new_zeros((len(rows), keys.shape[0], width, keys.shape[2]))
         batch_values = values.new_zeros((len(rows), values.shape[0], width, values.shape[2]))
         for row, (state, length) in enumerate(zip(states, lengths)):
-            batch_keys[row, :, width - length:], batch_values[row, :, width - length:] = state.layers[layer]
+            batch_keys[row, :, width - length :], batch_values[row, :, width - length :] = state.layers[layer]
         cache.update(batch_keys, batch_values, layer)
     prefix_ids, prefix_mask = _left_pad([row[:length] for row, length in zip(rows, lengths)], width, pad_token_id)
     return _continue_rows(model, cache, prefix_ids, prefix_mask, rows, lengths, pad_token_id)
@@ -156,8 +168,14 @@ def _continue_rows(model, cache, prefix_ids, prefix_mask, rows, prefix_lengths, 
     if tail_width:
         prefix_width = prefix_ids.shape[1]
         columns = slice(prefix_width, prefix_width + tail_width)
-        model(input_ids=ids[:, columns], attention_mask=mask[:, : prefix_width + tail_width],
-              position_ids=positions[:, columns], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        model(
+            input_ids=ids[:, columns],
+            attention_mask=mask[:, : prefix_width + tail_width],
+            position_ids=positions[:, columns],
+            **cache_kwargs(model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     return ids, mask, cache
 
 
@@ -170,8 +188,14 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Dynam
     # Position ids as `generate` derives them from a left-padded mask.
     positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
     cache = DynamicCache(config=model.config)
-    model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[:, :-1],
-          **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    model(
+        input_ids=prompt_ids[:, :-1],
+        attention_mask=prompt_mask[:, :-1],
+        position_ids=positions[:, :-1],
+        **cache_kwargs(model, cache),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     return cache
 
 

@@ -44,7 +44,7 @@ class RewardFunction:
     @property
     def is_async(self) -> bool:
         target = _unwrap_partial(self.func)
-        return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+        return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))  # noqa: B004 (its method)
 
     def __call__(self, **kwargs: Any) -> Any:
         return self.func(**kwargs)

@@ -67,11 +67,16 @@ class Rollout:
         return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
 
     def to(self, device) -> Rollout:
-        return Rollout(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
-                          for name, value in vars(self).items()})
+        return Rollout(
+            **{
+                name: value.to(device) if isinstance(value, torch.Tensor) else value
+                for name, value in vars(self).items()
+            }
+        )
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The log-prob inputs of these completions: prompt + completion ids and attention, the sampled tokens scored."""
+        """The log-prob inputs of these completions: prompt + completion ids and attention, the sampled tokens
+        scored."""
         return {
             "input_ids": torch.cat([self.prompt_ids, self.completion_ids], dim=1),
             "attention_mask": torch.cat([self.prompt_mask, self.completion_mask], dim=1),
@@ -98,7 +103,7 @@ class RolloutBackend(ABC):
     # under its precision context and, under ZeRO-3, with gathered weights.
     samples_with_training_model = True
 
-    def update_weights(self, model, global_step: int) -> None:
+    def update_weights(self, model, global_step: int) -> None:  # noqa: B027 (a no-op by default)
         """Called before every rollout with the (wrapped) policy: an engine with its own copy of the weights
         refreshes it when they changed since it last did (`global_step` counts optimizer steps). Every process
         calls it."""
@@ -112,7 +117,10 @@ class RolloutBackend(ABC):
         """
 
     def generate_from_ids(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None,
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        stream_keys: torch.Tensor | None = None,
         states: list | None = None,
     ) -> Rollout:
         """Sample one completion of at most `max_new_tokens` after each token-id prompt: the next assistant turn of
@@ -131,20 +139,28 @@ def create_rollout_backend(args, tokenizer: PreTrainedTokenizerBase, accelerator
     return HFGenerateBackend(model_getter, tokenizer, args)
 
 
-def render_prompts(prompts: list[Any], tokenizer: PreTrainedTokenizerBase, chat_template_kwargs=None,
-                   tools: list[list[dict] | None] | None = None) -> list[str]:
+def render_prompts(
+    prompts: list[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template_kwargs=None,
+    tools: list[list[dict] | None] | None = None,
+) -> list[str]:
     """Prompt texts: conversational prompts go through the chat template with a generation prompt (and, per
     prompt, the JSON schemas of the tools the template should present)."""
     tools = tools or [None] * len(prompts)
     return [
-        maybe_apply_chat_template({"prompt": prompt}, tokenizer, tools=prompt_tools or None,
-                                  **(chat_template_kwargs or {}))["prompt"]
+        maybe_apply_chat_template(
+            {"prompt": prompt}, tokenizer, tools=prompt_tools or None, **(chat_template_kwargs or {})
+        )["prompt"]
         for prompt, prompt_tools in zip(prompts, tools)
     ]
 
 
 def tokenize_prompts(
-    prompts: list[Any], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int | None, chat_template_kwargs=None,
+    prompts: list[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int | None,
+    chat_template_kwargs=None,
     tools: list[list[dict] | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt_ids, prompt_mask), (N, P) left-padded, truncated from the left to `max_prompt_length`."""
@@ -165,12 +181,14 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
     mask = torch.zeros((len(sequences), length), dtype=torch.long)
     for row, tokens in enumerate(sequences):
         if tokens:
-            ids[row, length - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
-            mask[row, length - len(tokens):] = 1
+            ids[row, length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, length - len(tokens) :] = 1
     return ids, mask
 
 
-def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_mask_from_eos(
+    completion_ids: torch.Tensor, eos_token_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mask, is_truncated): the mask keeps tokens up to and including the first EOS of each row."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, C)
     length = completion_ids.shape[1]
@@ -220,12 +238,16 @@ class HFGenerateBackend(RolloutBackend):
         unsupported = decoding.unsupported_settings(self.generation_config)
         self.use_decode_loop = args.decode_loop == "gspo" and not unsupported
         if args.decode_loop == "gspo" and unsupported:
-            logger.warning(f"decode_loop='gspo' does not implement {', '.join(unsupported)} (from generation_kwargs "
-                           "or cache_implementation): sampling uses transformers' generate instead, which decodes "
-                           "finished completions to the longest one's length.")
+            logger.warning(
+                f"decode_loop='gspo' does not implement {', '.join(unsupported)} (from generation_kwargs "
+                "or cache_implementation): sampling uses transformers' generate instead, which decodes "
+                "finished completions to the longest one's length."
+            )
         self.processors = decoding.logits_processors(self.generation_config)
         # The loop's log-probs of what it samples, at the temperature training scores with (π_old, where asked).
-        self.logp_temperature = args.temperature if self.use_decode_loop and records_decode_logprobs(args, model) else None
+        self.logp_temperature = (
+            args.temperature if self.use_decode_loop and records_decode_logprobs(args, model) else None
+        )
         self.cuda_graphs = args.decode_cuda_graphs
         self._static_refusal_logged = False
         self.max_decode_rows = args.decode_max_rows
@@ -245,15 +267,19 @@ class HFGenerateBackend(RolloutBackend):
         return self._sample(prompt_ids, prompt_mask, stream_keys, self.generation_config.max_new_tokens)
 
     def generate_from_ids(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None,
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        stream_keys: torch.Tensor | None = None,
         states: list | None = None,
     ) -> Rollout:
         ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id)
         return self._sample(ids, mask, stream_keys, max_new_tokens, states, keep_states=self.reuse_turn_cache)
 
     @torch.no_grad()
-    def _sample(self, prompt_ids, prompt_mask, stream_keys, max_new_tokens: int, states=None,
-                keep_states: bool = False) -> Rollout:
+    def _sample(
+        self, prompt_ids, prompt_mask, stream_keys, max_new_tokens: int, states=None, keep_states: bool = False
+    ) -> Rollout:
         model = self.model_getter()
         prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
         keys = None if stream_keys is None else stream_keys.to(model.device)
@@ -265,16 +291,24 @@ class HFGenerateBackend(RolloutBackend):
         model.eval()
         try:
             parts = [
-                self._sample_rows(model, prompt_ids[part], prompt_mask[part], None if keys is None else keys[part],
-                                  max_new_tokens, None if states is None else states[part], keep_states)
+                self._sample_rows(
+                    model,
+                    prompt_ids[part],
+                    prompt_mask[part],
+                    None if keys is None else keys[part],
+                    max_new_tokens,
+                    None if states is None else states[part],
+                    keep_states,
+                )
                 for part in (slice(start, start + step) for start in range(0, max(rows, 1), step))
             ]
         finally:
             model.train(was_training)
         pad = self.tokenizer.pad_token_id
         width = max(part.completion_ids.shape[1] for part in parts)
-        completion_ids = torch.cat([F.pad(part.completion_ids, (0, width - part.completion_ids.shape[1]), value=pad)
-                                    for part in parts])
+        completion_ids = torch.cat(
+            [F.pad(part.completion_ids, (0, width - part.completion_ids.shape[1]), value=pad) for part in parts]
+        )
         logps = None
         if all(part.logps is not None for part in parts):
             logps = torch.cat([F.pad(part.logps, (0, width - part.logps.shape[1])) for part in parts])
@@ -282,8 +316,16 @@ class HFGenerateBackend(RolloutBackend):
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated, sampling_logps=logps,
-                       states=kept if keep_states else None, sampled_by_policy=logps is not None)
+        return Rollout(
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            is_truncated,
+            sampling_logps=logps,
+            states=kept if keep_states else None,
+            sampled_by_policy=logps is not None,
+        )
 
     def _rows_per_slice(self, model, rows: int, positions: int) -> int:
         """How many rows to decode at once: `decode_max_rows`, or on a GPU as many as the free memory holds."""
@@ -305,23 +347,27 @@ class HFGenerateBackend(RolloutBackend):
             self._slicing_logged = True
         return step
 
-    def _sample_rows(self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states,
-                     keep_states) -> decoding.Decoded:
+    def _sample_rows(
+        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
+    ) -> decoding.Decoded:
         """One slice of rows, decoded together."""
         if self.use_decode_loop:
             return self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states)
         return decoding.Decoded(self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens))
 
-    def _sample_with_loop(self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states,
-                          keep_states) -> decoding.Decoded:
+    def _sample_with_loop(
+        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
+    ) -> decoding.Decoded:
         def keyed_uniforms(rows, position):  # one uniform per row and position, from the row's own stream
             return keyed_uniform(keys[rows], position, 1).squeeze(1)
 
         uniforms = decoding.random_uniforms if keys is None else keyed_uniforms
         shared, pad = None, self.tokenizer.pad_token_id
         if _takes_gapped_rows(model):  # what rows share with others, or with their own last turn, runs once
-            rows = [[token for token, keep in zip(ids, mask) if keep]  # one device-to-host copy, not one per row
-                    for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
+            rows = [
+                [token for token, keep in zip(ids, mask) if keep]  # one device-to-host copy, not one per row
+                for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())
+            ]
             if self.reuse_turn_cache and states is not None and all(state is not None for state in states):
                 shared = prefill_after_states(model, rows, states, pad)
             if shared is None and self.share_prefixes:
@@ -332,9 +378,16 @@ class HFGenerateBackend(RolloutBackend):
             ids, mask, cache = prompt_ids, prompt_mask, prefill_shared_prompts(model, prompt_ids, prompt_mask)
         else:
             ids, mask, cache = shared
-        sampling = dict(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids, pad_token_id=pad,
-                        processors=self.processors, uniforms=uniforms, history=prompt_ids, keep_states=keep_states,
-                        logp_temperature=self.logp_temperature)
+        sampling = dict(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=pad,
+            processors=self.processors,
+            uniforms=uniforms,
+            history=prompt_ids,
+            keep_states=keep_states,
+            logp_temperature=self.logp_temperature,
+        )
         if self.cuda_graphs and ids.device.type == "cuda":
             if cache is None:
                 cache = prefill(model, ids, mask)
@@ -354,13 +407,22 @@ class HFGenerateBackend(RolloutBackend):
             # Greedy over Gumbel-perturbed, warped scores: an exact sample, drawn from the row's own stream.
             sampling = generation_config
             generation_config = GenerationConfig(
-                **{**sampling.to_dict(), "do_sample": False, "temperature": None, "top_p": None, "top_k": None,
-                   "min_p": None}
+                **{
+                    **sampling.to_dict(),
+                    "do_sample": False,
+                    "temperature": None,
+                    "top_p": None,
+                    "top_k": None,
+                    "min_p": None,
+                }
             )
-            processors = LogitsProcessorList([
-                KeyedGumbelSampler(keys, prompt_ids.shape[1], sampling.temperature,
-                                   sampling.top_k, sampling.top_p, sampling.min_p)
-            ])
+            processors = LogitsProcessorList(
+                [
+                    KeyedGumbelSampler(
+                        keys, prompt_ids.shape[1], sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+                    )
+                ]
+            )
         cache = None
         if self.generation_config.cache_implementation is None:
             cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)

@@ -106,6 +106,8 @@ def sampler_logprobs_as_old(micro_batch: dict) -> torch.Tensor:
     """π_old taken from the engine that sampled (GSPO paper §5.4), which must have scored every completion token."""
     sampling = micro_batch["sampling_per_token_logps"]
     if torch.isnan(sampling[micro_batch["completion_mask"].bool()]).any():
-        raise RuntimeError("vllm_logprobs_as_old=True, but the vLLM server returned no log-prob for some sampled "
-                           "tokens; set vllm_logprobs_as_old=False to compute π_old on the trainer.")
+        raise RuntimeError(
+            "vllm_logprobs_as_old=True, but the vLLM server returned no log-prob for some sampled "
+            "tokens; set vllm_logprobs_as_old=False to compute π_old on the trainer."
+        )
     return sampling

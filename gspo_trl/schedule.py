@@ -33,7 +33,8 @@ def micro_batches_needing_old_logprobs(
     """For each micro-batch i of a rollout, whether any of its uses meets weights moved since sampling.
 
     The rollout is sampled just before use number `first_use` (0, or later for a run resumed mid-
-    rollout from a checkpoint that holds no saved rollout, which re-samples and continues), when `window_offset` micro-steps of the current
+    rollout from a checkpoint that holds no saved rollout, which re-samples and continues), when `window_offset`
+    micro-steps of the current
     accumulation window are already done. The next optimizer step then comes after the use number
     `first_use + gradient_accumulation_steps - window_offset - 1`: windows after the current one are
     full, because an epoch ends only where a rollout ends (the last uses of a rollout are in the
@@ -69,9 +70,7 @@ def micro_steps_into_epoch(global_step: int, steps_in_epoch: int, gradient_accum
     return (global_step % updates_per_epoch) * gradient_accumulation_steps
 
 
-def split_into_micro_batches(
-    batch: dict, num_slices: int, group_size: int, generator: torch.Generator
-) -> list[dict]:
+def split_into_micro_batches(batch: dict, num_slices: int, group_size: int, generator: torch.Generator) -> list[dict]:
     """Cut a rollout batch into `num_slices` micro-batches made of whole groups, in shuffled order.
 
     Rows arrive group by group (`group_size` completions of one prompt in a row). Shuffling groups

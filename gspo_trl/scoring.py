@@ -29,8 +29,9 @@ class RolloutScores:
     rewards: torch.Tensor  # (N,) each row's total reward
 
 
-def score_rollout(local_rewards: torch.Tensor, reward_weights: torch.Tensor, args, accelerator,
-                  episodes=None) -> RolloutScores:
+def score_rollout(
+    local_rewards: torch.Tensor, reward_weights: torch.Tensor, args, accelerator, episodes=None
+) -> RolloutScores:
     """Advantages of this process's rows from its (n, F) reward-function table (`episodes`: its `EpisodeBatch`)."""
     device = local_rewards.device
     n = local_rewards.shape[0]
@@ -46,7 +47,12 @@ def score_rollout(local_rewards: torch.Tensor, reward_weights: torch.Tensor, arg
 
     turn_rewards, reached = gathered(episodes.turn_rewards), gathered(episodes.reached)  # (N, K) each
     per_turn, returns, stats = episode_advantages(
-        turn_rewards, reached, rewards, args.num_generations, args.scale_rewards, args.turn_discount,
+        turn_rewards,
+        reached,
+        rewards,
+        args.num_generations,
+        args.scale_rewards,
+        args.turn_discount,
         args.advantage_granularity,
     )  # (N, K), (N,)
     if args.advantage_granularity == "turn":

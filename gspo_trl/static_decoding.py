@@ -2,7 +2,8 @@
 
 On a GPU the per-step Python and kernel launches of a model's forward, not its arithmetic, set the speed of
 decoding: on an H100, 64 rows of a 1.7B model, HF `generate` takes 20 ms per step and `decoding.sample` 25 ms
-where this loop's replayed graph takes 6 ms (docs/benchmarks.md, "GPU"). This module owns the static variant of the loop:
+where this loop's replayed graph takes 6 ms (docs/benchmarks.md, "GPU"). This module owns the static variant of the
+loop:
 every row's keys and values live in buffers sized for the whole rollout (`StaticKVLayer`), attention reads a
 window of them through a 4-D mask, and the forward of one step is captured once per window size (a multiple
 of `WINDOW_BLOCK` positions) as a CUDA graph, then replayed (`StaticDecoder`). Sampling and the logits
@@ -92,8 +93,15 @@ class StaticDecoder:
     (P the padded prompt length) and returns the (rows, V) logits of the newest token. With `graphs`, each
     window size's step is run once eagerly, captured, and replayed from then on."""
 
-    def __init__(self, model, cache: DynamicCache, prompt_mask: torch.Tensor, capacity: int, graphs: bool,
-                 window_block: int = WINDOW_BLOCK):
+    def __init__(
+        self,
+        model,
+        cache: DynamicCache,
+        prompt_mask: torch.Tensor,
+        capacity: int,
+        graphs: bool,
+        window_block: int = WINDOW_BLOCK,
+    ):
         self.model, self.cache, self.capacity, self.window_block = model, cache, capacity, window_block
         self.prompt_length = prompt_mask.shape[1]
         device = prompt_mask.device
@@ -111,8 +119,14 @@ class StaticDecoder:
     def _forward(self, window: int) -> torch.Tensor:
         for layer in self.cache.layers:
             layer.set_window(window)
-        out = self.model(input_ids=self.step_ids, attention_mask=self.mask[:, :, :, :window],
-                         position_ids=self.positions, **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=self.step_ids,
+            attention_mask=self.mask[:, :, :, :window],
+            position_ids=self.positions,
+            **cache_kwargs(self.model, self.cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :]
 
     def logits(self, step_ids: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
@@ -135,8 +149,12 @@ class StaticDecoder:
     def _capture(self, window: int) -> None:
         graph = torch.cuda.CUDAGraph()
         # Autocast must not cache casts across the capture: they would live in the graph's memory pool.
-        autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
-                                  enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        autocast = torch.autocast(
+            "cuda",
+            dtype=torch.get_autocast_dtype("cuda"),
+            enabled=torch.is_autocast_enabled("cuda"),
+            cache_enabled=False,
+        )
         try:
             with autocast, torch.cuda.graph(graph, pool=self.pool):
                 output = self._forward(window)
@@ -152,11 +170,20 @@ class StaticDecoder:
         prompt's cache columns and those of the completion but the EOS (sampled, never run through the model)."""
         states = []
         for row, length in zip(batch_rows, lengths):
-            columns = torch.cat([self.mask[row, 0, 0, : self.prompt_length].nonzero().squeeze(1),
-                                 torch.arange(self.prompt_length, self.prompt_length + length - 1,
-                                              device=self.mask.device)])
-            states.append(RowState([(layer.key_buffer[row][:, columns], layer.value_buffer[row][:, columns])
-                                    for layer in self.cache.layers]))
+            columns = torch.cat(
+                [
+                    self.mask[row, 0, 0, : self.prompt_length].nonzero().squeeze(1),
+                    torch.arange(self.prompt_length, self.prompt_length + length - 1, device=self.mask.device),
+                ]
+            )
+            states.append(
+                RowState(
+                    [
+                        (layer.key_buffer[row][:, columns], layer.value_buffer[row][:, columns])
+                        for layer in self.cache.layers
+                    ]
+                )
+            )
         return states
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -214,6 +241,7 @@ def sample(
             for row, state in zip(originals, decoder.row_states(ended.tolist(), lengths[originals].tolist())):
                 states[row] = state
         kept.logical_or_(~live)
+
     history = prompt_ids if history is None else history
     sequences = torch.cat([history, completions], dim=1)  # what the processors see: sequences[:, :H + t]
     step_ids, positions = prompt_ids[:, -1:], prompt_mask.sum(-1, keepdim=True) - 1

@@ -29,15 +29,13 @@ DEFAULT_TASK_KWARGS: dict[str, Any] = {
 }
 # For any task: tags make the answer unambiguous when it is not a number.
 GENERIC_SYSTEM_PROMPT = (
-    "Solve the problem. Reply briefly and end your reply with the final answer "
-    "inside <answer></answer> tags."
+    "Solve the problem. Reply briefly and end your reply with the final answer inside <answer></answer> tags."
 )
 # The default task's prompt. SmolLM2-135M rarely emits <answer> tags (3-5% when asked), but often
 # ends a short reply with the number; the example has a two-digit term so it is never one of the
 # default task's questions.
 DEFAULT_SYSTEM_PROMPT = (
-    "Solve the problem. Reply with one short line that ends with the final answer, "
-    "for example: 12 + 5 = 17"
+    "Solve the problem. Reply with one short line that ends with the final answer, for example: 12 + 5 = 17"
 )
 DEFAULT_FORMAT_WEIGHT = 0.2
 

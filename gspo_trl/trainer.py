@@ -45,11 +45,11 @@ from .loss import Objective, masked_mean, policy_loss
 from .loss_masks import high_entropy_token_mask
 from .metrics import (
     MetricsBuffer,
-    print_completions,
     completion_length_metrics,
+    episode_metrics,
     loss_metrics,
     metric_counts,
-    episode_metrics,
+    print_completions,
     reduce_across_processes,
     reward_function_metrics,
     sampling_metrics,
@@ -73,9 +73,8 @@ from .rollout import SampledRollout, create_rollout_backend, is_conversational_p
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
 from .rollout_func import check_rollout_func, sample_with_rollout_func
 from .sampling_correction import sampler_logprobs_as_old, sampling_correction
-from .scoring import score_rollout
 from .schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch, split_into_micro_batches
-
+from .scoring import score_rollout
 
 logger = logging.get_logger(__name__)
 
@@ -141,15 +140,22 @@ class GSPOTrainer(Trainer):
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         environment_rewards = environment_reward_functions(environment_factory)  # weighted 1, as in TRL
         if reward_processing_classes is not None and environment_rewards:
-            reward_processing_classes = (list(reward_processing_classes) if isinstance(reward_processing_classes, (
-                list, tuple)) else [reward_processing_classes]) + [None] * len(environment_rewards)
-        self.reward_funcs = load_reward_funcs(reward_funcs + environment_rewards, reward_processing_classes,
-                                              args.model_init_kwargs)
+            reward_processing_classes = (
+                list(reward_processing_classes)
+                if isinstance(reward_processing_classes, (list, tuple))
+                else [reward_processing_classes]
+            ) + [None] * len(environment_rewards)
+        self.reward_funcs = load_reward_funcs(
+            reward_funcs + environment_rewards, reward_processing_classes, args.model_init_kwargs
+        )
         if not self.reward_funcs and (env_factory is None):
-            raise ValueError("reward_funcs is empty: pass at least one reward function, an env_factory whose step() "
-                             "returns rewards, or an environment_factory whose environment defines get_reward().")
-        self.reward_weights = torch.cat([resolve_reward_weights(args.reward_weights, len(reward_funcs)),
-                                         torch.ones(len(environment_rewards))])
+            raise ValueError(
+                "reward_funcs is empty: pass at least one reward function, an env_factory whose step() "
+                "returns rewards, or an environment_factory whose environment defines get_reward()."
+            )
+        self.reward_weights = torch.cat(
+            [resolve_reward_weights(args.reward_weights, len(reward_funcs)), torch.ones(len(environment_rewards))]
+        )
         self.ref_model = create_reference_model(model, model_source, args) if args.beta > 0 else None
 
         super().__init__(
@@ -275,7 +281,10 @@ class GSPOTrainer(Trainer):
             self._rollout_global_step = restored.sampled_at_step
         if use == 0 or self._buffered_inputs is None:
             if self.rollout_pipeline is None:
-                rollout_batch, weights_step = self._generate_and_score(generation_batch, "train"), self.state.global_step
+                rollout_batch, weights_step = (
+                    self._generate_and_score(generation_batch, "train"),
+                    self.state.global_step,
+                )
             else:
                 sampled, weights_step = self._take_prefetched_rollout(generation_batch)
                 rollout_batch = self._score(generation_batch, sampled, "train")
@@ -298,7 +307,9 @@ class GSPOTrainer(Trainer):
                 elif args.always_compute_old_logprobs:
                     micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
                 elif needed:
-                    decoded = micro_batch.get("decoding_per_token_logps")  # the decoding loop's (decode_logprobs_as_old)
+                    decoded = micro_batch.get(
+                        "decoding_per_token_logps"
+                    )  # the decoding loop's (decode_logprobs_as_old)
                     micro_batch["old_per_token_logps"] = (
                         decoded if decoded is not None else self._score_without_grad(self.model, micro_batch)
                     )
@@ -350,7 +361,8 @@ class GSPOTrainer(Trainer):
                 if frozen is not None and ahead:  # π_old will be gone by the time it trains
                     rollout = sampled.rollout
                     sampled.behaviour_logps = (
-                        rollout.sampling_logps if rollout.sampled_by_policy
+                        rollout.sampling_logps
+                        if rollout.sampled_by_policy
                         else self._score_without_grad(frozen, rollout.model_inputs())
                     )
             return sampled
@@ -370,7 +382,9 @@ class GSPOTrainer(Trainer):
         """
         args, processes = self.args, self.accelerator.num_processes
         if processes == 1:
-            return split_into_micro_batches(rollout_batch, args.steps_per_generation, args.num_generations, self._rollout_generator)
+            return split_into_micro_batches(
+                rollout_batch, args.steps_per_generation, args.num_generations, self._rollout_generator
+            )
         local_rows = rollout_batch["input_ids"].shape[0] // args.steps_per_generation
         everything = gather_rollout(rollout_batch, self.accelerator, self.processing_class.pad_token_id)
         mine = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
@@ -404,8 +418,9 @@ class GSPOTrainer(Trainer):
         def most_of_all(passes: int) -> int:  # every process runs as many passes as the one that needs most
             return int(accelerator.reduce(torch.tensor(passes, device=accelerator.device), "max"))
 
-        return micro_batch_passes(micro_batch, self.max_tokens_per_pass,
-                                  most_of_all if accelerator.num_processes > 1 else None)
+        return micro_batch_passes(
+            micro_batch, self.max_tokens_per_pass, most_of_all if accelerator.num_processes > 1 else None
+        )
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:  # Trainer would take the newest folder, even a half-written one
@@ -444,7 +459,8 @@ class GSPOTrainer(Trainer):
     def _generate_and_score(self, batch: list[dict], mode: str) -> dict[str, Any]:
         """Sample a synchronous rollout on the current weights and score it (eval; train without async_rollouts)."""
         if self.rollout_pipeline is not None:
-            self.rollout_pipeline.prefetcher.wait()  # a server must not change weights under a rollout being sampled ahead
+            # a server must not change weights under a rollout being sampled ahead
+            self.rollout_pipeline.prefetcher.wait()
         self.rollout_backend.update_weights(self.model_wrapped, self.state.global_step)
         with self._generation_context():
             sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, self.state.global_step)
@@ -478,12 +494,18 @@ class GSPOTrainer(Trainer):
                 completions = [[{"role": "assistant", "content": text}] for text in completion_texts]
             else:
                 completions = completion_texts
-            completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids,
-                                                                              rollout.completion_mask)]
+            completion_ids = [
+                ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)
+            ]
 
         extra_columns: dict[str, list] = {}
         local_rewards = compute_rewards(
-            self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
+            self.reward_funcs,
+            prompts,
+            completions,
+            completion_ids,
+            columns,
+            self.state,
             log_metric=lambda name, value: self._metrics.add(mode, name, value),
             log_extra=extra_columns.__setitem__,
         ).to(device)  # (n, F)
@@ -513,11 +535,20 @@ class GSPOTrainer(Trainer):
 
         self._record_rollout_metrics(mode, rollout, sampled_mask, scores.rewards_per_func, scores.stats, episodes)
         if args.log_completions and self.accelerator.is_main_process:
-            local = slice(self.accelerator.process_index * len(batch), (self.accelerator.process_index + 1) * len(batch))
+            local = slice(
+                self.accelerator.process_index * len(batch), (self.accelerator.process_index + 1) * len(batch)
+            )
             self._completion_samples = [
-                {"prompt": p, "completion": c, "reward": r, "advantage": a, **{k: v[i] for k, v in extra_columns.items()}}
-                for i, (p, c, r, a) in enumerate(zip(prompts, completion_texts, scores.rewards[local].tolist(),
-                                                     _row_advantages(advantages).tolist()))
+                {
+                    "prompt": p,
+                    "completion": c,
+                    "reward": r,
+                    "advantage": a,
+                    **{k: v[i] for k, v in extra_columns.items()},
+                }
+                for i, (p, c, r, a) in enumerate(
+                    zip(prompts, completion_texts, scores.rewards[local].tolist(), _row_advantages(advantages).tolist())
+                )
             ]
         return inputs
 
@@ -534,10 +565,14 @@ class GSPOTrainer(Trainer):
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(precision_context(self.accelerator))
-        stack.enter_context(weights_for_generation(
-            self.model_wrapped, self.accelerator, self.args.ds3_gather_for_generation,
-            checkpoint_kwargs(self.args),
-        ))
+        stack.enter_context(
+            weights_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                self.args.ds3_gather_for_generation,
+                checkpoint_kwargs(self.args),
+            )
+        )
         return stack
 
     def _stream_keys(self, num_rows: int, mode: str, step: int, keyed: bool = False) -> torch.Tensor | None:
@@ -581,18 +616,28 @@ class GSPOTrainer(Trainer):
         for name in ("reward", "reward_std", "frac_reward_zero_std"):
             metrics.add(mode, name, advantage_stats[name])
         sampled_tokens = sampled_mask.sum(1, keepdim=True)  # (n, 1) model tokens, as TRL counts with tools
-        lengths = completion_length_metrics(gather(sampled_tokens), gather(rollout.is_truncated.unsqueeze(1)).squeeze(1))
+        lengths = completion_length_metrics(
+            gather(sampled_tokens), gather(rollout.is_truncated.unsqueeze(1)).squeeze(1)
+        )
         metrics.add_many(mode, lengths)
         if episodes is not None:
             device = sampled_mask.device
             env_tokens = rollout.completion_mask.sum(1, keepdim=True) - sampled_tokens
-            metrics.add_many(mode, episode_metrics(
-                gather(self.accelerator.pad_across_processes(episodes.reached.to(device), dim=1)),
-                None if self.uses_tools else gather(self.accelerator.pad_across_processes(episodes.turn_rewards.to(device), dim=1)),
-                gather(sampled_tokens), gather(env_tokens), gather(end_codes(episodes.ends).to(device)), END_REASONS,
-                gather(episodes.tool_calls.to(device)) if self.uses_tools else None,
-                gather(episodes.tool_failures.to(device)) if self.uses_tools else None,
-            ))
+            metrics.add_many(
+                mode,
+                episode_metrics(
+                    gather(self.accelerator.pad_across_processes(episodes.reached.to(device), dim=1)),
+                    None
+                    if self.uses_tools
+                    else gather(self.accelerator.pad_across_processes(episodes.turn_rewards.to(device), dim=1)),
+                    gather(sampled_tokens),
+                    gather(env_tokens),
+                    gather(end_codes(episodes.ends).to(device)),
+                    END_REASONS,
+                    gather(episodes.tool_calls.to(device)) if self.uses_tools else None,
+                    gather(episodes.tool_failures.to(device)) if self.uses_tools else None,
+                ),
+            )
         if mode == "train":
             tokens = rollout.prompt_mask.sum() + rollout.completion_mask.sum()
             self._num_tokens_seen += self.accelerator.gather(tokens.reshape(1)).sum().item()
@@ -620,7 +665,8 @@ class GSPOTrainer(Trainer):
             router_aux_loss=self.router_aux_loss_coef != 0.0,
         )
         policy_token_mask, learned, entropy_normalizer = self._selected_tokens(
-            scores.entropy.detach(), mask, inputs.get("micro_batch_tokens"))
+            scores.entropy.detach(), mask, inputs.get("micro_batch_tokens")
+        )
         entropy_coef = self.entropy_coefficient.to_apply()
         sampling_weights, sampling_stats = self._sampling_correction(inputs, scores.logps.detach())
         loss, stats = policy_loss(
@@ -654,8 +700,9 @@ class GSPOTrainer(Trainer):
         self._pass_metrics.append((metrics, counts))
         if inputs.get("last_pass", True):  # the micro-batch's metrics, over all its passes and processes
             parts, self._pass_metrics = self._pass_metrics, []
-            self._metrics.add_many(mode, reduce_across_processes([m for m, _ in parts], self.accelerator.gather,
-                                                                 [c for _, c in parts]))
+            self._metrics.add_many(
+                mode, reduce_across_processes([m for m, _ in parts], self.accelerator.gather, [c for _, c in parts])
+            )
         return loss
 
     def _sampling_correction(self, inputs: dict[str, Any], logps: torch.Tensor):
@@ -667,8 +714,12 @@ class GSPOTrainer(Trainer):
         old = inputs["old_per_token_logps"] if inputs["old_per_token_logps"] is not None else logps
         args = self.args
         weights, stats = sampling_correction(
-            old, sampling_logps, inputs["completion_mask"], args.vllm_importance_sampling_mode,
-            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+            old,
+            sampling_logps,
+            inputs["completion_mask"],
+            args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min,
+            args.vllm_importance_sampling_clip_max,
         )
         return (weights if args.vllm_importance_sampling_correction else None), stats
 

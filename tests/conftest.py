@@ -18,7 +18,9 @@ os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="gspo-trl-tests-tra
 # tests of a CI run, 600 s each). The suite builds into a folder of its own, whose locks only the controlling process
 # clears, before any test starts; a folder the user chose is left as it is.
 _EXTENSIONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "torch_extensions")
-if os.environ.setdefault("TORCH_EXTENSIONS_DIR", _EXTENSIONS) == _EXTENSIONS and not os.environ.get("PYTEST_XDIST_WORKER"):
+if os.environ.setdefault("TORCH_EXTENSIONS_DIR", _EXTENSIONS) == _EXTENSIONS and not os.environ.get(
+    "PYTEST_XDIST_WORKER"
+):
     for folder, _, files in os.walk(_EXTENSIONS):
         if "lock" in files:
             os.remove(os.path.join(folder, "lock"))

@@ -13,7 +13,8 @@ two-turn episodes of a text environment with turn-level ratios and advantages, `
 rollout in the background during the first one's training (async_rollouts), `+linears` decodes with
 `decode_linear`'s transposed products at every row count (the tiny model is too small to qualify by itself),
 `+compiled` with its compiled (`decode_kernel`) products at every row count up to 8,
-`+passes` trains each micro-batch in passes of at most 2 rows (max_tokens_per_pass), `+scripted` gets its completions from
+`+passes` trains each micro-batch in passes of at most 2 rows (max_tokens_per_pass), `+scripted` gets its completions
+from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
 completions per micro-step over however many processes run. Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
@@ -31,10 +32,10 @@ import sys
 
 import torch
 from datasets import Dataset
+from helpers import count_digits, leave_worker, length_reward
 from transformers import TrainerCallback
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from helpers import count_digits, leave_worker, length_reward
 
 DEEPSPEED = {
     "zero1": {
@@ -53,8 +54,11 @@ DEEPSPEED = {
     },
     "zero3": {
         # threshold 0: partition every parameter, even the tiny model's (the default keeps small ones whole)
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
@@ -111,8 +115,9 @@ def force_linears(form: str) -> list:
 
     calls = []
     decode_linear.MIN_WEIGHT_BYTES = 0
-    decode_linear.measure_choices = lambda weights: {tuple(weight.shape): dict.fromkeys(
-        range(1, decode_linear.MAX_ROWS + 1), form) for weight in weights}
+    decode_linear.measure_choices = lambda weights: {
+        tuple(weight.shape): dict.fromkeys(range(1, decode_linear.MAX_ROWS + 1), form) for weight in weights
+    }
     if form == decode_linear.COMPILED:
         product = decode_kernel.linear
 
@@ -125,8 +130,9 @@ def force_linears(form: str) -> list:
         decode_kernel.linear = counted
     else:
         transposed = decode_linear._transposed_product
-        decode_linear._transposed_product = lambda weight, x, *rest: calls.append(x.shape[0]) or transposed(
-            weight, x, *rest)
+        decode_linear._transposed_product = lambda weight, x, *rest: (
+            calls.append(x.shape[0]) or transposed(weight, x, *rest)
+        )
     return calls
 
 
@@ -142,10 +148,13 @@ def main(model_dir: str, mode: str, out: str) -> None:
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
     schedule = dict(gradient_accumulation_steps=1, steps_per_generation=2, max_steps=3, save_strategy="no")
     if resume_options:  # rollouts of 3 optimizer steps of 2 micro-steps, a checkpoint at every step
-        schedule = dict(gradient_accumulation_steps=2, steps_per_generation=6, max_steps=4, save_strategy="steps",
-                        save_steps=1)
+        schedule = dict(
+            gradient_accumulation_steps=2, steps_per_generation=6, max_steps=4, save_strategy="steps", save_steps=1
+        )
     if "seeded" in options:  # 8 completions per micro-step over all processes, each with its own random stream
-        schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]), layout_independent_sampling=True)
+        schedule.update(
+            per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]), layout_independent_sampling=True
+        )
     if "scripted" in options:  # 8 completions per micro-step over all processes, from the rollout_func
         schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]))
     deepspeed_config = DEEPSPEED.get(mode)
@@ -155,24 +164,46 @@ def main(model_dir: str, mode: str, out: str) -> None:
         if mode == "zero3":
             deepspeed_config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     config = GSPOConfig(
-        output_dir=f"{out}.output", **{"per_device_train_batch_size": 4, **schedule}, num_generations=4,
+        output_dir=f"{out}.output",
+        **{"per_device_train_batch_size": 4, **schedule},
+        num_generations=4,
         max_completion_length=16 if "episodes" in options else 6,
-        learning_rate=5e-3, epsilon=0.2,
-        epsilon_high=0.2, logging_steps=1, report_to="none", seed=0,
+        learning_rate=5e-3,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        logging_steps=1,
+        report_to="none",
+        seed=0,
         use_cpu=mode not in ("ddp_no_flag", "launcher"),  # no flag: gspo-trl must choose gloo on a GPU-less machine
         async_rollouts="async" in options,
-        bf16="bf16" in options, gradient_checkpointing="gc" in options,
-        deepspeed=deepspeed_config, fsdp=FSDP.get(mode, ("", None))[0], fsdp_config=FSDP.get(mode, ("", None))[1],
-        beta=0.04 if "beta" in options else 0.0, ds3_gather_for_generation="nogather" not in options,
+        bf16="bf16" in options,
+        gradient_checkpointing="gc" in options,
+        deepspeed=deepspeed_config,
+        fsdp=FSDP.get(mode, ("", None))[0],
+        fsdp_config=FSDP.get(mode, ("", None))[1],
+        beta=0.04 if "beta" in options else 0.0,
+        ds3_gather_for_generation="nogather" not in options,
         # 4 rows of a prompt (about 10 tokens) and 6 completion tokens: passes of 2 rows
         max_tokens_per_pass=40 if "passes" in options else None,
         **(dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01) if "family" in options else {}),
-        **(dict(max_turns=2, importance_sampling_level="turn", advantage_granularity="turn",
-                generation_kwargs={"sequence_bias": [[[2], 4.0]]})  # id 2 ends a turn: favour it
-           if "episodes" in options else {}),
+        **(
+            dict(
+                max_turns=2,
+                importance_sampling_level="turn",
+                advantage_granularity="turn",
+                generation_kwargs={"sequence_bias": [[[2], 4.0]]},
+            )  # id 2 ends a turn: favour it
+            if "episodes" in options
+            else {}
+        ),
     )
-    forced_products = (force_linears("compiled") if "compiled" in options
-                       else force_linears("transposed") if "linears" in options else [])
+    forced_products = (
+        force_linears("compiled")
+        if "compiled" in options
+        else force_linears("transposed")
+        if "linears" in options
+        else []
+    )
     passes = []
     if "passes" in options:  # count the passes cut out of micro-batches
         import gspo_trl.trainer
@@ -181,10 +212,16 @@ def main(model_dir: str, mode: str, out: str) -> None:
         gspo_trl.trainer.take_pass = lambda batch, rows, last: passes.append(len(rows)) or take_pass(batch, rows, last)
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
-    trainer = GSPOTrainer(model_dir, rewards, args=config, train_dataset=dataset,
-                          peft_config=peft_config, callbacks=[KillRank1MidWindow()] if "kill" in options else None,
-                          env_factory=MoreDigits if "episodes" in options else None,
-                          rollout_func=scripted_rollout if "scripted" in options else None)
+    trainer = GSPOTrainer(
+        model_dir,
+        rewards,
+        args=config,
+        train_dataset=dataset,
+        peft_config=peft_config,
+        callbacks=[KillRank1MidWindow()] if "kill" in options else None,
+        env_factory=MoreDigits if "episodes" in options else None,
+        rollout_func=scripted_rollout if "scripted" in options else None,
+    )
     generate, whole_at_generation = trainer.rollout_backend.generate, []
 
     def spy(prompts, *rest):  # under ZeRO-3 / FSDP2, were the weights gathered for the whole rollout?
@@ -200,9 +237,26 @@ def main(model_dir: str, mode: str, out: str) -> None:
     if "episodes" not in options:
         trainer.rollout_backend.generate = spy
     trainer.train(resume_from_checkpoint=True if "resume" in options else None)
-    logs = [{k: e[k] for k in ("step", "loss", "reward", "ratio/max", "kl", "entropy", "completions/mean_length",
-                                "episodes/turns/mean", "episodes/env_token_fraction", "rollout/staleness") if k in e}
-            for e in trainer.state.log_history if "loss" in e]
+    logs = [
+        {
+            k: e[k]
+            for k in (
+                "step",
+                "loss",
+                "reward",
+                "ratio/max",
+                "kl",
+                "entropy",
+                "completions/mean_length",
+                "episodes/turns/mean",
+                "episodes/env_token_fraction",
+                "rollout/staleness",
+            )
+            if k in e
+        }
+        for e in trainer.state.log_history
+        if "loss" in e
+    ]
     model = trainer.accelerator.unwrap_model(trainer.model)
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
     gather = contextlib.nullcontext()
@@ -211,24 +265,39 @@ def main(model_dir: str, mode: str, out: str) -> None:
 
         gather = deepspeed.zero.GatheredParameters(partitioned)
     with gather:  # FSDP2: DTensor shards, read whole
-        checksum = sum((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().abs().sum().item()
-                       for p in model.parameters())
+        checksum = sum(
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().abs().sum().item()
+            for p in model.parameters()
+        )
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    shard_sizes = [(p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)).numel()
-                   for p in model.parameters()]
+    shard_sizes = [
+        (p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)).numel() for p in model.parameters()
+    ]
     reference = getattr(trainer, "ref_model", None)
-    reference_sizes = [] if reference is None else [(p.to_local() if hasattr(p, "to_local") else p).numel()
-                                                    for p in reference.parameters()]
+    reference_sizes = (
+        []
+        if reference is None
+        else [(p.to_local() if hasattr(p, "to_local") else p).numel() for p in reference.parameters()]
+    )
     trainer.save_model(f"{out}.saved")  # gathered under ZeRO-3; the adapter alone under LoRA
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as handle:
-        json.dump({"world_size": trainer.accelerator.num_processes, "logs": logs, "checksum": checksum,
-                   "distributed_type": str(trainer.accelerator.distributed_type),
-                   "fsdp": bool(trainer.is_fsdp_enabled), "whole_at_generation": whole_at_generation,
-                   "optimizer": type(getattr(trainer.deepspeed, "basic_optimizer",
-                                             trainer.optimizer.optimizer)).__name__,
-                   "local_parameters": sum(shard_sizes), "local_reference_parameters": sum(reference_sizes),
-                   "forced_products": len(forced_products), "pass_rows": passes,
-                   "grad_norms": [e.get("grad_norm") for e in trainer.state.log_history if "loss" in e]}, handle)
+        json.dump(
+            {
+                "world_size": trainer.accelerator.num_processes,
+                "logs": logs,
+                "checksum": checksum,
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "fsdp": bool(trainer.is_fsdp_enabled),
+                "whole_at_generation": whole_at_generation,
+                "optimizer": type(getattr(trainer.deepspeed, "basic_optimizer", trainer.optimizer.optimizer)).__name__,
+                "local_parameters": sum(shard_sizes),
+                "local_reference_parameters": sum(reference_sizes),
+                "forced_products": len(forced_products),
+                "pass_rows": passes,
+                "grad_norms": [e.get("grad_norm") for e in trainer.state.log_history if "loss" in e],
+            },
+            handle,
+        )
 
 
 if __name__ == "__main__":

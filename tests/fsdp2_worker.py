@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
+from helpers import leave_worker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
@@ -28,7 +29,6 @@ from gspo_trl import decoding, static_decoding
 from gspo_trl.distributed import fsdp2_modules, fsdp2_whole_weights, prepare_frozen_model
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.prefix_sharing import prefill
-from helpers import leave_worker
 from gspo_trl.rollout import keyed_uniform, stream_keys
 
 PROMPTS = [["What is 2 + 3?", "Hi there"], ["Solve: 7 - 4", "Say ok"]]  # rank r scores PROMPTS[r]
@@ -48,8 +48,9 @@ def batch(tokenizer, prompts, seed):
 
 def score(model, rows, padding_free):
     ids, mask, completions, completion_mask = rows
-    scores = completion_logprobs(model, ids, mask, completions, completion_mask, temperature=0.7,
-                                 padding_free=padding_free)
+    scores = completion_logprobs(
+        model, ids, mask, completions, completion_mask, temperature=0.7, padding_free=padding_free
+    )
     weights = torch.arange(1, completions.numel() + 1, dtype=torch.float32).view_as(completions) / 10
     return scores.logps, (scores.logps * weights * completion_mask).sum()
 
@@ -107,9 +108,16 @@ def main(model_dir: str, mode: str, out: str) -> None:
     keys = stream_keys(7, rank, torch.arange(len(PROMPTS[rank])))
 
     def sample(model):
-        return decoding.sample(model, encoded.input_ids, encoded.attention_mask, max_new_tokens=12,
-                               eos_token_ids=[eos], pad_token_id=pad, processors=LogitsProcessorList(),
-                               uniforms=lambda r, t: keyed_uniform(keys[r], t, 1).squeeze(1)).completion_ids
+        return decoding.sample(
+            model,
+            encoded.input_ids,
+            encoded.attention_mask,
+            max_new_tokens=12,
+            eos_token_ids=[eos],
+            pad_token_id=pad,
+            processors=LogitsProcessorList(),
+            uniforms=lambda r, t: keyed_uniform(keys[r], t, 1).squeeze(1),
+        ).completion_ids
 
     gathers = []
     original = dist.all_gather_single
@@ -129,7 +137,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 once = sample(sharded)
                 # whole weights, yet no CUDA-graph decoding: FSDP2's hooks still run around every forward
                 result["static_refusal"] = static_decoding.unsupported_reason(
-                    sharded, prefill(sharded, encoded.input_ids, encoded.attention_mask))
+                    sharded, prefill(sharded, encoded.input_ids, encoded.attention_mask)
+                )
             result["gathers_whole_weights"] = len(gathers)
     finally:
         dist.all_gather_single = original
@@ -138,13 +147,18 @@ def main(model_dir: str, mode: str, out: str) -> None:
     # A model that is only evaluated (the reference under beta > 0, a reward model), sharded by
     # prepare_frozen_model from accelerate's FSDP2 plugin as a GPU run's trainer would: block by block.
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy)
-    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin, deepspeed_plugin=None),
-                                  torch_device_mesh=None, parallelism_config=None)
-    frozen = prepare_frozen_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), accelerator,
-                                  scored_by_logprobs=True)
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=plugin, deepspeed_plugin=None),
+        torch_device_mesh=None,
+        parallelism_config=None,
+    )
+    frozen = prepare_frozen_model(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), accelerator, scored_by_logprobs=True
+    )
     result["frozen_sharded_modules"] = len(fsdp2_modules(frozen))
-    result["frozen_local_fraction"] = (sum(p.to_local().numel() for p in frozen.parameters())
-                                       / sum(p.numel() for p in whole.parameters()))
+    result["frozen_local_fraction"] = sum(p.to_local().numel() for p in frozen.parameters()) / sum(
+        p.numel() for p in whole.parameters()
+    )
     result["frozen_requires_grad"] = any(p.requires_grad for p in frozen.parameters())
     result["frozen_training"] = frozen.training
     dist.all_gather_single = counting
@@ -161,8 +175,10 @@ def main(model_dir: str, mode: str, out: str) -> None:
     finally:
         dist.all_gather_single = original
     # sharded again after scoring: the head (the root's, kept whole from its forward for the projection) and a block
-    result["frozen_after"] = [type(frozen.lm_head.weight).__name__,
-                              type(frozen.model.layers[0].mlp.up_proj.weight).__name__]
+    result["frozen_after"] = [
+        type(frozen.lm_head.weight).__name__,
+        type(frozen.model.layers[0].mlp.up_proj.weight).__name__,
+    ]
     result["samples_equal"] = torch.equal(per_step, expected) and torch.equal(once, expected)
     result["resharded_after"] = type(sharded.model.layers[0].self_attn.q_proj.weight).__name__
     result["reshard_after_forward_kept"] = type(sharded.lm_head.weight).__name__

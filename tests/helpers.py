@@ -24,7 +24,9 @@ def length_reward(completion_ids, **kwargs):
 
 
 def text_dataset(n=8):
-    return Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(n)], "answer": [str(2 * i + 1) for i in range(n)]})
+    return Dataset.from_dict(
+        {"prompt": [f"What is {i} + {i + 1}?" for i in range(n)], "answer": [str(2 * i + 1) for i in range(n)]}
+    )
 
 
 def close(value, tolerance: float):
@@ -89,13 +91,22 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
     def favour_eos(ids, scores):
         return scores + 3.0 * (torch.arange(scores.shape[-1]) == eos)
 
-    processors = LogitsProcessorList([favour_eos, *logits_processors(GenerationConfig(do_sample=True,
-                                                                                      temperature=0.8))])
+    processors = LogitsProcessorList(
+        [favour_eos, *logits_processors(GenerationConfig(do_sample=True, temperature=0.8))]
+    )
 
     def run():
-        return sample(model, encoded.input_ids, encoded.attention_mask, max_new_tokens=16, eos_token_ids=[eos],
-                      pad_token_id=pad, processors=processors, logp_temperature=0.8,
-                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+        return sample(
+            model,
+            encoded.input_ids,
+            encoded.attention_mask,
+            max_new_tokens=16,
+            eos_token_ids=[eos],
+            pad_token_id=pad,
+            processors=processors,
+            logp_temperature=0.8,
+            uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+        )
 
     return run, encoded
 

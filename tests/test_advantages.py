@@ -98,7 +98,9 @@ def test_zero_std_groups_are_zero_and_counted(scale_rewards):
     assert torch.isfinite(advantages).all()
     assert stats["frac_reward_zero_std"] == pytest.approx(0.5)
     # batch [.1, .1, .1, 0, 1, 1]: mean 2.3/6; reward_std is the batch's unbiased std
-    assert stats["reward_std"] == pytest.approx(torch.tensor(rewards.tolist(), dtype=torch.float64).std().item(), rel=1e-5)
+    assert stats["reward_std"] == pytest.approx(
+        torch.tensor(rewards.tolist(), dtype=torch.float64).std().item(), rel=1e-5
+    )
 
 
 def test_all_groups_constant_gives_all_zero_no_nan():
@@ -178,6 +180,7 @@ def test_errors():
 
 # --- multi-turn: per-turn returns and advantages ------------------------------------------------
 
+
 def test_discounted_returns_hand_computed():
     rewards = torch.tensor([[1.0, 0.0, 2.0], [0.5, 3.0, 9.0]])
     reached = torch.tensor([[True, True, True], [True, True, False]])  # row 1 stopped after two turns
@@ -224,5 +227,6 @@ def test_turn_advantages_with_one_turn_equal_group_advantages():
 def test_token_advantages_gather_each_tokens_turn():
     per_turn = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
     turn_ids = torch.tensor([[0, 0, -1, 1], [0, 1, 1, 5]])  # -1 / 5: environment or padding tokens
-    torch.testing.assert_close(token_advantages(per_turn, turn_ids),
-                               torch.tensor([[1.0, 1.0, 1.0, -2.0], [0.5, 0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(
+        token_advantages(per_turn, turn_ids), torch.tensor([[1.0, 1.0, 1.0, -2.0], [0.5, 0.0, 0.0, 0.0]])
+    )

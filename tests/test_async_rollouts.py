@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from datasets import Dataset
+from helpers import close, count_digits, small_config, text_dataset
 
 from gspo_trl import GSPOTrainer
 from gspo_trl.async_rollouts import (
@@ -20,18 +21,19 @@ from gspo_trl.async_rollouts import (
     earliest_launch_step,
 )
 from gspo_trl.logprobs import completion_logprobs
-from helpers import close, count_digits, small_config, text_dataset
-
 
 # --- the parts ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("start, per_rollout, staleness, expected", [
-    (0, 4, 4, 0),  # full overlap: the next rollout samples while this one's first step trains
-    (0, 4, 1, 3),  # only the last step of this rollout overlaps
-    (8, 4, 0, 12),  # none: sampled when its own training starts (the synchronous schedule)
-    (8, 4, 9, 8),  # one rollout ahead at most
-])
+@pytest.mark.parametrize(
+    "start, per_rollout, staleness, expected",
+    [
+        (0, 4, 4, 0),  # full overlap: the next rollout samples while this one's first step trains
+        (0, 4, 1, 3),  # only the last step of this rollout overlaps
+        (8, 4, 0, 12),  # none: sampled when its own training starts (the synchronous schedule)
+        (8, 4, 9, 8),  # one rollout ahead at most
+    ],
+)
 def test_earliest_launch_step(start, per_rollout, staleness, expected):
     assert earliest_launch_step(start, per_rollout, staleness) == expected
 
@@ -86,22 +88,29 @@ def test_prefetcher_hands_over_the_rollout_of_its_step_and_raises_its_errors():
 
 def test_sharded_training_is_refused_for_sampling_on_the_trained_model():
     backend, gpu = SimpleNamespace(samples_with_training_model=True), torch.device("cuda")
-    zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)), device=gpu,
-                            distributed_type=SimpleNamespace(name="DEEPSPEED"))
+    zero3 = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)),
+        device=gpu,
+        distributed_type=SimpleNamespace(name="DEEPSPEED"),
+    )
     with pytest.raises(ValueError, match="ZeRO-3.*use_vllm=True"):
         check_async_rollouts_supported(backend, zero3)
-    fsdp = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), distributed_type=SimpleNamespace(name="FSDP"),
-                           device=gpu)
+    fsdp = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=None), distributed_type=SimpleNamespace(name="FSDP"), device=gpu
+    )
     with pytest.raises(ValueError, match="FSDP"):
         check_async_rollouts_supported(backend, fsdp)
     check_async_rollouts_supported(SimpleNamespace(samples_with_training_model=False), zero3)  # a server samples
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(max_staleness=2), "only applies with async_rollouts=True"),
-    (dict(async_rollouts=True, max_staleness=-1), "max_staleness must be >= 0"),
-    (dict(async_rollouts=True, steps_per_generation=3, gradient_accumulation_steps=2), "multiple of gradient_acc"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_staleness=2), "only applies with async_rollouts=True"),
+        (dict(async_rollouts=True, max_staleness=-1), "max_staleness must be >= 0"),
+        (dict(async_rollouts=True, steps_per_generation=3, gradient_accumulation_steps=2), "multiple of gradient_acc"),
+    ],
+)
 def test_config_refuses_settings_async_rollouts_cannot_follow(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         small_config(tmp_path, **overrides)
@@ -157,21 +166,30 @@ def test_zero_staleness_is_the_synchronous_trainer_exactly(tmp_path, tiny_model_
         assert torch.equal(ours, theirs), name
 
 
-@pytest.mark.parametrize("schedule, launches, staleness", [
-    # (step it was launched at, step it trains from) per rollout; staleness per optimizer step
-    (dict(), [(0, 0), (0, 2), (2, 4)], [0, 1, 2, 3, 2, 3]),
-    (dict(max_staleness=1), [(0, 0), (1, 2), (3, 4)], [0, 1, 1, 2, 1, 2]),
-    (dict(gradient_accumulation_steps=2, steps_per_generation=4, per_device_train_batch_size=2),
-     [(0, 0), (0, 2), (2, 4)], [0, 1, 2, 3, 2, 3]),
-    (dict(num_iterations=2, steps_per_generation=1, max_steps=6), [(0, 0), (0, 2), (2, 4)], [0, 1, 2, 3, 2, 3]),
-], ids=["full", "max_staleness=1", "accumulation", "iterations"])
-def test_unchanged_weights_give_the_synchronous_numbers_at_any_staleness(tmp_path, tiny_model_dir, schedule, launches,
-                                                                        staleness):
+@pytest.mark.parametrize(
+    "schedule, launches, staleness",
+    [
+        # (step it was launched at, step it trains from) per rollout; staleness per optimizer step
+        (dict(), [(0, 0), (0, 2), (2, 4)], [0, 1, 2, 3, 2, 3]),
+        (dict(max_staleness=1), [(0, 0), (1, 2), (3, 4)], [0, 1, 1, 2, 1, 2]),
+        (
+            dict(gradient_accumulation_steps=2, steps_per_generation=4, per_device_train_batch_size=2),
+            [(0, 0), (0, 2), (2, 4)],
+            [0, 1, 2, 3, 2, 3],
+        ),
+        (dict(num_iterations=2, steps_per_generation=1, max_steps=6), [(0, 0), (0, 2), (2, 4)], [0, 1, 2, 3, 2, 3]),
+    ],
+    ids=["full", "max_staleness=1", "accumulation", "iterations"],
+)
+def test_unchanged_weights_give_the_synchronous_numbers_at_any_staleness(
+    tmp_path, tiny_model_dir, schedule, launches, staleness
+):
     # learning_rate=0: a rollout sampled ahead comes from the same weights, so only the plumbing can differ
     # (which prompts, which sampling streams, which π_old).
     settings = dict(learning_rate=0.0, layout_independent_sampling=True, **schedule)
-    _, sync_samples, sync_logs = run(tmp_path / "sync", tiny_model_dir,
-                                     **{k: v for k, v in settings.items() if k != "max_staleness"})
+    _, sync_samples, sync_logs = run(
+        tmp_path / "sync", tiny_model_dir, **{k: v for k, v in settings.items() if k != "max_staleness"}
+    )
     _, samples, logs = run(tmp_path / "async", tiny_model_dir, async_rollouts=True, **settings)
     assert [s[1:] for s in samples] == launches
     assert [e["rollout/staleness"] for e in logs] == staleness
@@ -183,12 +201,19 @@ def test_unchanged_weights_give_the_synchronous_numbers_at_any_staleness(tmp_pat
 
 
 @pytest.mark.parametrize("decode_logprobs_as_old", [None, False], ids=["decoded", "scored by the frozen copy"])
-def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(tmp_path, tiny_model_dir,
-                                                                          decode_logprobs_as_old):
+def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(
+    tmp_path, tiny_model_dir, decode_logprobs_as_old
+):
     # π_old of a rollout sampled ahead: what the decoding loop recorded on the sampling copy (the default in
     # float32), or that copy's forward pass.
-    args = small_config(tmp_path / "out", max_steps=4, steps_per_generation=2, async_rollouts=True, learning_rate=5e-3,
-                        decode_logprobs_as_old=decode_logprobs_as_old)
+    args = small_config(
+        tmp_path / "out",
+        max_steps=4,
+        steps_per_generation=2,
+        async_rollouts=True,
+        learning_rate=5e-3,
+        decode_logprobs_as_old=decode_logprobs_as_old,
+    )
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
     weights, seen = {}, []
     original_prepare = trainer._prepare_inputs
@@ -197,7 +222,9 @@ def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(tmp_
         if isinstance(batch, dict):  # a micro-batch already prepared, handed on by training_step
             return original_prepare(batch)
         # Weights after `global_step` optimizer steps, as they are when this step's rollout could be launched.
-        weights.setdefault(trainer.state.global_step, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()})
+        weights.setdefault(
+            trainer.state.global_step, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
+        )
         inputs = original_prepare(batch)
         seen.append((trainer.state.global_step, inputs))
         return inputs
@@ -209,10 +236,16 @@ def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(tmp_
     sampler = type(trainer.model).from_pretrained(tiny_model_dir)
     sampler.load_state_dict(weights[0])
     with torch.no_grad():
-        expected = completion_logprobs(sampler, inputs["input_ids"], inputs["attention_mask"],
-                                       inputs["completion_ids"], inputs["completion_mask"]).logps
-        now = completion_logprobs(trainer.model, inputs["input_ids"], inputs["attention_mask"],
-                                  inputs["completion_ids"], inputs["completion_mask"]).logps
+        expected = completion_logprobs(
+            sampler, inputs["input_ids"], inputs["attention_mask"], inputs["completion_ids"], inputs["completion_mask"]
+        ).logps
+        now = completion_logprobs(
+            trainer.model,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+        ).logps
     torch.testing.assert_close(inputs["old_per_token_logps"], expected, atol=1e-5, rtol=1e-5)
     assert (now - expected).abs().max() > 1e-3  # the weights have moved since: the ratio is not 1
     decoded = inputs["decoding_per_token_logps"]
@@ -233,10 +266,20 @@ class CountingEnv:
 
 def test_episodes_are_sampled_ahead_in_their_own_environments_and_evaluation_waits(tmp_path, tiny_model_dir):
     rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(8)]})
-    args = small_config(tmp_path / "out", max_steps=4, steps_per_generation=2, async_rollouts=True, max_turns=2,
-                        max_completion_length=24, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
-    trainer = GSPOTrainer(tiny_model_dir, None, args=args, train_dataset=rows, eval_dataset=rows.select(range(1)),
-                          env_factory=CountingEnv)
+    args = small_config(
+        tmp_path / "out",
+        max_steps=4,
+        steps_per_generation=2,
+        async_rollouts=True,
+        max_turns=2,
+        max_completion_length=24,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=4,
+    )
+    trainer = GSPOTrainer(
+        tiny_model_dir, None, args=args, train_dataset=rows, eval_dataset=rows.select(range(1)), env_factory=CountingEnv
+    )
     runners = []
     original = trainer._sample
     trainer._sample = lambda backend, runner, *a, **k: runners.append(runner) or original(backend, runner, *a, **k)
@@ -252,8 +295,9 @@ def test_episodes_are_sampled_ahead_in_their_own_environments_and_evaluation_wai
 
 
 def test_a_resumed_run_samples_the_lost_rollout_again_then_pipelines_in_step(tmp_path, tiny_model_dir):
-    args = small_config(tmp_path / "out", max_steps=6, steps_per_generation=2, async_rollouts=True,
-                        save_strategy="steps", save_steps=2)
+    args = small_config(
+        tmp_path / "out", max_steps=6, steps_per_generation=2, async_rollouts=True, save_strategy="steps", save_steps=2
+    )
     first = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
     first.train()
     resumed = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
@@ -273,10 +317,22 @@ def test_sampling_ahead_under_the_gpu_recipe_bf16_lora_and_kl(tmp_path, tiny_mod
     # only the adapter after the first launch), and beta > 0 (the reference is the live model's disabled adapter).
     from peft import LoraConfig
 
-    args = small_config(tmp_path / "out", max_steps=4, steps_per_generation=2, async_rollouts=True, bf16=True,
-                        beta=0.04, learning_rate=5e-3)
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset(),
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    args = small_config(
+        tmp_path / "out",
+        max_steps=4,
+        steps_per_generation=2,
+        async_rollouts=True,
+        bf16=True,
+        beta=0.04,
+        learning_rate=5e-3,
+    )
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        count_digits,
+        args=args,
+        train_dataset=text_dataset(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [e["rollout/staleness"] for e in logs] == [0, 1, 2, 3]

@@ -16,8 +16,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_suite.py"), "--device", "cpu", "--smoke",
-               "--gradient_checkpointing", "--out_dir", str(tmp_path)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "gpu_suite.py"),
+        "--device",
+        "cpu",
+        "--smoke",
+        "--gradient_checkpointing",
+        "--out_dir",
+        str(tmp_path),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     data = json.loads((tmp_path / "tiny_8.json").read_text())
@@ -48,8 +56,15 @@ def test_gpu_suite_summary_of_a_cell_run_by_one_library():
 
 def test_static_decoding_benchmark_smoke_runs_on_cpu(tmp_path):
     out = tmp_path / "static.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "static_decoding_gpu.py"), "--device", "cpu", "--smoke",
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "static_decoding_gpu.py"),
+        "--device",
+        "cpu",
+        "--smoke",
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     agreement = json.loads(out.read_text())["agreement"]
@@ -61,14 +76,32 @@ def test_static_decoding_benchmark_smoke_runs_on_cpu(tmp_path):
 def test_distributed_benchmark_smoke_runs_the_sharded_cells(tmp_path, tiny_model_dir):
     # ZeRO-3 and FSDP2 on 2 processes (FSDP2 has no 1-process cell: the driver skips it)
     out = tmp_path / "distributed.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "distributed.py"), "--modes", "zero3,fsdp2",
-               "--processes", "1,2", "--rollouts", "1", "--max_completion_length", "4", "--model", tiny_model_dir,
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "distributed.py"),
+        "--modes",
+        "zero3,fsdp2",
+        "--processes",
+        "1,2",
+        "--rollouts",
+        "1",
+        "--max_completion_length",
+        "4",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["processes"], r["rank"]) for r in rows] == [
-        ("zero3", 1, 0), ("zero3", 2, 0), ("zero3", 2, 1), ("fsdp2", 2, 0), ("fsdp2", 2, 1)], rows
+        ("zero3", 1, 0),
+        ("zero3", 2, 0),
+        ("zero3", 2, 1),
+        ("fsdp2", 2, 0),
+        ("fsdp2", 2, 1),
+    ], rows
     assert [r["distributed_type"] for r in rows[3:]] == ["DistributedType.FSDP"] * 2
     for row in rows:
         assert row["parameter_share"] < 0.6 or row["processes"] == 1
@@ -81,8 +114,20 @@ def test_distributed_benchmark_smoke_runs_the_sharded_cells(tmp_path, tiny_model
 
 def test_decoding_benchmark_smoke_runs_both_loops(tmp_path, tiny_model_dir):
     out = tmp_path / "decoding.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "decoding.py"), "--repeats", "1", "--prompts", "2",
-               "--max_completion_length", "4", "--model", tiny_model_dir, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "decoding.py"),
+        "--repeats",
+        "1",
+        "--prompts",
+        "2",
+        "--max_completion_length",
+        "4",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]
@@ -95,35 +140,85 @@ def test_decoding_benchmark_runs_the_ab_loops(tmp_path, tiny_model_dir):
     # linear layers' forms in test_decode_linear.py (the tiny model's weights are too small for them to apply).
     out = tmp_path / "ab.json"
     loops = "gspo,gspo_full_buffers,gspo_plain_linears,gspo_module_forward"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "decoding.py"), "--repeats", "1", "--prompts", "2",
-               "--max_completion_length", "8", "--loops", loops,
-               "--layout_independent_sampling", "--model", tiny_model_dir, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "decoding.py"),
+        "--repeats",
+        "1",
+        "--prompts",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--loops",
+        loops,
+        "--layout_independent_sampling",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]
     assert set(summary) == {"gspo", "gspo_full_buffers", "gspo_plain_linears", "gspo_module_forward"}
-    assert (summary["gspo"]["mean_length"] == summary["gspo_full_buffers"]["mean_length"]
-            == summary["gspo_plain_linears"]["mean_length"] == summary["gspo_module_forward"]["mean_length"] > 0)
+    assert (
+        summary["gspo"]["mean_length"]
+        == summary["gspo_full_buffers"]["mean_length"]
+        == summary["gspo_plain_linears"]["mean_length"]
+        == summary["gspo_module_forward"]["mean_length"]
+        > 0
+    )
     assert "| gspo_full_buffers |" in completed.stdout and "| gspo_module_forward |" in completed.stdout
 
 
 def test_decode_step_benchmark_smoke_times_the_four_forms(tmp_path, tiny_model_dir):
     out = tmp_path / "step.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "decode_step.py"), "--rows", "1,2", "--contexts", "8",
-               "--repeats", "1", "--model", tiny_model_dir, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "decode_step.py"),
+        "--rows",
+        "1,2",
+        "--contexts",
+        "8",
+        "--repeats",
+        "1",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     steps = json.loads(out.read_text())["steps"]
     assert [(step["rows"], step["context"]) for step in steps] == [(1, 8), (2, 8)]
-    assert all(step["plain_ms"] > 0 and step["decode_linear_ms"] > 0 and step["packed_gqa_ms"] > 0
-               and step["step_forward_ms"] > 0 for step in steps)
+    assert all(
+        step["plain_ms"] > 0
+        and step["decode_linear_ms"] > 0
+        and step["packed_gqa_ms"] > 0
+        and step["step_forward_ms"] > 0
+        for step in steps
+    )
     assert "| 2 | 8 |" in completed.stdout
 
 
 def test_episode_rollout_benchmark_smoke_runs_the_three_ways(tmp_path, tiny_model_dir):
     out = tmp_path / "episodes.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "episode_rollout.py"), "--env", "retry", "--repeats", "1",
-               "--prompts", "1", "--max_completion_length", "24", "--model", tiny_model_dir, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "episode_rollout.py"),
+        "--env",
+        "retry",
+        "--repeats",
+        "1",
+        "--prompts",
+        "1",
+        "--max_completion_length",
+        "24",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]
@@ -133,8 +228,20 @@ def test_episode_rollout_benchmark_smoke_runs_the_three_ways(tmp_path, tiny_mode
 
 def test_async_rollouts_benchmark_smoke_runs_both_modes(tmp_path, tiny_model_dir):
     out = tmp_path / "async.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "async_rollouts.py"), "--repeats", "1", "--rounds", "3",
-               "--max_completion_length", "4", "--model", tiny_model_dir, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "async_rollouts.py"),
+        "--repeats",
+        "1",
+        "--rounds",
+        "3",
+        "--max_completion_length",
+        "4",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -149,8 +256,19 @@ def test_async_rollouts_benchmark_smoke_runs_both_modes(tmp_path, tiny_model_dir
 
 def test_train_length_benchmark_smoke_runs_both_layouts(tmp_path, tiny_model_dir):
     out = tmp_path / "train_length.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "train_length.py"), "--lengths", "8", "16",
-               "--completions", "2", "--model", tiny_model_dir, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "train_length.py"),
+        "--lengths",
+        "8",
+        "16",
+        "--completions",
+        "2",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -160,8 +278,22 @@ def test_train_length_benchmark_smoke_runs_both_layouts(tmp_path, tiny_model_dir
 
 def test_train_length_benchmark_smoke_runs_each_checkpointing(tmp_path, tiny_model_dir):
     out = tmp_path / "train_length.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "train_length.py"), "--lengths", "8", "--layouts",
-               "packed", "--checkpointing", "none", "full", "keep_attention", "--model", tiny_model_dir, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "train_length.py"),
+        "--lengths",
+        "8",
+        "--layouts",
+        "packed",
+        "--checkpointing",
+        "none",
+        "full",
+        "keep_attention",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -170,14 +302,25 @@ def test_train_length_benchmark_smoke_runs_each_checkpointing(tmp_path, tiny_mod
 
 
 def test_packed_microbatch_benchmark_smoke_runs_two_passes(tmp_path, tiny_model_dir):
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "packed_microbatch.py"), "--lengths", "24", "--short", "3",
-               "--short_length", "4", "--model", tiny_model_dir]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "packed_microbatch.py"),
+        "--lengths",
+        "24",
+        "--short",
+        "3",
+        "--short_length",
+        "4",
+        "--model",
+        tiny_model_dir,
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     lines = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
     # 24 + 3 x 4 tokens after one 60-token prompt (a completion's last token is no input): one row of 92 positions.
-    assert lines[0]["layout"] == [{"completions": 4, "rows": 1, "positions_per_row": 92, "real_tokens": 92,
-                                   "dense_mask": True}]  # one forward: cutting would not save 10%
+    assert lines[0]["layout"] == [
+        {"completions": 4, "rows": 1, "positions_per_row": 92, "real_tokens": 92, "dense_mask": True}
+    ]  # one forward: cutting would not save 10%
     assert [line["pass"] for line in lines[1:]] == [0, 1]
     assert all(line["after_backward"]["peak_mib"] > 0 for line in lines[1:])
 
@@ -186,9 +329,22 @@ def test_distributed_benchmark_smoke_runs_zero_offload_on_a_random_architecture(
     # the GPU row's cell (ZeRO-3 with optimizer and parameter offload, one process, a random-init architecture
     # on synthetic prompts), here on CPU
     out = tmp_path / "distributed.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "distributed.py"), "--modes", "zero3_offload",
-               "--processes", "1", "--architecture", "tiny", "--rollouts", "1", "--max_completion_length", "4",
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "distributed.py"),
+        "--modes",
+        "zero3_offload",
+        "--processes",
+        "1",
+        "--architecture",
+        "tiny",
+        "--rollouts",
+        "1",
+        "--max_completion_length",
+        "4",
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -201,8 +357,16 @@ def test_distributed_benchmark_smoke_runs_zero_offload_on_a_random_architecture(
 
 def test_train_microbatch_benchmark_smoke_times_every_setting(tmp_path, tiny_model_dir):
     out = tmp_path / "train_microbatch.json"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "train_microbatch.py"), "--rounds", "1",
-               "--model", tiny_model_dir, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "train_microbatch.py"),
+        "--rounds",
+        "1",
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     record = json.loads(out.read_text())

@@ -13,8 +13,11 @@ from gspo_trl.checkpointing import ATTENTION_OPS, checkpoint_kwargs, keep_attent
 
 
 def settings(checkpointing=True, keep=True, **kwargs):
-    return SimpleNamespace(activation_checkpointing=checkpointing, activation_checkpointing_keep_attention=keep,
-                           activation_checkpointing_kwargs=kwargs or None)
+    return SimpleNamespace(
+        activation_checkpointing=checkpointing,
+        activation_checkpointing_keep_attention=keep,
+        activation_checkpointing_kwargs=kwargs or None,
+    )
 
 
 class CountAttention(TorchDispatchMode):

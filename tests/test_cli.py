@@ -58,10 +58,14 @@ def test_training_health_summary_and_hints():
     def step(n, lo, hi, clip, **rollout):
         return {"step": n, "loss": 0.0, "ratio/min": lo, "ratio/max": hi, "clip_ratio/region": clip, **rollout}
 
-    history = [step(1, 1.0, 1.0, 0.0, reward=0.2, frac_reward_zero_std=0.75, **{"completions/mean_length": 30.0}),
-               step(2, 0.99, 1.02, 0.5), step(3, 0.98, 1.03, 0.7),
-               step(4, 1.0, 1.0, 0.0, reward=0.4, frac_reward_zero_std=0.25, **{"completions/mean_length": 10.0}),
-               step(5, 0.97, 1.01, 0.6), {"train_runtime": 1.0}]
+    history = [
+        step(1, 1.0, 1.0, 0.0, reward=0.2, frac_reward_zero_std=0.75, **{"completions/mean_length": 30.0}),
+        step(2, 0.99, 1.02, 0.5),
+        step(3, 0.98, 1.03, 0.7),
+        step(4, 1.0, 1.0, 0.0, reward=0.4, frac_reward_zero_std=0.25, **{"completions/mean_length": 10.0}),
+        step(5, 0.97, 1.01, 0.6),
+        {"train_runtime": 1.0},
+    ]
     health = training_health(history, window=1)
     assert health["zero_std_group_share"] == pytest.approx(0.5) and health["off_policy_steps"] == 3
     assert health["clip_ratio_off_policy"] == pytest.approx(0.6)  # the on-policy steps' zeros are not averaged in
@@ -77,19 +81,40 @@ def test_training_health_summary_and_hints():
 def test_train_command_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
     data = tmp_path / "prompts.jsonl"
     Dataset.from_dict({"prompt": [f"Say {i}" for i in range(4)], "target": [str(i) for i in range(4)]}).to_json(data)
-    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent("""
         def has_target(completions, target, **kwargs):
             return [float(t in c) for c, t in zip(completions, target)]
-    """))
+    """)
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     out = tmp_path / "out"
-    code = main([
-        "train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data),
-        "--reward_funcs", "my_rewards:has_target", "--output_dir", str(out), "--max_steps", "2",
-        "--per_device_train_batch_size", "4", "--num_generations", "4", "--steps_per_generation", "1",
-        "--max_completion_length", "6", "--disable_tqdm", "true",
-    ])
+    code = main(
+        [
+            "train",
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--dataset_name",
+            str(data),
+            "--reward_funcs",
+            "my_rewards:has_target",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+            "--steps_per_generation",
+            "1",
+            "--max_completion_length",
+            "6",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["summary"]["steps"] == 2

@@ -30,18 +30,21 @@ def test_batch_sizes(tmp_path):
     assert twice.is_on_policy is False and twice.optimizer_steps_per_rollout == 2
 
 
-@pytest.mark.parametrize("kwargs, level, epsilon, epsilon_high", [
-    ({}, "sequence", 3e-4, 4e-4),  # the GSPO paper's setting
-    ({"epsilon": 1e-3}, "sequence", 1e-3, 1e-3),  # epsilon set, epsilon_high unset: symmetric (TRL's meaning)
-    ({"epsilon": 1e-3, "epsilon_high": 2e-3}, "sequence", 1e-3, 2e-3),
-    ({"importance_sampling_level": "token"}, "token", 0.2, 0.2),  # GRPO's customary range, TRL's default
-    ({"loss_type": "sapo"}, "sequence", 3e-4, 4e-4),
-    ({"loss_type": "luspo"}, "sequence", 3e-4, 4e-4),
-    ({"loss_type": "cispo"}, "token", 0.2, 5.0),  # epsilon_high is CISPO's eps_max (ScaleRL: 5.0)
-    ({"loss_type": "vespo"}, "token", 0.2, 0.2),
-    ({"loss_type": "dapo"}, "token", 0.2, 0.2),
-    ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, "sequence", 3e-4, 4e-4),
-])
+@pytest.mark.parametrize(
+    "kwargs, level, epsilon, epsilon_high",
+    [
+        ({}, "sequence", 3e-4, 4e-4),  # the GSPO paper's setting
+        ({"epsilon": 1e-3}, "sequence", 1e-3, 1e-3),  # epsilon set, epsilon_high unset: symmetric (TRL's meaning)
+        ({"epsilon": 1e-3, "epsilon_high": 2e-3}, "sequence", 1e-3, 2e-3),
+        ({"importance_sampling_level": "token"}, "token", 0.2, 0.2),  # GRPO's customary range, TRL's default
+        ({"loss_type": "sapo"}, "sequence", 3e-4, 4e-4),
+        ({"loss_type": "luspo"}, "sequence", 3e-4, 4e-4),
+        ({"loss_type": "cispo"}, "token", 0.2, 5.0),  # epsilon_high is CISPO's eps_max (ScaleRL: 5.0)
+        ({"loss_type": "vespo"}, "token", 0.2, 0.2),
+        ({"loss_type": "dapo"}, "token", 0.2, 0.2),
+        ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, "sequence", 3e-4, 4e-4),
+    ],
+)
 def test_objective_defaults_follow_the_loss_type(tmp_path, kwargs, level, epsilon, epsilon_high):
     config = make(tmp_path, per_device_train_batch_size=8, **kwargs)
     assert (config.importance_sampling_level, config.epsilon, config.epsilon_high) == (level, epsilon, epsilon_high)
@@ -102,15 +105,18 @@ def test_invalid_values_name_the_field(tmp_path, kwargs, field_name):
         make(tmp_path, **kwargs)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (dict(use_vllm=True, vllm_mode="colocate"), "colocate"),
-    (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode"),
-    (dict(vllm_importance_sampling_mode="sequence"), "vllm_importance_sampling_mode"),
-    (dict(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.0), "clip_min/max"),
-    (dict(use_vllm=True, loss_type="vespo"), "token_truncate"),
-    (dict(vllm_logprobs_as_old=True), "use_vllm=True"),
-    (dict(use_vllm=True, layout_independent_sampling=True), "layout_independent_sampling"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(use_vllm=True, vllm_mode="colocate"), "colocate"),
+        (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode"),
+        (dict(vllm_importance_sampling_mode="sequence"), "vllm_importance_sampling_mode"),
+        (dict(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.0), "clip_min/max"),
+        (dict(use_vllm=True, loss_type="vespo"), "token_truncate"),
+        (dict(vllm_logprobs_as_old=True), "use_vllm=True"),
+        (dict(use_vllm=True, layout_independent_sampling=True), "layout_independent_sampling"),
+    ],
+)
 def test_vllm_settings_that_cannot_work_are_refused(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **overrides)
@@ -119,7 +125,10 @@ def test_vllm_settings_that_cannot_work_are_refused(tmp_path, overrides, match):
 def test_vllm_defaults_and_trls_deprecated_cap(tmp_path):
     config = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_importance_sampling_cap=2.0)
     assert (config.vllm_mode, config.vllm_server_host, config.vllm_importance_sampling_mode) == (
-        "server", "127.0.0.1", "sequence_mask")
+        "server",
+        "127.0.0.1",
+        "sequence_mask",
+    )
     assert config.vllm_importance_sampling_clip_max == 2.0
 
 

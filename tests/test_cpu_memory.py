@@ -34,9 +34,16 @@ def test_the_trainer_pools_memory_on_cpu_unless_told_not_to(tmp_path, tiny_model
 
     def build(**overrides):
         config = GSPOConfig(
-            output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, use_cpu=True, report_to="none", **overrides
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            num_generations=2,
+            use_cpu=True,
+            report_to="none",
+            **overrides,
         )
-        trainer_module.GSPOTrainer(tiny_model_dir, lambda completions, **kw: [0.0] * len(completions), args=config, train_dataset=dataset)
+        trainer_module.GSPOTrainer(
+            tiny_model_dir, lambda completions, **kw: [0.0] * len(completions), args=config, train_dataset=dataset
+        )
 
     build()
     assert calls == [True]

@@ -11,7 +11,9 @@ from gspo_trl.dataset_checks import check_enough_prompts, check_prompt_dataset
 
 def test_a_dataset_dict_and_a_missing_prompt_column_are_named():
     prompts = Dataset.from_dict({"prompt": ["a", "b"]})
-    with pytest.raises(TypeError, match=r"eval_dataset is a DatasetDict; pass one split, e.g. eval_dataset=dataset\['train'\]"):
+    with pytest.raises(
+        TypeError, match=r"eval_dataset is a DatasetDict; pass one split, e.g. eval_dataset=dataset\['train'\]"
+    ):
         check_prompt_dataset(DatasetDict({"train": prompts}), "eval_dataset")
     with pytest.raises(ValueError, match=r"train_dataset needs a 'prompt' column .* it has \['question'\]"):
         check_prompt_dataset(Dataset.from_dict({"question": ["a"]}), "train_dataset")

@@ -23,8 +23,11 @@ class Attention(torch.nn.Module):
 
 def qkv(rows: int, heads: int, kv_heads: int, query_length: int, context: int, head_dim: int = 16):
     torch.manual_seed(0)
-    return (torch.randn(rows, heads, query_length, head_dim), torch.randn(rows, kv_heads, context, head_dim),
-            torch.randn(rows, kv_heads, context, head_dim))
+    return (
+        torch.randn(rows, heads, query_length, head_dim),
+        torch.randn(rows, kv_heads, context, head_dim),
+        torch.randn(rows, kv_heads, context, head_dim),
+    )
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -103,10 +106,14 @@ def test_models_it_leaves_alone(tiny_model, monkeypatch):
         assert config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("prompts", [["What is 2 + 3? Reply with just the number.", "Hi", "Solve: 7 - 4"] * 2,
-                                     ["Solve: 7 - 4"] * 6], ids=["left padding", "no padding"])
-def test_decoding_loop_with_packed_heads_samples_and_scores_like_transformers_sdpa(tiny_model, tiny_tokenizer,
-                                                                                  monkeypatch, prompts):
+@pytest.mark.parametrize(
+    "prompts",
+    [["What is 2 + 3? Reply with just the number.", "Hi", "Solve: 7 - 4"] * 2, ["Solve: 7 - 4"] * 6],
+    ids=["left padding", "no padding"],
+)
+def test_decoding_loop_with_packed_heads_samples_and_scores_like_transformers_sdpa(
+    tiny_model, tiny_tokenizer, monkeypatch, prompts
+):
     """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
     rounding of those with transformers' SDPA attention (the packed calls computed by `decode_kernel`). With left
     padding every step has a mask (transformers packs the heads itself then); without, none (transformers' own path

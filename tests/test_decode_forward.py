@@ -26,8 +26,16 @@ def tiny(architecture: str, **overrides):
     torch.manual_seed(0)
     if architecture == "mistral":
         overrides = {"sliding_window": None, **overrides}  # Mistral's default window (4096) is its own case below
-    values = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=False)
+    values = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **{**values, **overrides})).eval()
 
 
@@ -57,8 +65,14 @@ def both_steps(model, rows: int, length: int, padded: bool):
     with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
         step = StepForward.of(model)
         assert step is not None and step.fused_rotary  # the rotary embedding and cache write in decode_kernel
-        expected = model(input_ids=token, attention_mask=mask, position_ids=positions,
-                          **cache_kwargs(model, theirs), use_cache=True, logits_to_keep=1).logits[:, -1]
+        expected = model(
+            input_ids=token,
+            attention_mask=mask,
+            position_ids=positions,
+            **cache_kwargs(model, theirs),
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         got = step(token, mask, positions, ours)
     return expected, got, theirs, ours
 
@@ -89,8 +103,14 @@ def test_repeated_one_row_steps_keep_each_layers_output(monkeypatch, form):
     with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
         step = StepForward.of(model)
         for _ in range(3):
-            expected = model(input_ids=token, attention_mask=mask, position_ids=positions,
-                              **cache_kwargs(model, theirs), use_cache=True, logits_to_keep=1).logits[:, -1]
+            expected = model(
+                input_ids=token,
+                attention_mask=mask,
+                position_ids=positions,
+                **cache_kwargs(model, theirs),
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
             got = step(token, mask, positions, ours)
             assert torch.equal(got, expected)
             token, positions = expected.argmax(-1, keepdim=True), positions + 1
@@ -122,20 +142,30 @@ def test_another_rotary_embedding_is_left_to_the_models_function(monkeypatch):
     with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
         step = StepForward.of(model)
         assert not step.fused_rotary
-        expected = model(input_ids=token, attention_mask=mask, position_ids=positions,
-                          **cache_kwargs(model, theirs), use_cache=True, logits_to_keep=1).logits[:, -1]
+        expected = model(
+            input_ids=token,
+            attention_mask=mask,
+            position_ids=positions,
+            **cache_kwargs(model, theirs),
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         assert torch.equal(step(token, mask, positions, ours), expected)
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_the_loop_steps_with_it_and_samples_what_it_samples_without(tiny_model, tiny_tokenizer, monkeypatch,
-                                                                     form):
+def test_the_loop_steps_with_it_and_samples_what_it_samples_without(tiny_model, tiny_tokenizer, monkeypatch, form):
     """The whole loop, rows leaving the batch down to one: the same tokens and π_old log-probs, bit for bit."""
     force_choices(monkeypatch, form)
     run, _ = sampler_with_rows_ending_apart(tiny_model, tiny_tokenizer, ["What is 2 + 3?", "Hi", "Solve: 7 - 4"] * 2)
     rows_per_step = []
-    monkeypatch.setattr(StepForward, "__call__", lambda self, ids, *rest, call=StepForward.__call__:
-                        rows_per_step.append(ids.shape[0]) or call(self, ids, *rest))
+    monkeypatch.setattr(
+        StepForward,
+        "__call__",
+        lambda self, ids, *rest, call=StepForward.__call__: (
+            rows_per_step.append(ids.shape[0]) or call(self, ids, *rest)
+        ),
+    )
     ours = run()
     assert min(rows_per_step) == 1 and max(rows_per_step) >= 3  # after the prefill step: several rows, then one
     monkeypatch.setattr(decode_forward, "enabled", False)
@@ -161,8 +191,9 @@ def lora(model):
     """A LoRA adapter whose B matrices are random (not PEFT's zeros), so that it changes the logits."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "down_proj"],
-                                            init_lora_weights=False))
+    return get_peft_model(
+        model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    )
 
 
 @pytest.mark.parametrize("wrapped", [True, False])  # the PEFT model, or the transformers model holding its layers
@@ -182,16 +213,33 @@ def test_a_lora_model_steps_like_its_own_forward(wrapped, form, monkeypatch):
         assert not torch.allclose(without, expected)
 
 
-@pytest.mark.parametrize("case", ["disabled", "bf16", "hook", "linear's hook", "own forward", "lora's hook",
-                                  "autograd", "autocast",
-                                  "no packed heads", "all heads", "sliding window", "mistral's window",
-                                  "other architecture"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "disabled",
+        "bf16",
+        "hook",
+        "linear's hook",
+        "own forward",
+        "lora's hook",
+        "autograd",
+        "autocast",
+        "no packed heads",
+        "all heads",
+        "sliding window",
+        "mistral's window",
+        "other architecture",
+    ],
+)
 def test_models_and_settings_it_leaves_to_their_own_forward(case, monkeypatch):
-    architecture = {"sliding window": "qwen2", "mistral's window": "mistral",
-                    "other architecture": "granite"}.get(case, "llama")  # granite: Llama's layers, scaled
-    overrides = {"all heads": dict(num_key_value_heads=4),
-                 "sliding window": dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
-                 "mistral's window": dict(sliding_window=16)}
+    architecture = {"sliding window": "qwen2", "mistral's window": "mistral", "other architecture": "granite"}.get(
+        case, "llama"
+    )  # granite: Llama's layers, scaled
+    overrides = {
+        "all heads": dict(num_key_value_heads=4),
+        "sliding window": dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
+        "mistral's window": dict(sliding_window=16),
+    }
     model = tiny(architecture, **overrides.get(case, {}))
     if case == "disabled":
         monkeypatch.setattr(decode_forward, "enabled", False)

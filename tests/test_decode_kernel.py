@@ -44,10 +44,19 @@ def test_the_kernel_builds_here():
     assert decode_kernel.available()
 
 
-@pytest.mark.parametrize("rows,kv_heads,group,head_dim,length", [
-    (1, 3, 3, 64, 1), (1, 3, 3, 64, 255), (1, 3, 3, 64, 257), (2, 3, 3, 64, 1000), (5, 2, 4, 128, 300),
-    (3, 4, 1, 32, 77), (64, 3, 3, 64, 100), (2, 1, 16, 256, 40),
-])
+@pytest.mark.parametrize(
+    "rows,kv_heads,group,head_dim,length",
+    [
+        (1, 3, 3, 64, 1),
+        (1, 3, 3, 64, 255),
+        (1, 3, 3, 64, 257),
+        (2, 3, 3, 64, 1000),
+        (5, 2, 4, 128, 300),
+        (3, 4, 1, 32, 77),
+        (64, 3, 3, 64, 100),
+        (2, 1, 16, 256, 40),
+    ],
+)
 @pytest.mark.parametrize("masked", [False, True])
 @torch.no_grad()
 def test_attends_like_sdpa(rows, kv_heads, group, head_dim, length, masked):
@@ -68,8 +77,9 @@ def test_scores_far_apart_and_one_thread():
     query, keys, values = step_inputs(2, 3, 3, 64, 600)
     query = query * 30
     expected = sdpa(query, keys, values, None, 0.125)
-    torch.testing.assert_close(decode_kernel.attention(query, keys, values, None, 0.125), expected, rtol=1e-5,
-                               atol=2e-6)
+    torch.testing.assert_close(
+        decode_kernel.attention(query, keys, values, None, 0.125), expected, rtol=1e-5, atol=2e-6
+    )
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -93,8 +103,9 @@ def test_products_like_f_linear(rows, out_features, in_features, bias):
     assert got is not None and got.shape == (rows, out_features) and got.is_contiguous()
     # as close to the exact product (float64) as F.linear itself is: another summation order of the same numbers
     exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
-    error, f_linear_error = ((product.double() - exact).abs().max().item()
-                             for product in (got, torch.nn.functional.linear(x, weight, b)))
+    error, f_linear_error = (
+        (product.double() - exact).abs().max().item() for product in (got, torch.nn.functional.linear(x, weight, b))
+    )
     assert error <= 2 * f_linear_error + 1e-6, (error, f_linear_error)
 
 
@@ -113,8 +124,10 @@ def test_products_are_the_same_on_any_thread_count_and_row_slot():
     assert torch.equal(decode_kernel.linear(x[2:3], weight, None), expected[2:3])
 
 
-@pytest.mark.parametrize("case", ["nine rows", "no rows", "bf16", "autograd", "row view", "weight view", "bias shape",
-                                  "width mismatch", "disabled"])
+@pytest.mark.parametrize(
+    "case",
+    ["nine rows", "no rows", "bf16", "autograd", "row view", "weight view", "bias shape", "width mismatch", "disabled"],
+)
 def test_other_products_are_left_to_pytorch(case, monkeypatch):
     rows = {"nine rows": 9, "no rows": 0}.get(case, 2)
     weight, x, bias = torch.randn(24, 16), torch.randn(rows, 16), torch.randn(24)
@@ -138,8 +151,9 @@ def test_other_products_are_left_to_pytorch(case, monkeypatch):
 
 def rotary_inputs(rows, heads, kv_heads, head_dim, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    query, key, value = (torch.randn(rows, count, head_dim, generator=generator)
-                         for count in (heads, kv_heads, kv_heads))
+    query, key, value = (
+        torch.randn(rows, count, head_dim, generator=generator) for count in (heads, kv_heads, kv_heads)
+    )
     cos, sin = torch.randn(rows, head_dim, generator=generator), torch.randn(rows, head_dim, generator=generator)
     return query, key, value, cos, sin
 
@@ -171,13 +185,15 @@ def test_other_rotary_inputs_are_left_to_pytorch(case, monkeypatch):
     if case == "disabled":
         monkeypatch.setattr(decode_kernel, "enabled", False)
     with torch.set_grad_enabled(case == "autograd"):
-        assert not decode_kernel.rotary(query, key, value, cos, sin, torch.empty(query.shape), keys[:, :, 1],
-                                        values[:, :, 1])
+        assert not decode_kernel.rotary(
+            query, key, value, cos, sin, torch.empty(query.shape), keys[:, :, 1], values[:, :, 1]
+        )
     assert not keys.any() and not values.any()
 
 
-@pytest.mark.parametrize("case", ["bf16", "autograd", "query view", "float mask", "per-head mask",
-                                  "head_dim 512", "group 32", "disabled"])
+@pytest.mark.parametrize(
+    "case", ["bf16", "autograd", "query view", "float mask", "per-head mask", "head_dim 512", "group 32", "disabled"]
+)
 def test_other_inputs_are_left_to_sdpa(case, monkeypatch):
     group, head_dim = (32 if case == "group 32" else 3), (512 if case == "head_dim 512" else 64)
     query, keys, values = step_inputs(2, 2, group, head_dim, 20)

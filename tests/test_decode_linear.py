@@ -10,8 +10,17 @@ from helpers import count_digits, force_choices, sampler_with_rows_ending_apart,
 from torch import nn
 
 from gspo_trl import GSPOTrainer, decode_kernel, decode_linear
-from gspo_trl.decode_linear import (COMPILED, LINEAR, MAX_ROWS, MEASURED_ROWS, PACKED, TRANSPOSED, PackedWeight,
-                                    fast_decode_linears, measure_choices)
+from gspo_trl.decode_linear import (
+    COMPILED,
+    LINEAR,
+    MAX_ROWS,
+    MEASURED_ROWS,
+    PACKED,
+    TRANSPOSED,
+    PackedWeight,
+    fast_decode_linears,
+    measure_choices,
+)
 from gspo_trl.decoding import token_logps
 
 
@@ -24,16 +33,29 @@ def counting(monkeypatch, form: str) -> list:
     """The row count of each product computed in `form` (transposed, packed or compiled) from now on."""
     calls = []
     if form == COMPILED:  # counted where the kernel computed it, not where it handed the product back
-        monkeypatch.setattr(decode_kernel, "linear", lambda x, *rest, product=decode_kernel.linear, **checked:
-                            (lambda out: out if out is None else calls.append(x.shape[0]) or out)(
-                                product(x, *rest, **checked)))
+        monkeypatch.setattr(
+            decode_kernel,
+            "linear",
+            lambda x, *rest, product=decode_kernel.linear, **checked: (
+                lambda out: out if out is None else calls.append(x.shape[0]) or out
+            )(product(x, *rest, **checked)),
+        )
     elif form == TRANSPOSED:
-        monkeypatch.setattr(decode_linear, "_transposed_product",
-                            lambda w, x, *rest, product=decode_linear._transposed_product:
-                            calls.append(x.shape[0]) or product(w, x, *rest))
+        monkeypatch.setattr(
+            decode_linear,
+            "_transposed_product",
+            lambda w, x, *rest, product=decode_linear._transposed_product: (
+                calls.append(x.shape[0]) or product(w, x, *rest)
+            ),
+        )
     else:
-        monkeypatch.setattr(PackedWeight, "linear", lambda self, x, bias, product=PackedWeight.linear:
-                            calls.append(x.numel() // x.shape[-1]) or product(self, x, bias))
+        monkeypatch.setattr(
+            PackedWeight,
+            "linear",
+            lambda self, x, bias, product=PackedWeight.linear: (
+                calls.append(x.numel() // x.shape[-1]) or product(self, x, bias)
+            ),
+        )
     return calls
 
 
@@ -133,8 +155,11 @@ def test_under_cpu_autocast_nothing_is_measured_or_packed(monkeypatch):
 
 def test_measure_choices_times_every_shape_and_row_count(monkeypatch):
     timed = []
-    monkeypatch.setattr(PackedWeight, "linear", lambda self, x, bias, product=PackedWeight.linear:
-                        timed.append(x.shape[0]) or product(self, x, bias))
+    monkeypatch.setattr(
+        PackedWeight,
+        "linear",
+        lambda self, x, bias, product=PackedWeight.linear: timed.append(x.shape[0]) or product(self, x, bias),
+    )
     compiled = counting(monkeypatch, COMPILED)
     weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(64, 32)]
     choices = measure_choices(weights, repeats=1)
@@ -178,8 +203,9 @@ def test_choices_without_the_compiled_form_are_measured_apart(monkeypatch):
 def test_decoding_loop_in_each_form_samples_and_scores_like_f_linear(tiny_model, tiny_tokenizer, monkeypatch, form):
     """The whole loop, rows leaving the batch down to one: the same tokens, and π_old's log-probs within float
     rounding of the plain run's and of a training-style forward."""
-    run, encoded = sampler_with_rows_ending_apart(tiny_model, tiny_tokenizer,
-                                                  ["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2)
+    run, encoded = sampler_with_rows_ending_apart(
+        tiny_model, tiny_tokenizer, ["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2
+    )
     pad = tiny_tokenizer.pad_token_id
 
     plain = run()
@@ -198,7 +224,7 @@ def test_decoding_loop_in_each_form_samples_and_scores_like_f_linear(tiny_model,
     with torch.no_grad():
         logits = tiny_model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
     width = fast.completion_ids.shape[1]
-    scored = logits[:, -width - 1:-1]
+    scored = logits[:, -width - 1 : -1]
     expected = token_logps(scored.reshape(-1, scored.shape[-1]), fast.completion_ids.reshape(-1), 0.8).view_as(mask)
     torch.testing.assert_close(fast.logps[mask], expected[mask], rtol=0, atol=2e-5)
 
@@ -207,8 +233,13 @@ def test_decoding_loop_in_each_form_samples_and_scores_like_f_linear(tiny_model,
 def determinism_flags_restored(monkeypatch):
     """`full_determinism` switches torch to deterministic algorithms and sets environment variables for the whole
     process: put both back after the test."""
-    for name in ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC",
-                 "FLASH_ATTENTION_DETERMINISTIC"):
+    for name in (
+        "CUDA_LAUNCH_BLOCKING",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "ASCEND_LAUNCH_BLOCKING",
+        "HCCL_DETERMINISTIC",
+        "FLASH_ATTENTION_DETERMINISTIC",
+    ):
         monkeypatch.delenv(name, raising=False)  # restored (or removed again) at teardown
     deterministic, cudnn = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
     benchmark = torch.backends.cudnn.benchmark
@@ -218,8 +249,9 @@ def determinism_flags_restored(monkeypatch):
 
 
 @pytest.mark.parametrize("full_determinism", [False, True])
-def test_full_determinism_keeps_f_linear_in_the_rollouts(tmp_path, tiny_model_dir, monkeypatch, full_determinism,
-                                                         determinism_flags_restored):
+def test_full_determinism_keeps_f_linear_in_the_rollouts(
+    tmp_path, tiny_model_dir, monkeypatch, full_determinism, determinism_flags_restored
+):
     """The forms are chosen by timing, which can differ between runs and flip the last bits of a logit, hence a
     sample: with `full_determinism` the trainer's rollouts take `F.linear` throughout (and still train)."""
     force_choices(monkeypatch, PACKED)

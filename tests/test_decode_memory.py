@@ -19,8 +19,13 @@ def test_kv_bytes_per_position_of_real_architectures():
     small = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
     assert kv_bytes_per_position(small, torch.float32) == 46_080
     # An explicit head_dim wins over hidden_size / heads.
-    assert kv_bytes_per_position(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                             num_key_value_heads=2, head_dim=32), torch.float16) == 2 * 2 * 2 * 32 * 2
+    assert (
+        kv_bytes_per_position(
+            LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+            torch.float16,
+        )
+        == 2 * 2 * 2 * 32 * 2
+    )
 
 
 def test_kv_bytes_per_position_is_none_when_the_config_does_not_say():
@@ -30,15 +35,18 @@ def test_kv_bytes_per_position_is_none_when_the_config_does_not_say():
     assert kv_bytes_per_position(Bare(), torch.float32) is None
 
 
-@pytest.mark.parametrize("rows, per_row, budget, expected", [
-    (64, 10, 640, 64),  # all fit
-    (64, 10, 10_000, 64),
-    (64, 10, 610, 32),  # 61 fit: two even slices, not 61 + 3
-    (64, 10, 200, 16),  # 20 fit: four slices of 16
-    (10, 10, 30, 3),  # 3 fit: four slices (3, 3, 3, 1)
-    (8, 10, 5, 1),  # not even one fits: one row at a time
-    (8, 10, -50, 1),  # a budget already spent: one row at a time
-])
+@pytest.mark.parametrize(
+    "rows, per_row, budget, expected",
+    [
+        (64, 10, 640, 64),  # all fit
+        (64, 10, 10_000, 64),
+        (64, 10, 610, 32),  # 61 fit: two even slices, not 61 + 3
+        (64, 10, 200, 16),  # 20 fit: four slices of 16
+        (10, 10, 30, 3),  # 3 fit: four slices (3, 3, 3, 1)
+        (8, 10, 5, 1),  # not even one fits: one row at a time
+        (8, 10, -50, 1),  # a budget already spent: one row at a time
+    ],
+)
 def test_rows_per_slice(rows, per_row, budget, expected):
     step = rows_per_slice(rows, per_row, budget)
     assert step == expected

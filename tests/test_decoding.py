@@ -8,8 +8,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
-from gspo_trl import GSPOConfig
-from gspo_trl import decoding
+from gspo_trl import GSPOConfig, decoding
 from gspo_trl.decoding import (
     PreallocatedLayer,
     drop_rows,
@@ -59,19 +58,27 @@ def test_supports_only_what_the_loop_implements():
     assert not supports(GenerationConfig(**base, suppress_tokens=[5]))
     assert not supports(GenerationConfig(**base, cache_implementation="static"))
     assert unsupported_settings(GenerationConfig(**base, no_repeat_ngram_size=2, suppress_tokens=[5])) == [
-        "no_repeat_ngram_size", "suppress_tokens"]
+        "no_repeat_ngram_size",
+        "suppress_tokens",
+    ]
 
 
 def test_settings_the_loop_lacks_fall_back_to_generate_with_a_warning(tmp_path, tiny_model, tiny_tokenizer, caplog):
     with caplog.at_level("WARNING"):
-        backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, GSPOConfig(
-            output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"no_repeat_ngram_size": 2}))
+        backend = HFGenerateBackend(
+            lambda: tiny_model,
+            tiny_tokenizer,
+            GSPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"no_repeat_ngram_size": 2}),
+        )
     assert not backend.use_decode_loop
     assert "does not implement no_repeat_ngram_size" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):  # asking for generate is not worth a warning
-        backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, GSPOConfig(
-            output_dir=str(tmp_path), use_cpu=True, decode_loop="generate"))
+        backend = HFGenerateBackend(
+            lambda: tiny_model,
+            tiny_tokenizer,
+            GSPOConfig(output_dir=str(tmp_path), use_cpu=True, decode_loop="generate"),
+        )
     assert not backend.use_decode_loop and "does not implement" not in caplog.text
     with pytest.raises(ValueError, match="decode_loop must be one of"):
         GSPOConfig(output_dir=str(tmp_path), use_cpu=True, decode_loop="vllm")
@@ -80,9 +87,13 @@ def test_settings_the_loop_lacks_fall_back_to_generate_with_a_warning(tmp_path, 
 @pytest.mark.parametrize("settings", [{}, SETTINGS], ids=["plain", "all_warpers"])
 def test_processed_scores_equal_generates(tiny_model, tiny_tokenizer, settings):
     # generate's own processed scores (output_scores) for two steps; ours applied to the same ids and logits.
-    config = GenerationConfig(do_sample=True, max_new_tokens=2, eos_token_id=tiny_tokenizer.eos_token_id,
-                              pad_token_id=tiny_tokenizer.pad_token_id,
-                              **settings)
+    config = GenerationConfig(
+        do_sample=True,
+        max_new_tokens=2,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        **settings,
+    )
     prompt = tiny_tokenizer(["What is 2 + 3? What is"], return_tensors="pt")
     torch.manual_seed(0)
     out = tiny_model.generate(**prompt, generation_config=config, output_scores=True, return_dict_in_generate=True)
@@ -102,8 +113,9 @@ def test_first_token_frequencies_match_generate(tmp_path, tiny_model, tiny_token
     assert backend.use_decode_loop
     prompt = tiny_tokenizer(["What is 2 + 3? What is"], return_tensors="pt")
     torch.manual_seed(0)
-    scored = tiny_model.generate(**prompt, generation_config=backend.generation_config, output_scores=True,
-                                 return_dict_in_generate=True)
+    scored = tiny_model.generate(
+        **prompt, generation_config=backend.generation_config, output_scores=True, return_dict_in_generate=True
+    )
     probs = torch.softmax(scored.scores[0][0].double(), 0)  # (V,)
     assert (probs > 0).sum() > 3  # the warpers leave several tokens
 
@@ -168,19 +180,28 @@ def test_loop_samples_what_a_one_row_reference_samples(tiny_model, tiny_tokenize
             assert (mask[:, :-1].diff(dim=1) < 0).any()
             assert batch_sizes == [3, len(prompts)]  # each question's prefix once, then every row's tail
             batch_sizes = batch_sizes[1:]  # the tails' forward stays first, as the prefill
-        completions = sample(tiny_model, ids, mask, max_new_tokens=10,
-                             eos_token_ids=[eos], pad_token_id=pad, processors=processors,
-                             uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1), cache=cache,
-                             history=encoded.input_ids).completion_ids
+        completions = sample(
+            tiny_model,
+            ids,
+            mask,
+            max_new_tokens=10,
+            eos_token_ids=[eos],
+            pad_token_id=pad,
+            processors=processors,
+            uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+            cache=cache,
+            history=encoded.input_ids,
+        ).completion_ids
     finally:
         hook.remove()
     lengths = []
     for row, prompt in enumerate(prompts):
-        expected = reference_decode(tiny_model, torch.tensor(tiny_tokenizer(prompt).input_ids), processors, keys[row],
-                                    10, eos)
+        expected = reference_decode(
+            tiny_model, torch.tensor(tiny_tokenizer(prompt).input_ids), processors, keys[row], 10, eos
+        )
         got = completions[row].tolist()
         assert got[: len(expected)] == expected, row
-        assert all(token == pad for token in got[len(expected):])
+        assert all(token == pad for token in got[len(expected) :])
         lengths.append(len(expected))
     assert completions.shape[1] == max(lengths)
     assert len(set(lengths)) > 2  # rows finished at different steps ...
@@ -214,11 +235,14 @@ def test_preallocated_layer_holds_what_a_dynamic_layer_holds_and_grows_by_doubli
     assert sorted(set(sizes)) == [7, 14, 20, 21, 22, 23, 24, 25]
 
 
-@pytest.mark.parametrize("finished, keep", [
-    ([0, 1, 0, 1, 0, 0], [0, 4, 2, 5]),  # the last rows fill the finished rows' slots
-    ([0, 0, 1, 1], [0, 1]),  # finished rows at the end: nothing moves
-    ([1, 1, 0, 1], [2]),
-])
+@pytest.mark.parametrize(
+    "finished, keep",
+    [
+        ([0, 1, 0, 1, 0, 0], [0, 4, 2, 5]),  # the last rows fill the finished rows' slots
+        ([0, 0, 1, 1], [0, 1]),  # finished rows at the end: nothing moves
+        ([1, 1, 0, 1], [2]),
+    ],
+)
 def test_drop_rows_moves_only_the_rows_past_the_new_batch(finished, keep):
     torch.manual_seed(0)
     n = len(finished)
@@ -240,15 +264,21 @@ def test_drop_rows_moves_only_the_rows_past_the_new_batch(finished, keep):
 
 def test_loop_samples_the_same_whatever_room_the_cache_starts_with(tiny_model, tiny_tokenizer, monkeypatch):
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
-    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there"] * 3, return_tensors="pt", padding=True,
-                             padding_side="left")
+    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there"] * 3, return_tensors="pt", padding=True, padding_side="left")
     keys = stream_keys(5, torch.arange(6))
     processors = LogitsProcessorList([FavourEos(eos), *logits_processors(GenerationConfig(do_sample=True, **SETTINGS))])
 
     def run():
-        return sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=24,
-                      eos_token_ids=[eos], pad_token_id=pad, processors=processors,
-                      uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1)).completion_ids
+        return sample(
+            tiny_model,
+            encoded.input_ids,
+            encoded.attention_mask,
+            max_new_tokens=24,
+            eos_token_ids=[eos],
+            pad_token_id=pad,
+            processors=processors,
+            uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+        ).completion_ids
 
     roomy = run()
     monkeypatch.setattr(decoding, "INITIAL_ROOM", 1)  # a growth at the first step and then at every doubling
@@ -261,8 +291,9 @@ def test_token_logps_by_hand():
     torch.testing.assert_close(token_logps(logits, tokens, 1.0), torch.tensor([0.75, 0.5]).log())
     # temperature 2 halves the logits: (1, √3) / (1 + √3) for the first row
     root3 = torch.tensor(3.0).sqrt()
-    torch.testing.assert_close(token_logps(logits, tokens, 2.0), torch.stack([(root3 / (1 + root3)).log(),
-                                                                            torch.tensor(0.5).log()]))
+    torch.testing.assert_close(
+        token_logps(logits, tokens, 2.0), torch.stack([(root3 / (1 + root3)).log(), torch.tensor(0.5).log()])
+    )
 
 
 def test_sampling_weights_give_the_token_logps():
@@ -301,29 +332,46 @@ def test_recorded_logps_are_the_policy_logps_training_computes(tiny_model, tiny_
     from gspo_trl.rollout import completion_mask_from_eos
 
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
-    ends, processors = [eos], LogitsProcessorList([FavourEos(eos), *logits_processors(
-        GenerationConfig(do_sample=True, **SETTINGS))])
+    ends, processors = (
+        [eos],
+        LogitsProcessorList([FavourEos(eos), *logits_processors(GenerationConfig(do_sample=True, **SETTINGS))]),
+    )
     if settings == "temperature alone":
         ends = [eos] + list(range(3, tiny_model.config.vocab_size, 20))
-        processors = logits_processors(GenerationConfig(do_sample=True, temperature=SETTINGS["temperature"], top_k=0,
-                                                        top_p=1.0))
+        processors = logits_processors(
+            GenerationConfig(do_sample=True, temperature=SETTINGS["temperature"], top_k=0, top_p=1.0)
+        )
         assert only_scales(processors, SETTINGS["temperature"])
-    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2, return_tensors="pt", padding=True,
-                             padding_side="left")
+    encoded = tiny_tokenizer(
+        ["What is 2 + 3?", "Hi there", "Solve: 7 - 4"] * 2, return_tensors="pt", padding=True, padding_side="left"
+    )
     ids, mask, cache = encoded.input_ids, encoded.attention_mask, None
     if prefill == "shared prefixes":
         rows = [row_ids[row_mask.bool()].tolist() for row_ids, row_mask in zip(ids, mask)]
         ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
     torch.manual_seed(0)
-    decoded = sample(tiny_model, ids, mask, max_new_tokens=16, eos_token_ids=ends, pad_token_id=pad, cache=cache,
-                     processors=processors, history=encoded.input_ids, logp_temperature=SETTINGS["temperature"])
+    decoded = sample(
+        tiny_model,
+        ids,
+        mask,
+        max_new_tokens=16,
+        eos_token_ids=ends,
+        pad_token_id=pad,
+        cache=cache,
+        processors=processors,
+        history=encoded.input_ids,
+        logp_temperature=SETTINGS["temperature"],
+    )
     completions, logps = decoded.completion_ids, decoded.logps
     completion_mask, _ = completion_mask_from_eos(completions, ends)
     assert logps.shape == completions.shape and 0 < completion_mask.sum() < completion_mask.numel()  # rows end early
     assert (logps[completion_mask == 0] == 0).all()
     scored = completion_logprobs(
-        tiny_model, torch.cat([encoded.input_ids, completions], dim=1),
-        torch.cat([encoded.attention_mask, completion_mask], dim=1), completions, completion_mask,
+        tiny_model,
+        torch.cat([encoded.input_ids, completions], dim=1),
+        torch.cat([encoded.attention_mask, completion_mask], dim=1),
+        completions,
+        completion_mask,
         temperature=SETTINGS["temperature"],
     ).logps
     valid = completion_mask.bool()
@@ -333,7 +381,13 @@ def test_recorded_logps_are_the_policy_logps_training_computes(tiny_model, tiny_
 
 def test_the_loop_records_no_logps_unless_asked(tiny_model, tiny_tokenizer):
     encoded = tiny_tokenizer(["Hi there"], return_tensors="pt")
-    decoded = sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=3,
-                     eos_token_ids=[tiny_tokenizer.eos_token_id], pad_token_id=tiny_tokenizer.pad_token_id,
-                     processors=LogitsProcessorList())
+    decoded = sample(
+        tiny_model,
+        encoded.input_ids,
+        encoded.attention_mask,
+        max_new_tokens=3,
+        eos_token_ids=[tiny_tokenizer.eos_token_id],
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        processors=LogitsProcessorList(),
+    )
     assert decoded.logps is None and decoded.states is None and decoded.completion_ids.shape[0] == 1

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import close, worker_env
 
 from gspo_trl.distributed import needs_cpu_process_group, unwrap_model
-from helpers import close, worker_env
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "accelerate_configs"
@@ -25,8 +25,18 @@ CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "accelerate_conf
 def launch(tmp_path, model_dir, mode, processes=2, name=None, must_succeed=True):
     out = tmp_path / (name or mode.replace("+", "_"))
     # --standalone: a free rendezvous port for every launch (a killed run must not block the next one)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               str(WORKER), model_dir, mode, str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        str(WORKER),
+        model_dir,
+        mode,
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=worker_env())
     if not must_succeed:
         return completed
@@ -36,8 +46,11 @@ def launch(tmp_path, model_dir, mode, processes=2, name=None, must_succeed=True)
 
 def failure_report(stderr: str) -> str:
     """The lines of a failed launch's stderr that say why (a rank's exception, an abort), then its tail."""
-    telling = [line for line in stderr.splitlines()
-               if any(word in line for word in ("Error", "error:", "terminate", "Signal", "Exception", "what()"))]
+    telling = [
+        line
+        for line in stderr.splitlines()
+        if any(word in line for word in ("Error", "error:", "terminate", "Signal", "Exception", "what()"))
+    ]
     return "\n".join(telling[-40:]) + "\n--- tail ---\n" + stderr[-3000:]
 
 
@@ -85,8 +98,9 @@ def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny
         assert checksum == pytest.approx(zero3[0]["checksum"], rel=1e-9)
 
 
-@pytest.mark.parametrize("zero_modes, options", [(["zero1", "zero3+offload"], "+beta"),
-                                                 (["zero2+offload"], "+lora+beta")])
+@pytest.mark.parametrize(
+    "zero_modes, options", [(["zero1", "zero3+offload"], "+beta"), (["zero2+offload"], "+lora+beta")]
+)
 def test_deepspeed_zero1_and_zero_offload_train_like_ddp(tmp_path, tiny_model_dir, zero_modes, options):
     """ZeRO-1, and ZeRO-Offload (optimizer states in CPU memory; under ZeRO-3 the parameters too), with the reference
     model (beta > 0) or LoRA's disabled adapter: the same run as DDP. With offload, accelerate replaces the torch
@@ -130,8 +144,9 @@ def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
         assert 0 < fsdp[0]["local_reference_parameters"] <= 0.55 * ddp[0]["local_reference_parameters"]
         from transformers import AutoModelForCausalLM
 
-        saved = AutoModelForCausalLM.from_pretrained(tmp_path / ("fsdp2" + options.replace("+", "_") + ".saved"),
-                                                     dtype=torch.float64)
+        saved = AutoModelForCausalLM.from_pretrained(
+            tmp_path / ("fsdp2" + options.replace("+", "_") + ".saved"), dtype=torch.float64
+        )
         checksum = sum(p.detach().abs().sum().item() for p in saved.parameters())
         assert checksum == pytest.approx(fsdp[0]["checksum"], rel=1e-9)
 
@@ -228,8 +243,18 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
     assert time.monotonic() - start < 120
 
 
-@pytest.mark.parametrize("mode", ["ddp+seeded", "ddp+seeded+family", "ddp+seeded+lora+beta", "zero3+seeded",
-                                  "ddp+seeded+episodes", "ddp+seeded+async", "ddp+scripted"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "ddp+seeded",
+        "ddp+seeded+family",
+        "ddp+seeded+lora+beta",
+        "zero3+seeded",
+        "ddp+seeded+episodes",
+        "ddp+seeded+async",
+        "ddp+scripted",
+    ],
+)
 def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode):
     # 8 completions per micro-step: one process of 8, or two of 4, with layout-independent sampling. Both
     # sample the same rollouts and cut them into the same global micro-batches (each process its slice).
@@ -269,8 +294,18 @@ def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, t
     sharded block by block and scores like the whole model."""
     logp_tolerance, grad_tolerance = (1e-2, 2.5e-2) if mode == "+bf16" else (1e-6, 1e-6)  # bf16: 3e-3, 1.1e-2 seen
     out = tmp_path / "fsdp2"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(WORKER.with_name("fsdp2_worker.py")), tiny_model_dir, mode or "plain", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER.with_name("fsdp2_worker.py")),
+        tiny_model_dir,
+        mode or "plain",
+        str(out),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=worker_env())
     assert completed.returncode == 0, failure_report(completed.stderr)
     for rank in range(2):
@@ -349,19 +384,25 @@ def test_fsdp_that_accelerate_leaves_out_is_reported(caplog):
     with caplog.at_level("WARNING"):
         warn_if_fsdp_dropped(SimpleNamespace(fsdp=True, use_cpu=True), dropped)
         warn_if_fsdp_dropped(SimpleNamespace(fsdp=False, use_cpu=True), dropped)
-        warn_if_fsdp_dropped(SimpleNamespace(fsdp=True, use_cpu=False), SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object())))
+        warn_if_fsdp_dropped(
+            SimpleNamespace(fsdp=True, use_cpu=False), SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object()))
+        )
     assert caplog.text.count("did not enable FSDP") == 1
 
 
-@pytest.mark.parametrize("field, value", [("train_micro_batch_size_per_gpu", 2), ("gradient_accumulation_steps", 3),
-                                          ("train_batch_size", 8)])
+@pytest.mark.parametrize(
+    "field, value", [("train_micro_batch_size_per_gpu", 2), ("gradient_accumulation_steps", 3), ("train_batch_size", 8)]
+)
 def test_deepspeed_batch_fields_that_contradict_the_config_fail_at_construction(field, value):
     from types import SimpleNamespace
 
     from gspo_trl.distributed import check_deepspeed_batch_fields
 
-    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                           deepspeed={"zero_optimization": {"stage": 2}, field: value})
+    args = SimpleNamespace(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        deepspeed={"zero_optimization": {"stage": 2}, field: value},
+    )
     with pytest.raises(ValueError, match=f"on 2 process.*{field}={value}"):
         check_deepspeed_batch_fields(args, num_processes=2)
     args.deepspeed[field] = "auto"
@@ -383,13 +424,30 @@ def accelerate_launch(tmp_path, model_dir, config: str, machines: int = 1, bf16:
     on this host. The worker's `launcher` mode sets nothing about the sharding: it comes from the config, through
     accelerate's environment."""
     out, port = tmp_path / f"launched_{config}{'_bf16' if bf16 else ''}", free_port()
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-               "--num_processes", "2", "--main_process_port", str(port)] + ([] if bf16 else ["--mixed_precision", "no"])
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / f"{config}.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(port),
+    ] + ([] if bf16 else ["--mixed_precision", "no"])
     worker = [str(WORKER), model_dir, "launcher+beta" + ("+bf16" if bf16 else ""), str(out)]
-    launchers = [subprocess.Popen(command + (["--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
-                                             if machines > 1 else []) + worker,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
-                 for rank in range(machines)]
+    launchers = [
+        subprocess.Popen(
+            command
+            + (["--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"] if machines > 1 else [])
+            + worker,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=worker_env(),
+        )
+        for rank in range(machines)
+    ]
     for launcher in launchers:
         _, stderr = launcher.communicate(timeout=600)
         assert launcher.returncode == 0, failure_report(stderr)
@@ -403,8 +461,10 @@ def test_example_accelerate_configs_run_as_is_under_accelerate_launch(tmp_path, 
     `fsdp_cpu_ram_efficient_loading` and a full state dict as in the file) and the two-machine ZeRO-3 config as two
     launchers (machine ranks 0 and 1, one process each). The ZeRO-3 and FSDP2 files also with their own bf16, within
     bf16 rounding of DDP's fp32 run."""
-    runs = {config: accelerate_launch(tmp_path, tiny_model_dir, config)
-            for config in ("multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2")}
+    runs = {
+        config: accelerate_launch(tmp_path, tiny_model_dir, config)
+        for config in ("multi_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp2")
+    }
     runs["multi_node_zero3"] = accelerate_launch(tmp_path, tiny_model_dir, "multi_node_zero3", machines=2)
     ddp = runs["multi_gpu"][0]
     assert ddp["distributed_type"] == "DistributedType.MULTI_CPU"

@@ -188,8 +188,10 @@ def test_the_checks_catch_what_they_look_for():
     assert github_slug("Skipping the π_old pass (paper §5.4)") == "skipping-the-π_old-pass-paper-54"
     assert github_slug("[`rollout_func`](agents.md): yours") == "rollout_func-yours"
     assert link_targets(page) == []
-    assert link_targets("see [a](b.md#c \"t\") and ![img](d.png) and `[x](y.md)`\n[ref]: e.md\n") == [
-        (1, "b.md#c"), (1, "d.png"), (2, "e.md")
+    assert link_targets('see [a](b.md#c "t") and ![img](d.png) and `[x](y.md)`\n[ref]: e.md\n') == [
+        (1, "b.md#c"),
+        (1, "d.png"),
+        (2, "e.md"),
     ]
     text = "Met issue 16's target.\nSee #12.\nAt step #3, row #4.\nColour #1f77b4, [link](#16-x), `#9`.\n"
     assert tracker_mentions(text) == [(1, "issue 16"), (2, "#12")]

@@ -1,18 +1,24 @@
 """Tests for gspo_trl.environments.chat: the tokens an observation adds after an assistant turn."""
 
 import pytest
+from conftest import build_tiny_tokenizer
 from trl.chat_template_utils import qwen3_chat_template
 
-from conftest import build_tiny_tokenizer
 from gspo_trl.environments.chat import ObservationEncoder
 
 
 def test_user_observation_after_a_chatml_turn(tiny_tokenizer):
     encoder = ObservationEncoder(tiny_tokenizer, True, [tiny_tokenizer.eos_token_id])
-    assert tiny_tokenizer.decode(encoder("Try again.")) == "\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tiny_tokenizer.decode(encoder("Try again."))
+        == "\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"
+    )
     # A template without tool support gets tool results as user messages.
     tool = encoder([{"role": "tool", "name": "add", "content": "5"}])
-    assert tiny_tokenizer.decode(tool) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tiny_tokenizer.decode(tool)
+        == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_template_that_is_not_prefix_preserving_uses_trls_training_version():

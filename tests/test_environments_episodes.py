@@ -13,11 +13,26 @@ from gspo_trl.rollout import HFGenerateBackend, Rollout, RolloutBackend, complet
 
 
 def episode_args(**overrides):
-    values = dict(max_prompt_length=None, chat_template_kwargs=None, max_completion_length=40, max_turns=None,
-                  temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, cache_implementation=None,
-                  generation_kwargs=None, decode_loop="gspo", decode_cuda_graphs=True, decode_logprobs_as_old=None,
-                  bf16=False, fp16=False,
-                  decode_max_rows=None, full_determinism=False)
+    values = dict(
+        max_prompt_length=None,
+        chat_template_kwargs=None,
+        max_completion_length=40,
+        max_turns=None,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        cache_implementation=None,
+        generation_kwargs=None,
+        decode_loop="gspo",
+        decode_cuda_graphs=True,
+        decode_logprobs_as_old=None,
+        bf16=False,
+        fp16=False,
+        decode_max_rows=None,
+        full_determinism=False,
+    )
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -61,11 +76,15 @@ def test_turns_and_observations_are_concatenated_as_token_ids(tiny_tokenizer):
     tok = tiny_tokenizer
     eos = tok.eos_token_id
     hello, stop, world = tok.encode("hello"), tok.encode("stop"), tok.encode("world")
-    sampler = ScriptedSampler([
-        [hello + [eos], world + [eos]],   # turn 0: both go on
-        [stop + [eos], hello + [eos]],    # turn 1: row 0 stops
-        [world + [eos]],                  # turn 2: row 1 hits max_turns
-    ], eos, tok.pad_token_id)
+    sampler = ScriptedSampler(
+        [
+            [hello + [eos], world + [eos]],  # turn 0: both go on
+            [stop + [eos], hello + [eos]],  # turn 1: row 0 stops
+            [world + [eos]],  # turn 2: row 1 hits max_turns
+        ],
+        eos,
+        tok.pad_token_id,
+    )
     runner = EpisodeRunner(Scripted, tok, episode_args(max_turns=3))
     rows = [{"prompt": [{"role": "user", "content": "Go."}]}] * 2
     batch = runner.run(sampler, rows, seeds=[5, 5])
@@ -87,7 +106,8 @@ def test_turns_and_observations_are_concatenated_as_token_ids(tiny_tokenizer):
     expected_env = [1] * len(first[0]) + [0] * len(observation) + [1] * (len(stop) + 1)
     assert rollout.env_mask[0, : len(row0)].tolist() == expected_env
     assert rollout.turn_ids[0, : len(row0)].tolist() == (
-        [0] * len(first[0]) + [-1] * len(observation) + [1] * (len(stop) + 1))
+        [0] * len(first[0]) + [-1] * len(observation) + [1] * (len(stop) + 1)
+    )
     assert (rollout.turn_ids[1][rollout.env_mask[1].bool()].unique().tolist()) == [0, 1, 2]
     assert batch.ends == ["terminated", "max_turns"]
     assert batch.turn_rewards.tolist() == [[1.0, 2.0, 0.0], [1.0, 2.0, 3.0]]
@@ -104,10 +124,14 @@ def test_the_completion_budget_counts_every_turn_and_observation(tiny_tokenizer)
     eos = tok.eos_token_id
     observation = ObservationEncoder(tok, True, [eos])("no")
     budget = 2 * 3 + len(observation) + 2  # two 3-token turns, one observation, 2 tokens to spare
-    sampler = ScriptedSampler([
-        [[7, 8, eos], [7, 8, eos]],
-        [[9, 10, eos], [9, 9, 9, 9, 9]],  # row 1 runs past its 5 tokens of room: cut, no end-of-turn token
-    ], eos, tok.pad_token_id)
+    sampler = ScriptedSampler(
+        [
+            [[7, 8, eos], [7, 8, eos]],
+            [[9, 10, eos], [9, 9, 9, 9, 9]],  # row 1 runs past its 5 tokens of room: cut, no end-of-turn token
+        ],
+        eos,
+        tok.pad_token_id,
+    )
     runner = EpisodeRunner(Scripted, tok, episode_args(max_completion_length=budget))
     batch = runner.run(sampler, [{"prompt": [{"role": "user", "content": "Go."}]}] * 2, seeds=[0, 0])
     room = budget - 3 - len(observation)
@@ -129,8 +153,11 @@ def test_reset_observation_joins_the_prompt_and_rows_without_prompt_start_from_i
         [{"prompt": [{"role": "user", "content": "Go."}]}, {"prompt": "Go."}, {"task": 1}],
         [" (level 3)", " (level 3)", "Level 3."],
     )
-    assert prompts == [[{"role": "user", "content": "Go. (level 3)"}], "Go. (level 3)",
-                       [{"role": "user", "content": "Level 3."}]]
+    assert prompts == [
+        [{"role": "user", "content": "Go. (level 3)"}],
+        "Go. (level 3)",
+        [{"role": "user", "content": "Level 3."}],
+    ]
 
 
 def test_env_factory_is_checked_at_construction(tiny_tokenizer):
@@ -162,8 +189,9 @@ def test_trainer_log_probs_of_episodes_match_the_sampling_contexts(tiny_model, t
     tok = tiny_tokenizer
     torch.manual_seed(0)
     # The random model seldom ends a turn by itself: favour its end-of-turn token so that episodes have turns.
-    args = episode_args(max_completion_length=30, max_turns=3,
-                        generation_kwargs={"sequence_bias": [[[tok.eos_token_id], 3.0]]})
+    args = episode_args(
+        max_completion_length=30, max_turns=3, generation_kwargs={"sequence_bias": [[[tok.eos_token_id], 3.0]]}
+    )
     backend = HFGenerateBackend(lambda: tiny_model, tok, args)
     runner = EpisodeRunner(Forever, tok, args)
     rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}] * 2  # one group: the same prompt
@@ -172,8 +200,12 @@ def test_trainer_log_probs_of_episodes_match_the_sampling_contexts(tiny_model, t
     assert r.env_mask.sum() < r.completion_mask.sum()  # some observations were appended
     sampled = r.completion_mask * r.env_mask
     scores = completion_logprobs(
-        tiny_model, torch.cat([r.prompt_ids, r.completion_ids], 1), torch.cat([r.prompt_mask, r.completion_mask], 1),
-        r.completion_ids, sampled, padding_free=padding_free,
+        tiny_model,
+        torch.cat([r.prompt_ids, r.completion_ids], 1),
+        torch.cat([r.prompt_mask, r.completion_mask], 1),
+        r.completion_ids,
+        sampled,
+        padding_free=padding_free,
     ).logps
     with torch.no_grad():
         for row in range(2):
@@ -218,8 +250,9 @@ def test_later_turns_reuse_the_turn_cache_or_shared_prefixes_and_play_the_same_e
     # The random model seldom ends a turn by itself: favour its end-of-turn token so that episodes have turns.
     backend.processors = LogitsProcessorList([FavourEos(tok.eos_token_id)] * 2 + list(backend.processors))
     runner = EpisodeRunner(Forever, tok, args)
-    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3? Answer in one line."}]}] * 3 + \
-           [{"prompt": [{"role": "user", "content": "Name a colour, please."}]}] * 3
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3? Answer in one line."}]}] * 3 + [
+        {"prompt": [{"role": "user", "content": "Name a colour, please."}]}
+    ] * 3
     keys = stream_keys(5, torch.arange(len(rows)))
 
     def play(reuse_turn_cache, share_prefixes):
@@ -254,9 +287,13 @@ def test_later_turns_reuse_the_turn_cache_or_shared_prefixes_and_play_the_same_e
     # for the sampled tokens, 0 on the environment's.
     r = cached.rollout
     sampled = r.sampled_mask.bool()
-    scores = completion_logprobs(tiny_model, torch.cat([r.prompt_ids, r.completion_ids], 1),
-                                 torch.cat([r.prompt_mask, r.completion_mask], 1), r.completion_ids,
-                                 r.sampled_mask).logps
+    scores = completion_logprobs(
+        tiny_model,
+        torch.cat([r.prompt_ids, r.completion_ids], 1),
+        torch.cat([r.prompt_mask, r.completion_mask], 1),
+        r.completion_ids,
+        r.sampled_mask,
+    ).logps
     assert r.sampled_by_policy and (r.sampling_logps[~sampled] == 0).all()
     torch.testing.assert_close(r.sampling_logps[sampled], scores[sampled], atol=2e-5, rtol=0)
 
@@ -275,12 +312,18 @@ def test_the_turn_cache_in_bf16(tiny_model, tiny_tokenizer, precision):
     backend = HFGenerateBackend(lambda: model, tok, args)
     backend.processors = LogitsProcessorList([FavourEos(tok.eos_token_id)] * 2 + list(backend.processors))
     prefills = []
-    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: prefills.append(o.shape[1]) if o.shape[1] > 1 else None)
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda m, i, o: prefills.append(o.shape[1]) if o.shape[1] > 1 else None
+    )
     context = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16 autocast" else torch.no_grad()
     try:
         with context:
-            batch = EpisodeRunner(Forever, tok, args).run(backend, [{"prompt": [{"role": "user", "content": "Hi"}]}] * 4,
-                                                          seeds=[1] * 4, keys=stream_keys(5, torch.arange(4)))
+            batch = EpisodeRunner(Forever, tok, args).run(
+                backend,
+                [{"prompt": [{"role": "user", "content": "Hi"}]}] * 4,
+                seeds=[1] * 4,
+                keys=stream_keys(5, torch.arange(4)),
+            )
     finally:
         hook.remove()
     assert batch.reached[:, 1:].sum() >= 2  # later turns were played ...

@@ -83,13 +83,21 @@ def test_environment_without_step_is_refused_at_creation():
         text_env.make_environment(NoStep)
 
 
-@pytest.mark.parametrize("env, call, error, match", [
-    (BadReset(), "reset", TypeError, r"BadReset.reset must return \(observation, info\)"),
-    (FourTuple(), "step", TypeError, r"FourTuple.step must return \(observation, reward, terminated, truncated, info\)"),
-    (NanReward(), "step", ValueError, r"NanReward.step returned reward nan"),
-    (ListObservation(), "step", TypeError, r"ListObservation.step returned observation list"),
-    (Raises(), "step", RuntimeError, r"Raises.step raised KeyError\('boom'\)"),
-])
+@pytest.mark.parametrize(
+    "env, call, error, match",
+    [
+        (BadReset(), "reset", TypeError, r"BadReset.reset must return \(observation, info\)"),
+        (
+            FourTuple(),
+            "step",
+            TypeError,
+            r"FourTuple.step must return \(observation, reward, terminated, truncated, info\)",
+        ),
+        (NanReward(), "step", ValueError, r"NanReward.step returned reward nan"),
+        (ListObservation(), "step", TypeError, r"ListObservation.step returned observation list"),
+        (Raises(), "step", RuntimeError, r"Raises.step raised KeyError\('boom'\)"),
+    ],
+)
 def test_bad_answers_name_the_class_and_method(env, call, error, match):
     with pytest.raises(error, match=match):
         if call == "reset":

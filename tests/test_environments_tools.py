@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_environments_episodes import ScriptedSampler, episode_args
 
 from gspo_trl.environments.episodes import EpisodeRunner
 from gspo_trl.environments.tools import (
@@ -10,7 +11,6 @@ from gspo_trl.environments.tools import (
     parse_hermes_tool_calls,
     tool_episode_factory,
 )
-from test_environments_episodes import ScriptedSampler, episode_args
 
 
 class Calculator:
@@ -43,8 +43,10 @@ class Calculator:
 
 
 def test_hermes_parser_reads_calls_and_flags_malformed_ones():
-    text = ('I will add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call> and '
-            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call><tool_call>oops</tool_call>')
+    text = (
+        'I will add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call> and '
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call><tool_call>oops</tool_call>'
+    )
     calls = parse_hermes_tool_calls(text)
     assert calls[:2] == [{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "add", "arguments": {"a": 1, "b": 1}}]
     assert calls[2]["name"] == "__malformed__"
@@ -82,8 +84,9 @@ def test_max_tool_calling_iterations_bounds_the_episode(tiny_tokenizer):
     eos = tok.eos_token_id
     call = tok.encode('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>') + [eos]
     sampler = ScriptedSampler([[call], [call], [call]], eos, tok.pad_token_id)
-    runner = EpisodeRunner(tool_episode_factory(None, Calculator), tok, episode_args(max_completion_length=400),
-                           max_turns=2)  # what max_tool_calling_iterations=1 gives
+    runner = EpisodeRunner(
+        tool_episode_factory(None, Calculator), tok, episode_args(max_completion_length=400), max_turns=2
+    )  # what max_tool_calling_iterations=1 gives
     batch = runner.run(sampler, [{"prompt": [{"role": "user", "content": "Go."}], "answer": "2"}], seeds=[0])
     assert batch.ends == ["max_turns"] and batch.tool_calls.tolist() == [2]
 
@@ -134,9 +137,9 @@ def asyncio_run(awaitable):
 
 def test_trainer_trains_a_trl_environment_factory_unchanged(tmp_path, tiny_model_dir):
     from datasets import Dataset
+    from helpers import small_config
 
     from gspo_trl import GSPOTrainer
-    from helpers import small_config
 
     seen = {}
 
@@ -144,8 +147,12 @@ def test_trainer_trains_a_trl_environment_factory_unchanged(tmp_path, tiny_model
         seen["environments"] = environments
         return [float(c[-1]["content"].strip().endswith(a)) for c, a in zip(completions, answer)]
 
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)],
-                              "answer": [str(i + 3) for i in range(8)]})
+    data = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)],
+            "answer": [str(i + 3) for i in range(8)],
+        }
+    )
     args = small_config(tmp_path / "out", max_completion_length=24, max_tool_calling_iterations=2)
     trainer = GSPOTrainer(tiny_model_dir, [accuracy], args=args, train_dataset=data, environment_factory=Calculator)
     assert [f.name for f in trainer.reward_funcs] == ["accuracy", "Calculator"]
@@ -163,14 +170,14 @@ def test_side_by_side_with_trl_grpo_trainer(tmp_path):
     result as the same tokens."""
     import os
 
+    from conftest import build_tiny_model, build_tiny_tokenizer
     from datasets import Dataset
+    from helpers import small_config
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_chat_template
 
-    from conftest import build_tiny_model, build_tiny_tokenizer
     from gspo_trl import GSPOTrainer
     from gspo_trl.environments.chat import ObservationEncoder
-    from helpers import small_config
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     tokenizer = build_tiny_tokenizer()
@@ -179,16 +186,40 @@ def test_side_by_side_with_trl_grpo_trainer(tmp_path):
     def accuracy(completions, answer, **kwargs):
         return [float(c[-1]["content"].strip().endswith(a)) for c, a in zip(completions, answer)]
 
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)],
-                              "answer": [str(i + 3) for i in range(8)]})
-    common = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=24, max_steps=1,
-                  use_cpu=True, report_to="none", save_strategy="no", max_tool_calling_iterations=2, logging_steps=1)
-    trl = GRPOTrainer(model=build_tiny_model(tokenizer), reward_funcs=[accuracy], train_dataset=data,
-                      processing_class=tokenizer, environment_factory=Calculator,
-                      args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common))
+    data = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)],
+            "answer": [str(i + 3) for i in range(8)],
+        }
+    )
+    common = dict(
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=24,
+        max_steps=1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        max_tool_calling_iterations=2,
+        logging_steps=1,
+    )
+    trl = GRPOTrainer(
+        model=build_tiny_model(tokenizer),
+        reward_funcs=[accuracy],
+        train_dataset=data,
+        processing_class=tokenizer,
+        environment_factory=Calculator,
+        args=GRPOConfig(output_dir=str(tmp_path / "trl"), **common),
+    )
     trl.train()
-    ours = GSPOTrainer(build_tiny_model(tokenizer), [accuracy], train_dataset=data, processing_class=tokenizer,
-                       environment_factory=Calculator, args=small_config(tmp_path / "gspo", **common))
+    ours = GSPOTrainer(
+        build_tiny_model(tokenizer),
+        [accuracy],
+        train_dataset=data,
+        processing_class=tokenizer,
+        environment_factory=Calculator,
+        args=small_config(tmp_path / "gspo", **common),
+    )
     ours.train()
     names = {"rewards/accuracy/mean", "rewards/Calculator/mean", "tools/call_frequency", "tools/failure_frequency"}
     assert names <= set(trl.state.log_history[0]) and names <= set(ours.state.log_history[0])
@@ -202,9 +233,8 @@ def test_side_by_side_with_trl_grpo_trainer(tmp_path):
 
 
 def test_a_template_with_tool_support_presents_the_tools_itself():
-    from trl.chat_template_utils import qwen3_chat_template
-
     from conftest import build_tiny_tokenizer
+    from trl.chat_template_utils import qwen3_chat_template
 
     tokenizer = build_tiny_tokenizer()
     tokenizer.chat_template = qwen3_chat_template
@@ -224,9 +254,9 @@ def test_a_template_with_tool_support_presents_the_tools_itself():
 
 def test_construction_builds_one_environment_to_check(tmp_path, tiny_model_dir):
     from datasets import Dataset
+    from helpers import small_config
 
     from gspo_trl import GSPOTrainer
-    from helpers import small_config
 
     built = []
 
@@ -257,9 +287,8 @@ def test_construction_builds_one_environment_to_check(tmp_path, tiny_model_dir):
 
 
 def response_template_tokenizer(template: str, eos_token: str | None = None):
-    from trl.chat_template_utils import add_response_schema
-
     from conftest import build_tiny_tokenizer
+    from trl.chat_template_utils import add_response_schema
 
     tokenizer = build_tiny_tokenizer()
     tokenizer.chat_template = template
@@ -268,11 +297,14 @@ def response_template_tokenizer(template: str, eos_token: str | None = None):
     return add_response_schema(tokenizer)  # TRL's response template for known chat templates
 
 
-@pytest.mark.parametrize("template_name, eos_token, call_text", [
-    # Llama 3's JSON call, which the Hermes parser cannot read.
-    ("llama3_2_chat_template", "<|eot_id|>", '{"name": "add", "parameters": {"a": "2", "b": 3}}'),
-    ("qwen3_chat_template", None, '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": 3}}\n</tool_call>'),
-])
+@pytest.mark.parametrize(
+    "template_name, eos_token, call_text",
+    [
+        # Llama 3's JSON call, which the Hermes parser cannot read.
+        ("llama3_2_chat_template", "<|eot_id|>", '{"name": "add", "parameters": {"a": "2", "b": 3}}'),
+        ("qwen3_chat_template", None, '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": 3}}\n</tool_call>'),
+    ],
+)
 def test_a_tokenizers_response_template_reads_the_tool_calls(template_name, eos_token, call_text):
     """With a response template (TRL's add_response_schema), tool calls are read by it from the turn's token ids
     after the conversation so far, and the arguments are typed by the tool's schema ("2" -> 2), as in TRL."""
@@ -293,8 +325,10 @@ def test_a_tokenizers_response_template_reads_the_tool_calls(template_name, eos_
     assert batch.tool_calls.tolist() == [1] and batch.tool_failures.tolist() == [0]
     assert batch.ends == ["terminated"]
     # A user's tool_call_parser still wins over the template.
-    assert tool_episode_factory(None, Calculator, parse_hermes_tool_calls, tokenizer=tok)().parser is \
-        parse_hermes_tool_calls
+    assert (
+        tool_episode_factory(None, Calculator, parse_hermes_tool_calls, tokenizer=tok)().parser
+        is parse_hermes_tool_calls
+    )
 
 
 def test_a_turn_the_response_template_cannot_parse_is_plain_text():
@@ -305,7 +339,8 @@ def test_a_turn_the_response_template_cannot_parse_is_plain_text():
     parser = ResponseTemplateParser(response_template_tokenizer(qwen3_chat_template))
     assert parser("The answer is 5.") == []
     assert parser('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>') == [
-        {"name": "add", "arguments": {"a": 1, "b": 2}}]  # plain text (no token ids): tokenized
+        {"name": "add", "arguments": {"a": 1, "b": 2}}
+    ]  # plain text (no token ids): tokenized
     assert parser('<tool_call>\n{"name": "add", "arguments": {"a": 1,\n</tool_call>') == []  # TRL: plain text
 
 
@@ -322,8 +357,9 @@ def test_the_calculator_warm_up_shows_what_the_episodes_render(tiny_tokenizer):
     observation, _ = environment.reset(options=row)
     assert transcript["prompt"][0]["content"] == row["prompt"][0]["content"] + observation
     call, result, answer = transcript["completion"]
-    assert parse_hermes_tool_calls(call["content"]) == [{"name": "multiply", "arguments": {"a": row["a"],
-                                                                                           "b": row["b"]}}]
+    assert parse_hermes_tool_calls(call["content"]) == [
+        {"name": "multiply", "arguments": {"a": row["a"], "b": row["b"]}}
+    ]
     messages, *_ = asyncio_run(environment.step(call["content"]))
     encoder = ObservationEncoder(tiny_tokenizer, True, [tiny_tokenizer.eos_token_id])
     assert encoder(messages) == encoder([result])  # the tool result as the episode shows it

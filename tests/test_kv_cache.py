@@ -37,6 +37,11 @@ def test_forward_and_generate_fill_the_cache_without_deprecation_warnings(tiny_m
         warnings.simplefilter("error", FutureWarning)
         tiny_model(input_ids=ids, **cache_kwargs(tiny_model, cache), use_cache=True)
         assert cache.get_seq_length() == 4
-        out = tiny_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=3, **cache_kwargs(tiny_model, DynamicCache(config=tiny_model.config)))
+        out = tiny_model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=3,
+            **cache_kwargs(tiny_model, DynamicCache(config=tiny_model.config)),
+        )
     assert out.shape[1] > ids.shape[1]

@@ -14,7 +14,9 @@ from gspo_trl.cli import main
 @pytest.mark.slow
 def test_demo_reward_rises_on_the_real_model(tmp_path):
     out = tmp_path / "demo"
-    code = main(["train", "--output_dir", str(out), "--max_steps", "12", "--dataset_size", "64", "--disable_tqdm", "true"])
+    code = main(
+        ["train", "--output_dir", str(out), "--max_steps", "12", "--dataset_size", "64", "--disable_tqdm", "true"]
+    )
     assert code == 0
     summary = json.loads((out / "metrics.json").read_text())["summary"]
     # The demo's schedule: 3 rollouts of 4 optimizer steps; the summary compares the first and the last rollout.
@@ -31,9 +33,29 @@ def test_retry_environment_reward_rises_on_the_real_model(tmp_path):
     # the test compares the first rollout with the mean of the last two (SE of the difference ≈ 0.1); recorded
     # runs gained 0.29-0.46.
     out = tmp_path / "retry"
-    code = main(["train", "--env", "retry", "--output_dir", str(out), "--max_steps", "20", "--dataset_size", "64",
-                 "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_turns", "2",
-                 "--max_completion_length", "128", "--disable_tqdm", "true"])
+    code = main(
+        [
+            "train",
+            "--env",
+            "retry",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "20",
+            "--dataset_size",
+            "64",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_generations",
+            "4",
+            "--max_turns",
+            "2",
+            "--max_completion_length",
+            "128",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["summary"]["steps"] == 20 and metrics["summary"]["rollouts"] == 5
@@ -56,8 +78,21 @@ def test_calculator_tool_use_improves_on_the_real_model(tmp_path):
     # must rise too (by 0.25-0.58 in the four runs at this rate). Not asserted: the failed-call rate, a rate over a
     # rollout's few calls, which moved by less than 0.1 either way in 8 of 10 runs (2026-11-25) while rewards rose.
     out = tmp_path / "calculator"
-    code = main(["train", "--env", "calculator", "--output_dir", str(out), "--max_steps", "20",
-                 "--learning_rate", "2e-5", "--disable_tqdm", "true"])
+    code = main(
+        [
+            "train",
+            "--env",
+            "calculator",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "20",
+            "--learning_rate",
+            "2e-5",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     rollouts = [entry for entry in metrics["log_history"] if "reward" in entry]

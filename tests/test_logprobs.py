@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from torch.utils.checkpoint import checkpoint
 
 from gspo_trl import logprobs
@@ -111,7 +110,9 @@ def test_only_the_last_hidden_state_is_requested_with_or_without_grad(tiny_model
 
 def test_all_masked_batch_is_zero_and_differentiable(tiny_model):
     input_ids, attention_mask, completion_ids, completion_mask = batch(tiny_model.config.vocab_size)
-    logps, _, _ = completion_logprobs(tiny_model, input_ids, attention_mask, completion_ids, torch.zeros_like(completion_mask))
+    logps, _, _ = completion_logprobs(
+        tiny_model, input_ids, attention_mask, completion_ids, torch.zeros_like(completion_mask)
+    )
     assert (logps == 0).all()
     logps.sum().backward()  # no error: still connected to the graph
 
@@ -137,8 +138,15 @@ def test_architectures_that_scale_their_logits(tiny_tokenizer, model_type, scali
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(
-        model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=len(tiny_tokenizer), max_position_embeddings=128, **scaling,
+        model_type,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tiny_tokenizer),
+        max_position_embeddings=128,
+        **scaling,
     )
     model = AutoModelForCausalLM.from_config(config).eval()
     inputs = batch(config.vocab_size)

@@ -210,8 +210,14 @@ def test_garbage_in_padding_does_not_leak(level):
     clean = loss_and_grad(logps, old, adv_in, mask, ref_per_token_logps=ref, **kw)
     nan, inf = float("nan"), float("inf")
     dirty_adv = adv_in if level == "sequence" else adv_in.masked_fill(pad, nan)
-    dirty = loss_and_grad(logps.masked_fill(pad, nan), old.masked_fill(pad, -inf), dirty_adv, mask,
-                          ref_per_token_logps=ref.masked_fill(pad, inf), **kw)
+    dirty = loss_and_grad(
+        logps.masked_fill(pad, nan),
+        old.masked_fill(pad, -inf),
+        dirty_adv,
+        mask,
+        ref_per_token_logps=ref.masked_fill(pad, inf),
+        **kw,
+    )
     assert torch.isfinite(dirty[0]) and torch.isfinite(dirty[1]).all()
     torch.testing.assert_close(dirty[0], clean[0])
     torch.testing.assert_close(dirty[1], clean[1])
@@ -227,16 +233,18 @@ def test_huge_log_ratios_stay_finite(level):
     sign = torch.tensor([[1.0, -1.0, 1.0], [-1.0, -1.0, -1.0], [1.0, 1.0, 1.0], [-1.0, 1.0, 1.0]])
     old, ref = logps - 1e4 * sign, logps + 1e4 * sign
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
-    loss, grad, stats = loss_and_grad(logps, old, adv, torch.ones(B, T), importance_sampling_level=level,
-                                      beta=0.1, ref_per_token_logps=ref)
+    loss, grad, stats = loss_and_grad(
+        logps, old, adv, torch.ones(B, T), importance_sampling_level=level, beta=0.1, ref_per_token_logps=ref
+    )
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert all(torch.isfinite(v) for v in stats.values())
 
 
 def test_all_masked_batch_gives_zero_loss_with_grad_path():
     logps = torch.randn(2, 3, requires_grad=True)
-    loss, stats = policy_loss(logps, None, torch.ones(2), torch.zeros(2, 3), beta=0.1,
-                              ref_per_token_logps=torch.zeros(2, 3))
+    loss, stats = policy_loss(
+        logps, None, torch.ones(2), torch.zeros(2, 3), beta=0.1, ref_per_token_logps=torch.zeros(2, 3)
+    )
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert (logps.grad == 0).all()
@@ -254,22 +262,39 @@ def test_kl_k3_hand_computed():
     expected = beta * ((k3(0.5) + k3(-0.5)) / 2 + k3(1.0)) / 2  # 0.1 * (0.12763 + 0.71828) / 2
     for level in LEVELS:
         for correct in (True, False):
-            loss, stats = policy_loss(logps, None, torch.zeros(2, dtype=F64), mask, importance_sampling_level=level,
-                                      beta=beta, ref_per_token_logps=ref, use_bias_correction_kl=correct)
+            loss, stats = policy_loss(
+                logps,
+                None,
+                torch.zeros(2, dtype=F64),
+                mask,
+                importance_sampling_level=level,
+                beta=beta,
+                ref_per_token_logps=ref,
+                use_bias_correction_kl=correct,
+            )
             assert loss.item() == pytest.approx(expected, rel=1e-12)
             assert stats["kl_mean"].item() == pytest.approx((k3(0.5) + k3(-0.5) + k3(1.0)) / 3)
     # Gradient without correction: beta/(B |y_i|) * d k3/d logp = beta/(B |y_i|) * (1 - e^d).
-    _, g, _ = loss_and_grad(logps, None, torch.zeros(2, dtype=F64), mask, beta=beta, ref_per_token_logps=ref,
-                            use_bias_correction_kl=False)
+    _, g, _ = loss_and_grad(
+        logps, None, torch.zeros(2, dtype=F64), mask, beta=beta, ref_per_token_logps=ref, use_bias_correction_kl=False
+    )
     w = [[beta / 4, beta / 4], [beta / 2, 0.0]]
     d = [[0.5, -0.5], [1.0, 0.0]]
     expected_g = torch.tensor([[w[i][j] * (1 - math.exp(d[i][j])) for j in range(2)] for i in range(2)], dtype=F64)
     torch.testing.assert_close(g, expected_g)
     # Token level with correction: the ratio is not detached, d(r k3) = r dk3 + k3 dr, r = 1 -> extra + k3.
-    _, g, _ = loss_and_grad(logps, None, torch.zeros(2, dtype=F64), mask, importance_sampling_level="token",
-                            beta=beta, ref_per_token_logps=ref)
-    expected_g = torch.tensor([[w[i][j] * (1 - math.exp(d[i][j]) + k3(d[i][j])) for j in range(2)]
-                               for i in range(2)], dtype=F64)
+    _, g, _ = loss_and_grad(
+        logps,
+        None,
+        torch.zeros(2, dtype=F64),
+        mask,
+        importance_sampling_level="token",
+        beta=beta,
+        ref_per_token_logps=ref,
+    )
+    expected_g = torch.tensor(
+        [[w[i][j] * (1 - math.exp(d[i][j]) + k3(d[i][j])) for j in range(2)] for i in range(2)], dtype=F64
+    )
     torch.testing.assert_close(g, expected_g)
 
 
@@ -290,8 +315,9 @@ def test_kl_without_bias_correction_ignores_old_logps(level):
 def test_token_level_matches_grpo_reference():
     logps, old, adv, mask = random_batch(seed=11, scale=0.2)
     eps, eps_high = 0.1, 0.15
-    loss, grad, stats = loss_and_grad(logps, old, adv, mask, importance_sampling_level="token",
-                                      epsilon=eps, epsilon_high=eps_high)
+    loss, grad, stats = loss_and_grad(
+        logps, old, adv, mask, importance_sampling_level="token", epsilon=eps, epsilon_high=eps_high
+    )
     # Straightforward GRPO: per-token ratio, clip, pessimistic min, per-sequence mean, batch mean.
     ref_logps = logps.detach().clone().requires_grad_(True)
     rows = []
@@ -328,14 +354,19 @@ def test_token_level_matches_grpo_reference():
     ],
 )
 def test_invalid_inputs_raise_value_error_naming_the_argument(change, name):
-    kwargs = dict(per_token_logps=torch.zeros(2, 3), old_per_token_logps=None, advantages=torch.zeros(2),
-                  completion_mask=torch.ones(2, 3))
+    kwargs = dict(
+        per_token_logps=torch.zeros(2, 3),
+        old_per_token_logps=None,
+        advantages=torch.zeros(2),
+        completion_mask=torch.ones(2, 3),
+    )
     kwargs.update(change)
     with pytest.raises(ValueError, match=name):
         policy_loss(**kwargs)
 
 
 # --- turn level (multi-turn GSPO: Eq. 7 per assistant turn) ------------------------------------
+
 
 def test_turn_hand_computed():
     logps, old, mask = hand_inputs()
@@ -351,15 +382,17 @@ def test_turn_hand_computed():
     row1 = (-math.exp(-0.1) + 2 * math.exp(-0.3)) / 2
     assert loss.item() == pytest.approx(-(row0 + row1) / 2, rel=1e-12)
     # d/d logp_t = -(1/B)(1/|y_i|) A_k s_k for every token t of turn k: each token weighs 1/|y_i|, as in Eq. 7.
-    expected = torch.tensor([
-        [-math.exp(0.15) / 6, -math.exp(0.15) / 6, 1 / 6],
-        [math.exp(-0.1) / 4, -2 * math.exp(-0.3) / 4, 0.0],
-    ], dtype=F64)
+    expected = torch.tensor(
+        [
+            [-math.exp(0.15) / 6, -math.exp(0.15) / 6, 1 / 6],
+            [math.exp(-0.1) / 4, -2 * math.exp(-0.3) / 4, 0.0],
+        ],
+        dtype=F64,
+    )
     torch.testing.assert_close(logps.grad, expected)
     assert stats["clip_fraction"].item() == 0.0
     # Statistics are over tokens at the turn level.
-    assert stats["ratio_mean"].item() == pytest.approx(
-        (2 * math.exp(0.15) + 1 + math.exp(-0.1) + math.exp(-0.3)) / 5)
+    assert stats["ratio_mean"].item() == pytest.approx((2 * math.exp(0.15) + 1 + math.exp(-0.1) + math.exp(-0.3)) / 5)
     assert stats["ratio_max"].item() == pytest.approx(math.exp(0.15))
     assert stats["ratio_min"].item() == pytest.approx(math.exp(-0.3))
 
@@ -390,8 +423,9 @@ def test_turn_with_one_turn_equals_sequence(beta):
     l_seq, g_seq, s_seq = loss_and_grad(logps, old, adv, mask, importance_sampling_level="sequence", **kw)
     assert 0 < s_seq["clip_fraction"].item() < 1  # the comparison covers clipped and unclipped rows
     for turn_ids in (torch.zeros(logps.shape, dtype=torch.long), None):
-        l_turn, g_turn, _ = loss_and_grad(logps, old, adv, mask, importance_sampling_level="turn", turn_ids=turn_ids,
-                                          **kw)
+        l_turn, g_turn, _ = loss_and_grad(
+            logps, old, adv, mask, importance_sampling_level="turn", turn_ids=turn_ids, **kw
+        )
         torch.testing.assert_close(l_turn, l_seq, rtol=1e-13, atol=0)
         torch.testing.assert_close(g_turn, g_seq, rtol=1e-12, atol=1e-16)
 
@@ -403,8 +437,14 @@ def test_turn_equals_sequence_level_on_each_turn_as_its_own_row():
     B, T = 4, 9
     logps = -torch.rand(B, T, generator=g, dtype=F64) * 3
     old = logps + 5e-4 * torch.randn(B, T, generator=g, dtype=F64)
-    turn_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1, 1],
-                             [0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 2, 2, 2]])
+    turn_ids = torch.tensor(
+        [
+            [0, 0, 0, 1, 1, 2, 2, 2, 2],
+            [0, 1, 1, 1, 1, 1, 1, 1, 1],
+            [0, 0, 0, 0, 0, 0, 0, 0, 0],
+            [0, 0, 1, 1, 1, 1, 2, 2, 2],
+        ]
+    )
     mask = torch.ones(B, T, dtype=F64)
     mask[3, 4] = 0  # an environment token inside turn 1 of row 3: out of the ratio and the loss
     per_turn_adv = torch.randn(B, 3, generator=g, dtype=F64)
@@ -422,8 +462,9 @@ def test_turn_equals_sequence_level_on_each_turn_as_its_own_row():
         split_logps[r, : len(cols)], split_old[r, : len(cols)] = logps[i, cols], old[i, cols]
         split_mask[r, : len(cols)] = mask[i, cols]
     split_adv = torch.stack([per_turn_adv[i, k] for i, k in pieces])
-    split_loss, split_grad, _ = loss_and_grad(split_logps, split_old, split_adv, split_mask,
-                                              importance_sampling_level="sequence", **kw)
+    split_loss, split_grad, _ = loss_and_grad(
+        split_logps, split_old, split_adv, split_mask, importance_sampling_level="sequence", **kw
+    )
     # luspo averages row sums over rows: rescale to the same number of rows.
     torch.testing.assert_close(loss * B, split_loss * len(pieces))
     regathered = torch.zeros_like(grad)
@@ -435,8 +476,14 @@ def test_turn_equals_sequence_level_on_each_turn_as_its_own_row():
 
 def test_turn_ids_shape_is_checked():
     with pytest.raises(ValueError, match="turn_ids"):
-        policy_loss(torch.zeros(2, 3), None, torch.zeros(2), torch.ones(2, 3), importance_sampling_level="turn",
-                    turn_ids=torch.zeros(2, 4, dtype=torch.long))
+        policy_loss(
+            torch.zeros(2, 3),
+            None,
+            torch.zeros(2),
+            torch.ones(2, 3),
+            importance_sampling_level="turn",
+            turn_ids=torch.zeros(2, 4, dtype=torch.long),
+        )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo", "bnpo", "dr_grpo", "dapo", "cispo", "vespo"])
@@ -451,13 +498,31 @@ def test_row_slices_given_the_whole_batch_counts_add_up_to_its_loss_and_gradient
     ref = logps.detach() - 0.1
     entropy = torch.rand(5, 4, generator=generator).requires_grad_()
     advantages = torch.tensor([1.0, -0.5, 0.25, 0.0, -0.75])
-    options = dict(objective=Objective(loss_type=loss_type, importance_sampling_level=level, epsilon=0.02,
-                                       epsilon_high=0.02, beta=0.04, max_completion_length=4),
-                   token_normalizer=30.0, entropy_coef=0.01, entropy_normalizer=mask.sum())
+    options = dict(
+        objective=Objective(
+            loss_type=loss_type,
+            importance_sampling_level=level,
+            epsilon=0.02,
+            epsilon_high=0.02,
+            beta=0.04,
+            max_completion_length=4,
+        ),
+        token_normalizer=30.0,
+        entropy_coef=0.01,
+        entropy_normalizer=mask.sum(),
+    )
 
     def loss_of(rows, **whole):
-        return policy_loss(logps[rows], old[rows], advantages[rows], mask[rows], ref_per_token_logps=ref[rows],
-                           per_token_entropy=entropy[rows], **options, **whole)[0]
+        return policy_loss(
+            logps[rows],
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            ref_per_token_logps=ref[rows],
+            per_token_entropy=entropy[rows],
+            **options,
+            **whole,
+        )[0]
 
     everything = loss_of(torch.arange(5))
     slices = [torch.tensor([0, 3]), torch.tensor([4]), torch.tensor([1, 2])]

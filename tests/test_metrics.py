@@ -30,14 +30,21 @@ def test_completion_length_metrics():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     metrics = completion_length_metrics(mask, torch.tensor([False, True]))
     assert metrics == {
-        "completions/mean_length": 2.5, "completions/min_length": 2.0, "completions/max_length": 3.0,
+        "completions/mean_length": 2.5,
+        "completions/min_length": 2.0,
+        "completions/max_length": 3.0,
         "completions/clipped_ratio": 0.5,
     }
 
 
 def test_loss_metrics_renames_and_drops_kl_without_beta():
     stats = {"clip_fraction_low": 0.1, "clip_fraction": 0.3, "ratio_mean": 1.0, "kl_mean": 0.0}
-    assert loss_metrics(stats, 2.0, beta=0.0) == {"clip_ratio/low": 0.1, "clip_ratio/region": 0.3, "ratio/mean": 1.0, "entropy": 2.0}
+    assert loss_metrics(stats, 2.0, beta=0.0) == {
+        "clip_ratio/low": 0.1,
+        "clip_ratio/region": 0.3,
+        "ratio/mean": 1.0,
+        "entropy": 2.0,
+    }
     assert loss_metrics(stats, 2.0, beta=0.1)["kl"] == 0.0
 
 
@@ -57,8 +64,11 @@ def test_reduce_across_processes_weights_means_by_each_process_count():
     # holding all 4 tokens would log (3 * 1 + 1 * 5) / 4 = 2.0, not the unweighted 3.0. The sequence-level ratio mean
     # weighs the two sequences equally; a process with no valid token (count 0) adds nothing.
     masks = [torch.tensor([[1, 1, 1]]), torch.tensor([[1, 0, 0]]), torch.tensor([[0, 0, 0]])]
-    local = [{"kl": 1.0, "ratio/mean": 1.2, "aux_loss": 1.0}, {"kl": 5.0, "ratio/mean": 0.8, "aux_loss": 3.0},
-             {"kl": 0.0, "ratio/mean": 1.0, "aux_loss": 2.0}]
+    local = [
+        {"kl": 1.0, "ratio/mean": 1.2, "aux_loss": 1.0},
+        {"kl": 5.0, "ratio/mean": 0.8, "aux_loss": 3.0},
+        {"kl": 0.0, "ratio/mean": 1.0, "aux_loss": 2.0},
+    ]
     rows = []
 
     def gather_all(values):  # the first call records each process's row in turn; returns them all

@@ -64,14 +64,18 @@ def test_row_cap_splits_groups_repeats_the_prompt_and_pads_only_row_ends():
     prompt_mask = torch.ones_like(prompt_ids)
     completion_ids = torch.arange(10, 25).reshape(3, 5)
     completion_mask = torch.ones_like(completion_ids)
-    packed = pack_shared_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens=8, pad_token_id=PAD)
+    packed = pack_shared_prefix(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens=8, pad_token_id=PAD
+    )
     # Each unit is the prompt plus one 4-token completion input: 7 tokens, so one unit per row.
     assert packed.input_ids.shape == (3, 7)
     assert packed.num_padding_tokens == 0
     assert all(row[:3] == [1, 2, 3] for row in packed.input_ids.tolist())
 
     completion_mask[2, 2:] = 0  # the last completion's input is now one token: it joins a row with room
-    packed = pack_shared_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens=8, pad_token_id=PAD)
+    packed = pack_shared_prefix(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, max_row_tokens=8, pad_token_id=PAD
+    )
     assert packed.input_ids.tolist() == [[1, 2, 3, 10, 11, 12, 13, 20], [1, 2, 3, 15, 16, 17, 18, PAD]]
     assert packed.num_padding_tokens == 1
 
@@ -82,7 +86,9 @@ def test_rows_are_balanced_longest_completion_first():
     prompt_ids = torch.tensor([[1, 2]] * 4)
     completion_ids = torch.arange(10, 38).reshape(4, 7)
     completion_mask = torch.tensor([[1] * 7, [1] * 7, [1] * 3 + [0] * 4, [1] * 3 + [0] * 4])
-    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, max_row_tokens=10)
+    packed = pack_shared_prefix(
+        prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, max_row_tokens=10
+    )
     assert packed.input_ids.shape == (2, 10) and packed.num_padding_tokens == 0
 
 
@@ -93,15 +99,17 @@ def test_groups_that_fit_one_row_take_a_row_each_when_the_dense_attention_costs_
     prompt_ids = torch.tensor([[1, 2], [1, 2], [3, 4], [3, 4]])
     completion_ids = torch.arange(10, 26).reshape(4, 4)
     completion_mask = torch.ones_like(completion_ids)
-    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
-                                attention_pair_cost=0.1)
+    packed = pack_shared_prefix(
+        prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, attention_pair_cost=0.1
+    )
     assert packed.input_ids.tolist() == [[1, 2, 10, 11, 12, 14, 15, 16], [3, 4, 18, 19, 20, 22, 23, 24]]
     assert packed.num_padding_tokens == 0
     # The second prompt's completion inputs shrink to 1 token each: 12 positions as one row; every split pads a row
     # or repeats a prompt, so with attention free (c = 0) the single row wins.
     completion_mask[2:, 2:] = 0
-    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
-                                attention_pair_cost=0.0)
+    packed = pack_shared_prefix(
+        prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, attention_pair_cost=0.0
+    )
     assert packed.input_ids.shape == (1, 12) and packed.num_padding_tokens == 0
 
 
@@ -111,8 +119,9 @@ def test_a_completion_longer_than_the_row_cap_makes_room_in_every_row():
     prompt_ids = torch.tensor([[1, 2]] * 4)
     completion_ids = torch.arange(10, 62).reshape(4, 13)
     completion_mask = torch.tensor([[1] * 13] + [[1] * 3 + [0] * 10] * 3)
-    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
-                                max_row_tokens=6, pad_token_id=PAD)
+    packed = pack_shared_prefix(
+        prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, max_row_tokens=6, pad_token_id=PAD
+    )
     assert packed.input_ids.tolist() == [
         [1, 2] + list(range(10, 22)),
         [1, 2, 23, 24, 36, 37, 49, 50] + [PAD] * 6,
@@ -136,8 +145,9 @@ def test_rows_of_one_completion_need_no_mask_and_count_positions_through_their_p
     prompt_ids = torch.tensor([[1, 2, 3]] * 2)
     completion_ids = torch.arange(10, 20).reshape(2, 5)
     completion_mask = torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])
-    packed = pack_shared_prefix(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
-                                max_row_tokens=1, pad_token_id=PAD)
+    packed = pack_shared_prefix(
+        prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, max_row_tokens=1, pad_token_id=PAD
+    )
     assert packed.attention_mask is None and packed.float_attention_mask(torch.float32) is None
     assert packed.input_ids.tolist() == [[1, 2, 3, 10, 11, 12, 13], [1, 2, 3, 15, PAD, PAD, PAD]]
     assert packed.position_ids.tolist() == [list(range(7))] * 2  # one sequence per row, as the model reads it
@@ -201,15 +211,21 @@ def test_rows_of_one_completion_match_padded_rows_without_a_mask(tiny_model):
     input_ids, attention_mask, completion_ids, _ = group_batch(tiny_model.config.vocab_size, groups=2, group_size=2)
     completion_mask = torch.ones_like(completion_ids)
     completion_mask[1, -1] = 0
-    attention_mask[:, -completion_ids.shape[1]:] = 1
+    attention_mask[:, -completion_ids.shape[1] :] = 1
     inputs = (input_ids, attention_mask, completion_ids, completion_mask)
     prompt_length = input_ids.shape[1] - completion_ids.shape[1]
-    packed = pack_shared_prefix(input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids,
-                                completion_mask, max_row_tokens=1)
+    packed = pack_shared_prefix(
+        input_ids[:, :prompt_length],
+        attention_mask[:, :prompt_length],
+        completion_ids,
+        completion_mask,
+        max_row_tokens=1,
+    )
     assert packed.input_ids.shape[0] == 4 and packed.attention_mask is None
     padded_logps, padded_entropy, padded_grads = logps_and_grads(tiny_model, inputs, chunk_size=5)
-    packed_logps, packed_entropy, packed_grads = logps_and_grads(tiny_model, inputs, chunk_size=5, padding_free=True,
-                                                                 max_row_tokens=1)
+    packed_logps, packed_entropy, packed_grads = logps_and_grads(
+        tiny_model, inputs, chunk_size=5, padding_free=True, max_row_tokens=1
+    )
     torch.testing.assert_close(packed_logps, padded_logps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=1e-5)
     for name, grad in padded_grads.items():
@@ -228,12 +244,21 @@ def test_attention_holes_in_completions_fall_back_to_padded_rows(tiny_model):
 def test_packed_forward_processes_fewer_tokens(tiny_model):
     input_ids, attention_mask, completion_ids, completion_mask = group_batch(tiny_model.config.vocab_size)
     prompt_length = input_ids.shape[1] - completion_ids.shape[1]
-    packed = pack_shared_prefix(input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids, completion_mask)
+    packed = pack_shared_prefix(
+        input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids, completion_mask
+    )
     assert packed.num_positions < input_ids.numel() / 2
 
 
 def tiny_config(model_type, **overrides):
-    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    values = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
     values.update(overrides)
     return AutoConfig.for_model(model_type, **values)
 
@@ -278,12 +303,30 @@ def test_plan_forwards_cuts_the_long_completion_from_the_short_ones_by_hand():
     prompt_ids = torch.tensor([[1, 2]] * 4)
     completion_ids = torch.arange(10, 170).reshape(4, 40)
     completion_mask = torch.tensor([[1] * 40] + [[1] * 3 + [0] * 37] * 3)
-    forwards = plan_forwards(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
-                             max_row_tokens=6, attention_pair_cost=1 / 3000)
+    forwards = plan_forwards(
+        prompt_ids,
+        torch.ones_like(prompt_ids),
+        completion_ids,
+        completion_mask,
+        max_row_tokens=6,
+        attention_pair_cost=1 / 3000,
+    )
     assert [rows.tolist() for rows in forwards] == [[0], [1, 2, 3]]
     # The saving must reach min_saving (here 53.6 / 83.1 saves 36%).
-    assert len(plan_forwards(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
-                             max_row_tokens=6, attention_pair_cost=1 / 3000, min_saving=0.5)) == 1
+    assert (
+        len(
+            plan_forwards(
+                prompt_ids,
+                torch.ones_like(prompt_ids),
+                completion_ids,
+                completion_mask,
+                max_row_tokens=6,
+                attention_pair_cost=1 / 3000,
+                min_saving=0.5,
+            )
+        )
+        == 1
+    )
 
 
 def test_plan_forwards_keeps_one_forward_for_similar_lengths_and_never_an_unscored_side():
@@ -298,7 +341,8 @@ def test_plan_forwards_keeps_one_forward_for_similar_lengths_and_never_an_unscor
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_long_and_short_completions_in_two_forwards_match_padded_rows(tiny_model, attention):
     input_ids, attention_mask, completion_ids, completion_mask = group_batch(
-        tiny_model.config.vocab_size, groups=2, group_size=4, completion_length=48, seed=3)
+        tiny_model.config.vocab_size, groups=2, group_size=4, completion_length=48, seed=3
+    )
     attention_mask[0, -48:] = 1
     completion_mask[0] = 1  # one 48-token completion; the others end within 48 tokens at random
     short = torch.arange(48) < 4
@@ -308,8 +352,14 @@ def test_long_and_short_completions_in_two_forwards_match_padded_rows(tiny_model
         completion_ids[row] *= short
     inputs = (input_ids, attention_mask, completion_ids, completion_mask)
     prompt_length = input_ids.shape[1] - completion_ids.shape[1]
-    forwards = plan_forwards(input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids,
-                             completion_mask, max_row_tokens=16, attention_pair_cost=relative_attention_cost(tiny_model.config))
+    forwards = plan_forwards(
+        input_ids[:, :prompt_length],
+        attention_mask[:, :prompt_length],
+        completion_ids,
+        completion_mask,
+        max_row_tokens=16,
+        attention_pair_cost=relative_attention_cost(tiny_model.config),
+    )
     assert len(forwards) == 2 and forwards[0].tolist() == [0]
     calls = []
     hook = tiny_model.register_forward_hook(lambda module, args, output: calls.append(1))
@@ -317,8 +367,9 @@ def test_long_and_short_completions_in_two_forwards_match_padded_rows(tiny_model
     try:
         padded_logps, padded_entropy, padded_grads = logps_and_grads(tiny_model, inputs, chunk_size=5)
         padded_calls = len(calls)
-        packed_logps, packed_entropy, packed_grads = logps_and_grads(tiny_model, inputs, chunk_size=5,
-                                                                     padding_free=True, max_row_tokens=16)
+        packed_logps, packed_entropy, packed_grads = logps_and_grads(
+            tiny_model, inputs, chunk_size=5, padding_free=True, max_row_tokens=16
+        )
     finally:
         tiny_model.config._attn_implementation = "sdpa"
         hook.remove()
@@ -333,7 +384,8 @@ def test_long_and_short_completions_in_two_forwards_match_padded_rows(tiny_model
 def test_forwards_cut_from_one_micro_batch_share_the_kept_logits(tiny_model, monkeypatch):
     # The long and short forwards stay alive until one backward pass: their kept logits together stay within the budget.
     input_ids, attention_mask, completion_ids, completion_mask = group_batch(
-        tiny_model.config.vocab_size, groups=2, group_size=4, completion_length=48, seed=3)
+        tiny_model.config.vocab_size, groups=2, group_size=4, completion_length=48, seed=3
+    )
     attention_mask[0, -48:] = 1
     completion_mask[0] = 1
     short = torch.arange(48) < 4
@@ -350,8 +402,17 @@ def test_forwards_cut_from_one_micro_batch_share_the_kept_logits(tiny_model, mon
     monkeypatch.setattr(logprobs, "checkpoint", counting_checkpoint)
     budget_tokens = 20
     kept_mb = budget_tokens * 4 * tiny_model.config.vocab_size / 2**20
-    scores = completion_logprobs(tiny_model, input_ids, attention_mask, completion_ids, completion_mask, chunk_size=5,
-                                 padding_free=True, max_row_tokens=16, kept_logits_mb=kept_mb)
+    scores = completion_logprobs(
+        tiny_model,
+        input_ids,
+        attention_mask,
+        completion_ids,
+        completion_mask,
+        chunk_size=5,
+        padding_free=True,
+        max_row_tokens=16,
+        kept_logits_mb=kept_mb,
+    )
     scores.logps.sum().backward()
     kept = int(completion_mask.sum()) - sum(recomputed)
     assert 0 < kept <= budget_tokens

@@ -35,7 +35,9 @@ def test_a_negative_budget_is_refused(tmp_path):
 
 
 def test_padded_positions_count_the_prompt_columns_and_the_completion_to_its_last_trained_token():
-    attention_mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0]])  # prompt 3 + completion 3
+    attention_mask = torch.tensor(
+        [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0]]
+    )  # prompt 3 + completion 3
     completion_mask = torch.tensor([[1, 0, 0], [1, 1, 1], [0, 0, 0]])
     assert padded_positions(attention_mask, completion_mask).tolist() == [4, 6, 3]
 

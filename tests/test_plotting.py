@@ -38,8 +38,11 @@ def test_the_moving_average_is_drawn_once_it_spans_more_than_one_point():
     figure = reward_curve_figure(_history(steps, rewards), window=3)
     lines, legend = _drawn(figure)
     plt.close(figure)
-    assert [label for label, _, _ in lines] == legend == [
-        "mean reward per rollout (every 4 steps)", "moving average (3 rollouts)"]
+    assert (
+        [label for label, _, _ in lines]
+        == legend
+        == ["mean reward per rollout (every 4 steps)", "moving average (3 rollouts)"]
+    )
     _, x, y = lines[1]
     assert x == steps[2:]  # the average is placed at the last point it covers
     assert y == pytest.approx([sum(rewards[i - 2 : i + 1]) / 3 for i in range(2, 10)], rel=1e-12)

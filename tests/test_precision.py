@@ -8,11 +8,11 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
+from helpers import count_digits, small_config
 from transformers import AutoModelForCausalLM
 
 from gspo_trl import GSPOTrainer
 from gspo_trl.precision import Float32LMHead
-from helpers import count_digits, small_config
 
 
 def dataset(n=8):
@@ -57,7 +57,10 @@ RECIPES = {
 def test_gpu_recipes_train(tmp_path, tiny_model_dir, recipe):
     make_model, overrides, make_peft = RECIPES[recipe]
     trainer = GSPOTrainer(
-        make_model(tiny_model_dir), count_digits, args=config(tmp_path, **overrides), train_dataset=dataset(),
+        make_model(tiny_model_dir),
+        count_digits,
+        args=config(tmp_path, **overrides),
+        train_dataset=dataset(),
         peft_config=make_peft() if make_peft else None,
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -71,7 +74,9 @@ def test_unchanged_policy_ratio_is_exactly_one_in_bf16(tmp_path, tiny_model_dir)
     # π_old from the no-grad pass, π from the training forward: the same arithmetic, so bf16 rounding
     # cannot make the first step's ratio differ from 1. The second step's weights have moved.
     trainer = GSPOTrainer(
-        load(tiny_model_dir, torch.bfloat16), count_digits, train_dataset=dataset(),
+        load(tiny_model_dir, torch.bfloat16),
+        count_digits,
+        train_dataset=dataset(),
         args=config(tmp_path, always_compute_old_logprobs=True, learning_rate=5e-2),
     )
     trainer.train()
@@ -82,16 +87,21 @@ def test_unchanged_policy_ratio_is_exactly_one_in_bf16(tmp_path, tiny_model_dir)
 
 def test_fp16_weights_with_fp16_are_rejected_at_construction(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match=r"fp16=True .* trainable parameters are float16"):
-        GSPOTrainer(load(tiny_model_dir, torch.float16), count_digits, train_dataset=dataset(),
-                    args=config(tmp_path, bf16=False, fp16=True))
+        GSPOTrainer(
+            load(tiny_model_dir, torch.float16),
+            count_digits,
+            train_dataset=dataset(),
+            args=config(tmp_path, bf16=False, fp16=True),
+        )
 
 
 def test_cast_lm_head_to_fp32_keeps_a_tied_model_consistent(tmp_path, tiny_model_dir):
     model = load(tiny_model_dir, torch.bfloat16)
     model.config.tie_word_embeddings = True
     model.tie_weights()
-    trainer = GSPOTrainer(model, count_digits, train_dataset=dataset(),
-                          args=config(tmp_path, cast_lm_head_to_fp32=True, beta=0.04))
+    trainer = GSPOTrainer(
+        model, count_digits, train_dataset=dataset(), args=config(tmp_path, cast_lm_head_to_fp32=True, beta=0.04)
+    )
     head = trainer.model.get_output_embeddings()
     assert isinstance(head, Float32LMHead) and head.weight.dtype == torch.float32
     assert head.weight is trainer.model.get_input_embeddings().weight
@@ -134,14 +144,32 @@ def test_logprobs_match_trl_on_the_same_batch(tmp_path, tiny_model_dir, mode):
     from trl import GRPOConfig, GRPOTrainer
 
     dtype, overrides, use_lora = TRL_MODES[mode]
-    ours = GSPOTrainer(load(tiny_model_dir, dtype), count_digits, train_dataset=dataset(),
-                       args=config(tmp_path, **overrides), peft_config=lora() if use_lora else None)
+    ours = GSPOTrainer(
+        load(tiny_model_dir, dtype),
+        count_digits,
+        train_dataset=dataset(),
+        args=config(tmp_path, **overrides),
+        peft_config=lora() if use_lora else None,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trl_args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=4,
-                              max_completion_length=8, use_cpu=True, bf16=True, report_to="none", **overrides)
-        theirs = GRPOTrainer(load(tiny_model_dir, dtype), count_digits, args=trl_args, train_dataset=dataset(),
-                             peft_config=lora() if use_lora else None)
+        trl_args = GRPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            use_cpu=True,
+            bf16=True,
+            report_to="none",
+            **overrides,
+        )
+        theirs = GRPOTrainer(
+            load(tiny_model_dir, dtype),
+            count_digits,
+            args=trl_args,
+            train_dataset=dataset(),
+            peft_config=lora() if use_lora else None,
+        )
     if use_lora:  # the same non-trivial adapter weights on both sides (lora_B starts at zero)
         torch.manual_seed(1)
         for name, parameter in ours.model.named_parameters():
@@ -179,6 +207,7 @@ def test_an_fp32_head_under_fsdp2_mixed_precision_is_reported(caplog):
     with caplog.at_level("WARNING"):
         warn_if_fp32_head_is_cast_by_fsdp2(SimpleNamespace(cast_lm_head_to_fp32=False), accelerator("bf16"))
         warn_if_fp32_head_is_cast_by_fsdp2(SimpleNamespace(cast_lm_head_to_fp32=True), accelerator(None))
-        warn_if_fp32_head_is_cast_by_fsdp2(SimpleNamespace(cast_lm_head_to_fp32=True),
-                                           SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None)))
+        warn_if_fp32_head_is_cast_by_fsdp2(
+            SimpleNamespace(cast_lm_head_to_fp32=True), SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None))
+        )
     assert "cast_lm_head_to_fp32" not in caplog.text

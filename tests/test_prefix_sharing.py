@@ -18,7 +18,7 @@ def as_sets(groups):
 def test_groups_by_hand():
     rows = [
         [1, 2, 3, 4, 5, 6],  # 0: shares 1 2 3 4 with 2 and 4
-        [7, 8, 9],           # 1: shares nothing
+        [7, 8, 9],  # 1: shares nothing
         [1, 2, 3, 4, 9, 9],  # 2
         [1, 2, 3, 4, 5, 6],  # 3: equal to 0
         [1, 2, 3, 4, 5, 7],  # 4: shares 1..5 with 0 and 3
@@ -70,8 +70,13 @@ def assert_continues_each_row_as_a_plain_forward(model, rows, ids, mask, cache):
         assert ids[row][mask[row].bool()].tolist() == expected
     assert cache.get_seq_length() == ids.shape[1] - 1
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    logits = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
-                   **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+    logits = model(
+        input_ids=ids[:, -1:],
+        attention_mask=mask,
+        position_ids=positions[:, -1:],
+        **cache_kwargs(model, cache),
+        use_cache=True,
+    ).logits[:, -1]
     for row, tokens in enumerate(rows):
         plain = model(input_ids=torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(logits[row], plain, atol=1e-5, rtol=1e-5)
@@ -101,12 +106,20 @@ def test_rows_continue_from_the_states_the_decoding_loop_kept(tiny_model, tiny_t
     from tests.test_decoding import FavourEos
 
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
-    encoded = tiny_tokenizer(["What is 2 + 3?", "Hi", "Solve: 7 - 4, then add 2"], return_tensors="pt", padding=True,
-                             padding_side="left")
+    encoded = tiny_tokenizer(
+        ["What is 2 + 3?", "Hi", "Solve: 7 - 4, then add 2"], return_tensors="pt", padding=True, padding_side="left"
+    )
     torch.manual_seed(0)
-    decoded = sample(tiny_model, encoded.input_ids, encoded.attention_mask, max_new_tokens=30,
-                     eos_token_ids=[eos], pad_token_id=pad,
-                     processors=LogitsProcessorList([FavourEos(eos)] * 2), keep_states=True)
+    decoded = sample(
+        tiny_model,
+        encoded.input_ids,
+        encoded.attention_mask,
+        max_new_tokens=30,
+        eos_token_ids=[eos],
+        pad_token_id=pad,
+        processors=LogitsProcessorList([FavourEos(eos)] * 2),
+        keep_states=True,
+    )
     completions, states = decoded.completion_ids, decoded.states
     rows, kept = [], []
     for row, state in enumerate(states):
@@ -114,7 +127,10 @@ def test_rows_continue_from_the_states_the_decoding_loop_kept(tiny_model, tiny_t
         if eos not in completion:
             assert state is None  # no EOS, nothing to continue from
             continue
-        history = encoded.input_ids[row][encoded.attention_mask[row].bool()].tolist() + completion[:completion.index(eos) + 1]
+        history = (
+            encoded.input_ids[row][encoded.attention_mask[row].bool()].tolist()
+            + completion[: completion.index(eos) + 1]
+        )
         assert state.length == len(history) - 1  # the EOS was sampled, never run through the model
         rows.append(history + [11, 12, 13][: 1 + row])  # the environment's reply
         kept.append(state)

@@ -10,9 +10,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerState
-
 from conftest import build_tiny_tokenizer
+from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerState
 
 from gspo_trl.rewards import (
     RewardFunction,
@@ -25,6 +24,8 @@ from gspo_trl.rewards import (
 PROMPTS = ["a", "bb", "ccc", "dddd"]
 COMPLETIONS = ["x", "yy", "zzz", "w"]
 COMPLETION_IDS = [[1], [2, 2], [3, 3, 3], [4]]
+
+
 def score(funcs, columns=None, trainer_state=None, prompts=PROMPTS, completions=COMPLETIONS):
     return compute_rewards(load_reward_funcs(funcs), prompts, completions, COMPLETION_IDS, columns, trainer_state)
 
@@ -304,4 +305,3 @@ def test_reward_model_from_saved_path(tmp_path, tokenizer):
     rewards = compute_rewards(funcs, PROMPTS, COMPLETIONS, COMPLETION_IDS)
     texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
     assert rewards[:, 0].tolist() == pytest.approx(manual_scores(model, tokenizer, texts), abs=1e-5)
-

@@ -45,7 +45,10 @@ def test_generate_stops_at_eos(tmp_path, tiny_model, tiny_tokenizer):
     # generation_kwargs reach GenerationConfig: suppressing every other token makes each completion one EOS.
     others = [i for i in range(len(tiny_tokenizer)) if i != tiny_tokenizer.eos_token_id]
     args = GSPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=8, max_completion_length=5, use_cpu=True,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_completion_length=5,
+        use_cpu=True,
         generation_kwargs={"suppress_tokens": others},
     )
     rollout = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args).generate(["a", "b"])
@@ -63,23 +66,33 @@ def test_max_prompt_length_truncates_from_the_left(tmp_path, tiny_model, tiny_to
 
 def test_shared_prompt_prefill_samples_what_plain_generate_samples(tmp_path, tiny_model, tiny_tokenizer):
     args = GSPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=8, max_completion_length=6, use_cpu=True,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_completion_length=6,
+        use_cpu=True,
         generation_kwargs={"do_sample": False},  # greedy: both paths must give the same tokens
     )
     backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
     prompts = ["What is 1 + 1?"] * 3 + ["Hi"] * 3
     prompt_ids, prompt_mask = backend.tokenize_prompts(prompts)
-    expected = tiny_model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=backend.generation_config)
+    expected = tiny_model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=backend.generation_config
+    )
 
     batch_sizes = []
-    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda module, inputs, output: batch_sizes.append(output.shape[:2]))
+    hook = tiny_model.model.embed_tokens.register_forward_hook(
+        lambda module, inputs, output: batch_sizes.append(output.shape[:2])
+    )
     try:
         rollout = backend.generate(prompts)
     finally:
         hook.remove()
     assert batch_sizes[0] == (2, prompt_ids.shape[1] - 1)  # the prefill ran once per distinct prompt
     assert all(shape == (6, 1) for shape in batch_sizes[1:])  # then one token per row per step
-    assert torch.equal(rollout.completion_ids[rollout.completion_mask.bool()], expected[:, prompt_ids.shape[1] :][rollout.completion_mask.bool()])
+    assert torch.equal(
+        rollout.completion_ids[rollout.completion_mask.bool()],
+        expected[:, prompt_ids.shape[1] :][rollout.completion_mask.bool()],
+    )
 
 
 def test_prefill_is_skipped_when_no_prompt_repeats(tiny_model, tiny_tokenizer):
@@ -90,8 +103,15 @@ def test_prefill_is_skipped_when_no_prompt_repeats(tiny_model, tiny_tokenizer):
 def test_keyed_streams_sample_the_same_completion_in_any_batch(tmp_path, tiny_model, tiny_tokenizer):
     from gspo_trl.rollout import stream_keys
 
-    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8, use_cpu=True,
-                      temperature=0.9, top_p=0.95)
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        temperature=0.9,
+        top_p=0.95,
+    )
     backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
     keys = stream_keys(0, 7, 0, torch.arange(4))
     together = backend.generate(["What is 1 + 1?", "What is 1 + 1?", "Hi", "Hi"], keys)
@@ -121,8 +141,9 @@ def test_keyed_gumbel_sampler_draws_from_the_warped_distribution():
 
 
 @pytest.mark.parametrize("decode_loop", ["gspo", "generate"])
-def test_decode_max_rows_decodes_in_slices_that_sample_the_same_completions(tmp_path, tiny_model, tiny_tokenizer,
-                                                                             decode_loop):
+def test_decode_max_rows_decodes_in_slices_that_sample_the_same_completions(
+    tmp_path, tiny_model, tiny_tokenizer, decode_loop
+):
     # A rollout decoded a few rows at a time (each slice's KV cache gone before the next) samples, with per-row
     # streams, the completions, masks and truncation flags of all rows decoded together.
     from transformers import LogitsProcessorList
@@ -131,12 +152,21 @@ def test_decode_max_rows_decodes_in_slices_that_sample_the_same_completions(tmp_
     from tests.test_decoding import FavourEos
 
     def backend_with(max_rows):
-        args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=2,
-                          max_completion_length=16, use_cpu=True, temperature=0.9, decode_loop=decode_loop,
-                          decode_max_rows=max_rows)
+        args = GSPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=8,
+            num_generations=2,
+            max_completion_length=16,
+            use_cpu=True,
+            temperature=0.9,
+            decode_loop=decode_loop,
+            decode_max_rows=max_rows,
+        )
         backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
         if decode_loop == "gspo":  # rows end at different steps, so slices end at different widths
-            backend.processors = LogitsProcessorList([FavourEos(tiny_tokenizer.eos_token_id)] * 2 + list(backend.processors))
+            backend.processors = LogitsProcessorList(
+                [FavourEos(tiny_tokenizer.eos_token_id)] * 2 + list(backend.processors)
+            )
         return backend
 
     prompts = ["What is 1 + 1?"] * 3 + ["Hi"] * 3 + ["one two three"] * 2
@@ -156,15 +186,21 @@ def test_decode_max_rows_decodes_in_slices_that_sample_the_same_completions(tmp_
         assert len(set(lengths.tolist())) > 2 and not whole.is_truncated.all()
 
 
-def test_on_a_gpu_the_rows_that_fit_the_free_memory_are_decoded_together(tmp_path, tiny_model, tiny_tokenizer,
-                                                                          monkeypatch, caplog):
+def test_on_a_gpu_the_rows_that_fit_the_free_memory_are_decoded_together(
+    tmp_path, tiny_model, tiny_tokenizer, monkeypatch, caplog
+):
     # decode_max_rows=None: the KV cache of all rows is measured against the device's free memory (only CUDA has
     # a figure; faked here at the one query). Rows × (prompt + completion) positions × 2·layers·KV heads·head dim.
     from gspo_trl import decode_memory
     from gspo_trl.rollout import stream_keys
 
-    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=2,
-                      max_completion_length=10, use_cpu=True)
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=10,
+        use_cpu=True,
+    )
     backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
     prompts = ["What is 1 + 1?"] * 4 + ["Hi"] * 4
     keys = stream_keys(0, 4, torch.arange(len(prompts)))
@@ -195,14 +231,16 @@ def test_on_a_gpu_the_rows_that_fit_the_free_memory_are_decoded_together(tmp_pat
 
 
 def test_decoded_logprobs_are_pi_old_only_in_full_precision(tiny_model):
-    # decode_logprobs_as_old unset: on for float32 sampling; off under bf16/fp16 autocast, TF32 or low-precision weights.
+    # decode_logprobs_as_old unset: on for float32 sampling; off under bf16/fp16 autocast, TF32 or low-precision
+    # weights.
     from types import SimpleNamespace
 
     from gspo_trl.rollout import records_decode_logprobs
 
     def args(**overrides):
-        return SimpleNamespace(**{"decode_logprobs_as_old": None, "bf16": False, "fp16": False, "tf32": None,
-                                  **overrides})
+        return SimpleNamespace(
+            **{"decode_logprobs_as_old": None, "bf16": False, "fp16": False, "tf32": None, **overrides}
+        )
 
     assert records_decode_logprobs(args(), tiny_model)
     for overrides in (dict(bf16=True), dict(fp16=True), dict(tf32=True), dict(decode_logprobs_as_old=False)):

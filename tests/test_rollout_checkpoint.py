@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers import close, count_digits, length_reward, small_config, text_dataset
 from transformers import TrainerCallback
 
 from gspo_trl import GSPOTrainer
@@ -17,7 +18,6 @@ from gspo_trl.rollout_checkpoint import (
     rollout_file,
     save_rollout_state,
 )
-from helpers import close, count_digits, length_reward, small_config, text_dataset
 
 STEPS = 5
 SCHEDULE = dict(gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2)  # a rollout = 3 steps
@@ -36,12 +36,20 @@ class StopAt(TrainerCallback):
 
 def run(output_dir, tiny_model_dir, resume=None, stop_at=None, **overrides):
     config = small_config(
-        output_dir, per_device_train_batch_size=2, num_generations=2, max_completion_length=6, max_steps=STEPS,
-        learning_rate=5e-3, epsilon=0.2, epsilon_high=0.2, **{**SCHEDULE, **overrides},
+        output_dir,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=STEPS,
+        learning_rate=5e-3,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        **{**SCHEDULE, **overrides},
     )
     callbacks = [StopAt(stop_at)] if stop_at else None
-    trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=config, train_dataset=text_dataset(6),
-                          callbacks=callbacks)
+    trainer = GSPOTrainer(
+        tiny_model_dir, [count_digits, length_reward], args=config, train_dataset=text_dataset(6), callbacks=callbacks
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 

@@ -9,15 +9,18 @@ import itertools
 import pytest
 import torch
 from datasets import Dataset
+from helpers import close, count_digits, length_reward, small_config, text_dataset, worker_env
 
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
-from helpers import close, count_digits, length_reward, small_config, text_dataset, worker_env
 
 
 def needs(spg, mu, ga, offset=0, first_use=0):
     return micro_batches_needing_old_logprobs(
-        steps_per_generation=spg, num_iterations=mu, gradient_accumulation_steps=ga, window_offset=offset,
+        steps_per_generation=spg,
+        num_iterations=mu,
+        gradient_accumulation_steps=ga,
+        window_offset=offset,
         first_use=first_use,
     )
 
@@ -66,9 +69,7 @@ def test_rule_matches_simulated_optimizer_steps(ga, spg, mu, rollouts_per_epoch)
     uses = spg * mu
     for start in range(0, len(timeline), uses):
         epoch_position, sampled_at = timeline[start]
-        expected = [
-            any(timeline[start + j * spg + i][1] != sampled_at for j in range(mu)) for i in range(spg)
-        ]
+        expected = [any(timeline[start + j * spg + i][1] != sampled_at for j in range(mu)) for i in range(spg)]
         assert needs(spg, mu, ga, offset=epoch_position % ga) == expected, (start, expected)
 
 
@@ -95,8 +96,16 @@ def test_resume_position_and_rule_match_simulation(ga, spg, mu, rollouts_per_epo
 
 def train(tmp_path, tiny_model_dir, name, max_steps, resume=None, **overrides):
     # π_old from the forward pass (decode_logprobs_as_old=False): the schedule of that pass is what is tested.
-    values = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=6, max_steps=max_steps,
-                  learning_rate=5e-3, epsilon=0.2, epsilon_high=0.2, decode_logprobs_as_old=False)
+    values = dict(
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=max_steps,
+        learning_rate=5e-3,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        decode_logprobs_as_old=False,
+    )
     config = small_config(tmp_path / name, **{**values, **overrides})
     trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=config, train_dataset=text_dataset(6))
     trainer.train(resume_from_checkpoint=resume)
@@ -107,7 +116,10 @@ STAT_NAMES = ("loss", "ratio/mean", "ratio/min", "ratio/max", "clip_ratio/region
 
 
 def compare_runs(shortcut, reference):
-    logs = [[{k: e[k] for k in STAT_NAMES if k in e} for e in t.state.log_history if "loss" in e] for t in (shortcut, reference)]
+    logs = [
+        [{k: e[k] for k in STAT_NAMES if k in e} for e in t.state.log_history if "loss" in e]
+        for t in (shortcut, reference)
+    ]
     assert len(logs[0]) == len(logs[1]) > 0
     for step, (a, b) in enumerate(zip(*logs)):
         assert a.keys() == b.keys()
@@ -118,10 +130,23 @@ def compare_runs(shortcut, reference):
 
 
 SCHEDULES = [  # (gradient_accumulation_steps, steps_per_generation, num_iterations, batch, group size)
-    (1, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2), (2, 2, 1, 2, 2), (2, 4, 1, 2, 2), (2, 3, 1, 2, 2),
-    (3, 2, 1, 2, 2), (2, 1, 2, 2, 2), (2, 2, 2, 2, 2), (2, 3, 2, 2, 2), (3, 4, 1, 2, 2), (4, 2, 2, 2, 2),
+    (1, 1, 1, 2, 2),
+    (1, 2, 1, 2, 2),
+    (1, 1, 2, 2, 2),
+    (2, 2, 1, 2, 2),
+    (2, 4, 1, 2, 2),
+    (2, 3, 1, 2, 2),
+    (3, 2, 1, 2, 2),
+    (2, 1, 2, 2, 2),
+    (2, 2, 2, 2, 2),
+    (2, 3, 2, 2, 2),
+    (3, 4, 1, 2, 2),
+    (4, 2, 2, 2, 2),
     # other batch geometries: two groups per micro-batch; a group split over two micro-batches
-    (2, 3, 1, 4, 2), (3, 2, 2, 4, 2), (2, 2, 1, 2, 4), (2, 4, 1, 2, 4),
+    (2, 3, 1, 4, 2),
+    (3, 2, 2, 4, 2),
+    (2, 2, 1, 2, 4),
+    (2, 4, 1, 2, 4),
 ]
 
 
@@ -129,8 +154,13 @@ SCHEDULES = [  # (gradient_accumulation_steps, steps_per_generation, num_iterati
 def test_shortcut_equals_always_computing_old_logprobs(tmp_path, tiny_model_dir, ga, spg, mu, batch, group):
     # 6 prompts: rollouts of spg × batch / group prompts, so some schedules end an epoch on a short window.
     steps = 4
-    common = dict(gradient_accumulation_steps=ga, steps_per_generation=spg, num_iterations=mu,
-                  per_device_train_batch_size=batch, num_generations=group)
+    common = dict(
+        gradient_accumulation_steps=ga,
+        steps_per_generation=spg,
+        num_iterations=mu,
+        per_device_train_batch_size=batch,
+        num_generations=group,
+    )
     shortcut = train(tmp_path, tiny_model_dir, "shortcut", steps, **common)
     reference = train(tmp_path, tiny_model_dir, "reference", steps, always_compute_old_logprobs=True, **common)
     compare_runs(shortcut, reference)
@@ -146,7 +176,9 @@ def test_ratio_moves_once_the_weights_do(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("resume_step", [1, 2, 3])
 def test_resume_mid_rollout_matches_the_reference_mode(tmp_path, tiny_model_dir, resume_step):
-    common = dict(gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2, save_strategy="steps", save_steps=1)
+    common = dict(
+        gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2, save_strategy="steps", save_steps=1
+    )
     first = train(tmp_path, tiny_model_dir, "first", resume_step, **common)
     checkpoint = str(tmp_path / "first" / f"checkpoint-{resume_step}")
     resumed = [
@@ -159,9 +191,18 @@ def test_resume_mid_rollout_matches_the_reference_mode(tmp_path, tiny_model_dir,
 
 def test_trainer_refuses_to_train_a_stale_micro_batch_without_old_logprobs(tmp_path, tiny_model_dir):
     trainer = GSPOTrainer(
-        tiny_model_dir, count_digits, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}),
-        args=GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, use_cpu=True,
-                        steps_per_generation=1, max_completion_length=4, report_to="none"),
+        tiny_model_dir,
+        count_digits,
+        train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}),
+        args=GSPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            num_generations=2,
+            use_cpu=True,
+            steps_per_generation=1,
+            max_completion_length=4,
+            report_to="none",
+        ),
     )
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": "a"}, {"prompt": "a"}], "train")
@@ -172,7 +213,9 @@ def test_trainer_refuses_to_train_a_stale_micro_batch_without_old_logprobs(tmp_p
 
 def test_epoch_structure_assumed_by_the_rule(tmp_path, tiny_model_dir):
     # An epoch ends where a rollout ends: the dataloader holds whole rollouts' uses.
-    trainer = train(tmp_path, tiny_model_dir, "epochs", 1, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2)
+    trainer = train(
+        tmp_path, tiny_model_dir, "epochs", 1, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2
+    )
     assert trainer._micro_steps_per_epoch == 6 // 3 * 3 * 2  # 2 rollouts of 3 prompts, 6 uses each
 
 
@@ -185,8 +228,17 @@ def test_shortcut_equals_reference_on_two_processes(tmp_path, tiny_model_dir):
 
     result = tmp_path / "result.json"
     worker = Path(__file__).with_name("schedule_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-               tiny_model_dir, str(result)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        tiny_model_dir,
+        str(result),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=worker_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
     runs = json.loads(result.read_text())

@@ -38,8 +38,11 @@ def test_single_turn_rows_get_group_advantages_of_the_weighted_sum():
 
 def test_episodes_put_the_environment_return_first_and_add_the_functions_to_the_last_turn():
     rollout = SimpleNamespace(turn_ids=torch.tensor([[0, 0, -1, 1], [0, -1, 1, 1]]))
-    episodes = SimpleNamespace(turn_rewards=torch.tensor([[0.0, 1.0], [1.0, 0.0]]),
-                               reached=torch.tensor([[True, True], [True, True]]), rollout=rollout)
+    episodes = SimpleNamespace(
+        turn_rewards=torch.tensor([[0.0, 1.0], [1.0, 0.0]]),
+        reached=torch.tensor([[True, True], [True, True]]),
+        rollout=rollout,
+    )
     functions = torch.tensor([[2.0], [0.0]])  # one reward function, scored on the whole episode
     trajectory = score_rollout(functions, torch.ones(1), args(), OneProcess, episodes)
     torch.testing.assert_close(trajectory.rewards_per_func, torch.tensor([[1.0, 2.0], [1.0, 0.0]]))

@@ -24,13 +24,15 @@ def encode(tokenizer, prompts=PROMPTS):
 
 @pytest.mark.parametrize("window_block, check_every", [(4, 2), (256, 8), (3, 1)])
 def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
-        tiny_model, tiny_tokenizer, window_block, check_every):
+    tiny_model, tiny_tokenizer, window_block, check_every
+):
     # Windows of 4 and 3 positions grow every few steps; checks every 1 or 2 steps compact the batch.
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
     ids, mask = encode(tiny_tokenizer)
     keys = stream_keys(3, torch.arange(len(PROMPTS)))
-    processors = LogitsProcessorList([FavourEos(eos), *decoding.logits_processors(
-        GenerationConfig(do_sample=True, **SETTINGS))])
+    processors = LogitsProcessorList(
+        [FavourEos(eos), *decoding.logits_processors(GenerationConfig(do_sample=True, **SETTINGS))]
+    )
 
     def uniforms(rows, t):
         return keyed_uniform(keys[rows], t, 1).squeeze(1)
@@ -39,20 +41,39 @@ def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
     hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_sizes.append(o.shape[0]))
     try:
         static = static_decoding.sample(
-            tiny_model, ids, mask, max_new_tokens=12, eos_token_ids=[eos], pad_token_id=pad, processors=processors,
-            cache=prefill(tiny_model, ids, mask), uniforms=uniforms, graphs=False,
-            window_block=window_block, check_every=check_every).completion_ids
+            tiny_model,
+            ids,
+            mask,
+            max_new_tokens=12,
+            eos_token_ids=[eos],
+            pad_token_id=pad,
+            processors=processors,
+            cache=prefill(tiny_model, ids, mask),
+            uniforms=uniforms,
+            graphs=False,
+            window_block=window_block,
+            check_every=check_every,
+        ).completion_ids
     finally:
         hook.remove()
-    dynamic = decoding.sample(tiny_model, ids, mask, max_new_tokens=12, eos_token_ids=[eos], pad_token_id=pad,
-                              processors=processors, uniforms=uniforms).completion_ids
+    dynamic = decoding.sample(
+        tiny_model,
+        ids,
+        mask,
+        max_new_tokens=12,
+        eos_token_ids=[eos],
+        pad_token_id=pad,
+        processors=processors,
+        uniforms=uniforms,
+    ).completion_ids
     assert torch.equal(static, dynamic)
     lengths = []
     for row, prompt in enumerate(PROMPTS):
-        expected = reference_decode(tiny_model, torch.tensor(tiny_tokenizer(prompt).input_ids), processors,
-                                    keys[row], 12, eos)
+        expected = reference_decode(
+            tiny_model, torch.tensor(tiny_tokenizer(prompt).input_ids), processors, keys[row], 12, eos
+        )
         assert static[row, : len(expected)].tolist() == expected, row
-        assert (static[row, len(expected):] == pad).all()
+        assert (static[row, len(expected) :] == pad).all()
         lengths.append(len(expected))
     assert static.shape[1] == max(lengths) and len(set(lengths)) > 2
     # The batch shrank once at most half the rows were live, at a check: never before a row had finished.
@@ -69,12 +90,24 @@ def test_static_loop_runs_under_bf16_weights_and_autocast(tiny_model_dir, tiny_t
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
     ids, mask = encode(tiny_tokenizer)
     keys = stream_keys(5, torch.arange(len(PROMPTS)))
-    kwargs = dict(max_new_tokens=8, eos_token_ids=[eos], pad_token_id=pad,
-                  processors=LogitsProcessorList([FavourEos(eos)]),
-                  uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+    kwargs = dict(
+        max_new_tokens=8,
+        eos_token_ids=[eos],
+        pad_token_id=pad,
+        processors=LogitsProcessorList([FavourEos(eos)]),
+        uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        static = static_decoding.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask),
-                                        graphs=False, window_block=4, check_every=1, **kwargs).completion_ids
+        static = static_decoding.sample(
+            model,
+            ids,
+            mask,
+            cache=prefill_shared_prompts(model, ids, mask),
+            graphs=False,
+            window_block=4,
+            check_every=1,
+            **kwargs,
+        ).completion_ids
         dynamic = decoding.sample(model, ids, mask, **kwargs).completion_ids
     assert static.shape == dynamic.shape
     # bf16 sums over windows of different sizes may round differently: nearly every token agrees.
@@ -87,8 +120,15 @@ def test_unsupported_reason_names_what_the_static_loop_needs(tiny_model, tiny_to
     assert static_decoding.unsupported_reason(tiny_model, cache) is None
     short_ids, short_mask = encode(tiny_tokenizer, ["Hi there", "x"])  # a row of one token: nothing to prefill
     with pytest.raises(ValueError, match="at least two tokens"):
-        static_decoding.sample(tiny_model, short_ids, short_mask, max_new_tokens=2, eos_token_ids=[0],
-                               pad_token_id=0, processors=LogitsProcessorList())
+        static_decoding.sample(
+            tiny_model,
+            short_ids,
+            short_mask,
+            max_new_tokens=2,
+            eos_token_ids=[0],
+            pad_token_id=0,
+            processors=LogitsProcessorList(),
+        )
     assert "no prefilled prompt cache" in static_decoding.unsupported_reason(tiny_model, None)
     assert "full attention" in static_decoding.unsupported_reason(tiny_model, DynamicCache(config=tiny_model.config))
     tiny_model.config._attn_implementation = "flex_attention"
@@ -106,17 +146,25 @@ def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenize
     prompt = torch.randint(5, 200, (30,)).tolist()
     rows = [prompt + [7, 8, 9], prompt + [12], prompt + [14, 15, 16, 17, 18], prompt + [22, 23]]
     keys = stream_keys(11, torch.arange(len(rows)))
-    processors = LogitsProcessorList([FavourEos(eos), *decoding.logits_processors(
-        GenerationConfig(do_sample=True, **SETTINGS))])
+    processors = LogitsProcessorList(
+        [FavourEos(eos), *decoding.logits_processors(GenerationConfig(do_sample=True, **SETTINGS))]
+    )
     history, _ = left_pad(rows, pad)
     seen = []
     processors.append(lambda input_ids, scores: seen.append(input_ids.clone()) or scores)
-    kwargs = dict(max_new_tokens=10, eos_token_ids=[eos], pad_token_id=pad, processors=processors, history=history,
-                  uniforms=lambda r, t: keyed_uniform(keys[r], t, 1).squeeze(1))
+    kwargs = dict(
+        max_new_tokens=10,
+        eos_token_ids=[eos],
+        pad_token_id=pad,
+        processors=processors,
+        history=history,
+        uniforms=lambda r, t: keyed_uniform(keys[r], t, 1).squeeze(1),
+    )
     ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
     assert not bool(mask.cumprod(1).eq(mask).all())  # there are gaps after the first token of some row
-    static = static_decoding.sample(tiny_model, ids, mask, cache=cache, graphs=False, window_block=4,
-                                    check_every=100, **kwargs).completion_ids
+    static = static_decoding.sample(
+        tiny_model, ids, mask, cache=cache, graphs=False, window_block=4, check_every=100, **kwargs
+    ).completion_ids
     assert torch.equal(seen[0], history)  # the processors see the left-padded rows, not the gapped layout
     assert torch.equal(seen[static.shape[1]], torch.cat([history, static], dim=1))
     seen.clear()
@@ -135,13 +183,20 @@ def test_static_loop_keeps_the_states_the_dynamic_loop_keeps(tiny_model, tiny_to
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
     ids, mask = encode(tiny_tokenizer)
     keys = stream_keys(13, torch.arange(len(PROMPTS)))
-    kwargs = dict(max_new_tokens=6, eos_token_ids=[eos], pad_token_id=pad,
-                  processors=LogitsProcessorList([FavourEos(eos)]),
-                  uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1), keep_states=True)
-    static_result = static_decoding.sample(tiny_model, ids, mask, graphs=False, window_block=4,
-                                           check_every=check_every, **kwargs)
-    dynamic_result = decoding.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask),
-                                     **kwargs)
+    kwargs = dict(
+        max_new_tokens=6,
+        eos_token_ids=[eos],
+        pad_token_id=pad,
+        processors=LogitsProcessorList([FavourEos(eos)]),
+        uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+        keep_states=True,
+    )
+    static_result = static_decoding.sample(
+        tiny_model, ids, mask, graphs=False, window_block=4, check_every=check_every, **kwargs
+    )
+    dynamic_result = decoding.sample(
+        tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask), **kwargs
+    )
     static, static_states = static_result.completion_ids, static_result.states
     dynamic, dynamic_states = dynamic_result.completion_ids, dynamic_result.states
     assert torch.equal(static, dynamic)
@@ -166,10 +221,18 @@ def test_static_loop_records_the_logps_the_dynamic_loop_records(tiny_model, tiny
     keys = stream_keys(17, torch.arange(len(PROMPTS)))
     ends, processors = [eos], LogitsProcessorList([FavourEos(eos)])
     if settings == "temperature alone":
-        ends, processors = [eos] + list(range(3, tiny_model.config.vocab_size, 20)), LogitsProcessorList(
-            [TemperatureLogitsWarper(0.8)])
-    kwargs = dict(max_new_tokens=10, eos_token_ids=ends, pad_token_id=pad, processors=processors, logp_temperature=0.8,
-                  uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1))
+        ends, processors = (
+            [eos] + list(range(3, tiny_model.config.vocab_size, 20)),
+            LogitsProcessorList([TemperatureLogitsWarper(0.8)]),
+        )
+    kwargs = dict(
+        max_new_tokens=10,
+        eos_token_ids=ends,
+        pad_token_id=pad,
+        processors=processors,
+        logp_temperature=0.8,
+        uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+    )
     static = static_decoding.sample(tiny_model, ids, mask, graphs=False, window_block=4, check_every=3, **kwargs)
     dynamic = decoding.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask), **kwargs)
     assert torch.equal(static.completion_ids, dynamic.completion_ids)

@@ -9,14 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from helpers import count_digits, length_reward, small_config, text_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from helpers import count_digits, length_reward, small_config, text_dataset
 
 
 def chat_dataset(n=8):
     return Dataset.from_dict(
-        {"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)], "answer": [str(i + 3) for i in range(n)]}
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)],
+            "answer": [str(i + 3) for i in range(n)],
+        }
     )
 
 
@@ -55,10 +58,25 @@ def test_train_changes_weights_and_logs_metrics(tmp_path, tiny_model_dir):
     logs = train_logs(trainer)
     assert len(logs) == 2
     expected = {
-        "reward", "reward_std", "frac_reward_zero_std", "rewards/count_digits/mean", "rewards/count_digits/std",
-        "rewards/length_reward/mean", "completions/mean_length", "completions/min_length", "completions/max_length",
-        "completions/clipped_ratio", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "ratio/mean",
-        "ratio/min", "ratio/max", "entropy", "num_tokens", "loss",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "rewards/count_digits/mean",
+        "rewards/count_digits/std",
+        "rewards/length_reward/mean",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "clip_ratio/low",
+        "clip_ratio/high",
+        "clip_ratio/region",
+        "ratio/mean",
+        "ratio/min",
+        "ratio/max",
+        "entropy",
+        "num_tokens",
+        "loss",
     }
     assert expected <= set(logs[0]), expected - set(logs[0])
     assert "kl" not in logs[0]  # beta = 0: no reference model, no KL
@@ -143,7 +161,9 @@ def test_kl_with_frozen_reference_copy(tmp_path, tiny_model_dir):
 def test_kl_with_lora_uses_the_disabled_adapter_as_reference(tmp_path, tiny_model_dir):
     from peft import LoraConfig
 
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False)
+    peft_config = LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False
+    )
     config = make_config(tmp_path, beta=0.1, max_steps=1)
     trainer = GSPOTrainer(
         tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config
@@ -166,7 +186,9 @@ def test_checkpoint_and_resume(tmp_path, tiny_model_dir):
     resumed = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     rollouts = []
     generate = resumed.rollout_backend.generate
-    resumed.rollout_backend.generate = lambda prompts, *rest: rollouts.append(resumed.state.global_step) or generate(prompts, *rest)
+    resumed.rollout_backend.generate = lambda prompts, *rest: (
+        rollouts.append(resumed.state.global_step) or generate(prompts, *rest)
+    )
     resumed.train(resume_from_checkpoint=checkpoint)
     assert resumed.state.global_step == 6
     # The interrupted rollout continues from the checkpoint for steps 3-4 (it is not sampled again), and
@@ -177,17 +199,29 @@ def test_checkpoint_and_resume(tmp_path, tiny_model_dir):
 
 
 def test_model_card_names_gspo_rewards_and_settings(tmp_path, tiny_model_dir):
-    trainer = GSPOTrainer(tiny_model_dir, [count_digits, length_reward], args=make_config(tmp_path), train_dataset=text_dataset())
+    trainer = GSPOTrainer(
+        tiny_model_dir, [count_digits, length_reward], args=make_config(tmp_path), train_dataset=text_dataset()
+    )
     trainer.create_model_card(model_name="my-gspo-model")
     card = open(os.path.join(trainer.args.output_dir, "README.md")).read()
-    for text in ("my-gspo-model", "GSPO", "2507.18071", "count_digits", "length_reward", "`epsilon` | `0.0003`",
-                 "`importance_sampling_level` | `sequence`", "library_name: transformers"):
+    for text in (
+        "my-gspo-model",
+        "GSPO",
+        "2507.18071",
+        "count_digits",
+        "length_reward",
+        "`epsilon` | `0.0003`",
+        "`importance_sampling_level` | `sequence`",
+        "library_name: transformers",
+    ):
         assert text in card, text
 
 
 def test_evaluate_reports_eval_reward(tmp_path, tiny_model_dir):
     config = make_config(tmp_path, per_device_eval_batch_size=4)
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), eval_dataset=text_dataset(2))
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), eval_dataset=text_dataset(2)
+    )
     metrics = trainer.evaluate()
     assert "eval_reward" in metrics and "eval_loss" in metrics
 
@@ -239,7 +273,9 @@ def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp
 
     config = make_config(tmp_path, activation_checkpointing=True, steps_per_generation=1)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config)
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config
+    )
     model = trainer.accelerator.unwrap_model(trainer.model)
     embed = model.get_base_model().model.embed_tokens
     rollouts, original_sample = [], decoding.sample
@@ -269,14 +305,21 @@ def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp
 def test_old_logprob_pass_only_for_micro_batches_trained_after_an_update(tmp_path, tiny_model_dir):
     # GA=2, steps_per_generation=8: micro-batches 0-1 form the first optimizer step (sampling weights),
     # micro-batches 2-7 come after updates and need π_old from a pass made before any update.
-    config = make_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
-                         decode_logprobs_as_old=False)
+    config = make_config(
+        tmp_path,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        decode_logprobs_as_old=False,
+    )
     assert config.steps_per_generation == 8
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     scored, seen_old = [], []
     original_score, original_loss = trainer._score_without_grad, trainer.compute_loss
     trainer._score_without_grad = lambda model, inputs: scored.append(model.training) or original_score(model, inputs)
-    trainer.compute_loss = lambda model, inputs, **kw: seen_old.append(inputs["old_per_token_logps"] is not None) or original_loss(model, inputs, **kw)
+    trainer.compute_loss = lambda model, inputs, **kw: (
+        seen_old.append(inputs["old_per_token_logps"] is not None) or original_loss(model, inputs, **kw)
+    )
     trainer.train()
     assert len(scored) == 6
     assert seen_old == [False, False] + [True] * 6
@@ -320,13 +363,17 @@ def test_decoded_logprobs_equal_the_old_logprob_pass(tmp_path, tiny_model_dir):
     assert log_ratio.abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("overrides", [dict(bf16=True), dict(decode_logprobs_as_old=False),
-                                       dict(decode_loop="generate")], ids=["bf16", "off", "generate"])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(bf16=True), dict(decode_logprobs_as_old=False), dict(decode_loop="generate")],
+    ids=["bf16", "off", "generate"],
+)
 def test_old_logprob_pass_where_the_decoded_logprobs_are_not_pi_old(tmp_path, tiny_model_dir, overrides):
     # bf16 (decoding and training kernels round differently), switched off, or sampled by generate: no recorded
     # log-probs, so π_old comes from the trainer's forward pass.
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path, **overrides),
-                          train_dataset=text_dataset())
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=make_config(tmp_path, **overrides), train_dataset=text_dataset()
+    )
     assert trainer.rollout_backend.logp_temperature is None
     batch = trainer._generate_and_score([{"prompt": "What is 1 + 1?"}] * 4, "train")
     assert batch["decoding_per_token_logps"] is None
@@ -385,8 +432,9 @@ def test_activation_checkpointing_keeps_the_loss_and_gradient(tmp_path, tiny_mod
     # Long completions train with activation checkpointing (each layer recomputed in the backward pass): on the
     # packed layout (position ids and block mask through the checkpointed layers) and on padded rows, in fp32 and
     # under bf16 autocast, the same loss and gradient as keeping every activation.
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path, bf16=bf16),
-                          train_dataset=text_dataset())
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=make_config(tmp_path, bf16=bf16), train_dataset=text_dataset()
+    )
     model = trainer.accelerator.unwrap_model(trainer.model)
     model.activation_checkpointing_enable()  # what Trainer.train does for activation_checkpointing=True
     trainer.padding_free = padding_free
@@ -422,8 +470,13 @@ def test_activation_checkpointing_keeps_the_loss_and_gradient(tmp_path, tiny_mod
 def test_activation_checkpointing_keeps_attention_outputs_by_default(tmp_path, tiny_model_dir, keep):
     # Trainer.train enables checkpointing with the user's kwargs; GSPOTrainer enables it again with the policy that
     # keeps SDPA's output, on every checkpointed layer, unless asked not to.
-    config = make_config(tmp_path, activation_checkpointing=True, activation_checkpointing_keep_attention=keep,
-                         activation_checkpointing_kwargs={"use_reentrant": False}, max_steps=1)
+    config = make_config(
+        tmp_path,
+        activation_checkpointing=True,
+        activation_checkpointing_keep_attention=keep,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        max_steps=1,
+    )
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.train()
     layers = trainer.accelerator.unwrap_model(trainer.model).model.layers
@@ -438,7 +491,9 @@ def test_micro_batches_hold_whole_groups():
 
     rows = torch.arange(16)
     batch = {"input_ids": rows.unsqueeze(1), "old_per_token_logps": None}
-    micro_batches = split_into_micro_batches(batch, num_slices=4, group_size=4, generator=torch.Generator().manual_seed(0))
+    micro_batches = split_into_micro_batches(
+        batch, num_slices=4, group_size=4, generator=torch.Generator().manual_seed(0)
+    )
     groups = [sorted((mb["input_ids"].flatten() // 4).tolist()) for mb in micro_batches]
     assert all(len(set(g)) == 1 for g in groups) and sorted(g[0] for g in groups) == [0, 1, 2, 3]
     assert sorted(torch.cat([mb["input_ids"].flatten() for mb in micro_batches]).tolist()) == rows.tolist()
@@ -463,29 +518,36 @@ def ended_apart(batch, lengths):
     keep = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()  # (B, C)
     batch["completion_mask"] = batch["completion_mask"] * keep
     prompt_width = batch["attention_mask"].shape[1] - width
-    batch["attention_mask"] = torch.cat([batch["attention_mask"][:, :prompt_width],
-                                         batch["attention_mask"][:, prompt_width:] * keep], dim=1)
+    batch["attention_mask"] = torch.cat(
+        [batch["attention_mask"][:, :prompt_width], batch["attention_mask"][:, prompt_width:] * keep], dim=1
+    )
     return batch
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "vespo"])
-@pytest.mark.parametrize("padding_free, bf16, lora", [(True, False, False), (False, False, False),
-                                                     (False, True, False), (False, False, True)],
-                         ids=["packed", "padded", "padded bf16 autocast", "padded LoRA"])
-def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(tmp_path, tiny_model_dir, loss_type,
-                                                                       padding_free, bf16, lora):
+@pytest.mark.parametrize(
+    "padding_free, bf16, lora",
+    [(True, False, False), (False, False, False), (False, True, False), (False, False, True)],
+    ids=["packed", "padded", "padded bf16 autocast", "padded LoRA"],
+)
+def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(
+    tmp_path, tiny_model_dir, loss_type, padding_free, bf16, lora
+):
     # A micro-batch of 8 rows of different lengths, trained in one pass and in passes of at most 40 positions (rows
     # of similar length together, each pass cut to its longest completion): the same loss, gradient and logged
     # metrics, for each way the loss averages (sequence mean, token mean, constant, the step's tokens, VESPO's
     # sequence weights), with an entropy bonus and a KL term (LoRA: to the disabled adapter).
     from peft import LoraConfig
 
-    config = make_config(tmp_path, loss_type=loss_type, bf16=bf16, beta=0.04, entropy_coef=0.01,
-                         max_tokens_per_pass=0)
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM",
-                             init_lora_weights=False) if lora else None
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(),
-                          peft_config=peft_config)
+    config = make_config(tmp_path, loss_type=loss_type, bf16=bf16, beta=0.04, entropy_coef=0.01, max_tokens_per_pass=0)
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False)
+        if lora
+        else None
+    )
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config
+    )
     assert trainer.max_tokens_per_pass is None  # 0: one pass per micro-batch
     trainer.padding_free = padding_free
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop
@@ -497,8 +559,9 @@ def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(tmp_path
     batch["num_items_in_batch"] = batch["completion_mask"].sum() * 2  # this micro-batch is half of the rollout
     trainer._metrics.pop_averages("train")  # the rollout's
     calls = []
-    hook = trainer.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
-                                                   with_kwargs=True)
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
 
     def step(budget):
         trainer.max_tokens_per_pass = budget
@@ -516,14 +579,21 @@ def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(tmp_path
         hook.remove()
     assert len(calls) >= 3
     if not padding_free:  # padded rows: each pass within the budget, the shortest rows without the longest's padding
-        assert all(rows * width <= 40 for rows, width in calls) and min(width for _, width in calls) < batch["input_ids"].shape[1]
+        assert (
+            all(rows * width <= 40 for rows, width in calls)
+            and min(width for _, width in calls) < batch["input_ids"].shape[1]
+        )
     if bf16:
         # Each pass's weight gradient comes out of a bf16 matmul rounded on its own, so the two differ by bf16
         # rounding (0.45% of the norm seen). Both are held against the same step in fp32: the passes' gradient
         # is as close to it as one pass's.
         torch.testing.assert_close(parts_loss, whole_loss, atol=1e-5, rtol=1e-3)
-        fp32 = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path, loss_type=loss_type, beta=0.04,
-                           entropy_coef=0.01, max_tokens_per_pass=0), train_dataset=text_dataset())
+        fp32 = GSPOTrainer(
+            tiny_model_dir,
+            count_digits,
+            args=make_config(tmp_path, loss_type=loss_type, beta=0.04, entropy_coef=0.01, max_tokens_per_pass=0),
+            train_dataset=text_dataset(),
+        )
         fp32.current_gradient_accumulation_steps = 1
         fp32.training_step(fp32.model, batch)
         for parts, whole, exact in zip(parts_grads, whole_grads, [p.grad for p in fp32.model.parameters()]):

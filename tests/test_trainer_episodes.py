@@ -8,14 +8,18 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from helpers import small_config
 
 from gspo_trl import GSPOTrainer
-from helpers import small_config
 
 
 def chat_rows(n=8):
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)],
-                              "answer": [str(i + 3) for i in range(n)]})
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)],
+            "answer": [str(i + 3) for i in range(n)],
+        }
+    )
 
 
 class DigitsEnv:
@@ -35,15 +39,23 @@ class DigitsEnv:
 
 
 def config(tmp_path, **overrides):
-    values = dict(max_completion_length=48, max_turns=3,
-                  generation_kwargs={"sequence_bias": [[[2], 4.0]]})  # id 2 = <|im_end|>: turns end sometimes
+    values = dict(
+        max_completion_length=48, max_turns=3, generation_kwargs={"sequence_bias": [[[2], 4.0]]}
+    )  # id 2 = <|im_end|>: turns end sometimes
     values.update(overrides)
     return small_config(tmp_path / "out", **values)
 
 
-@pytest.mark.parametrize("level, granularity", [
-    ("sequence", "trajectory"), ("turn", "turn"), ("turn", "trajectory"), ("sequence_token", "turn"), ("token", "turn"),
-])
+@pytest.mark.parametrize(
+    "level, granularity",
+    [
+        ("sequence", "trajectory"),
+        ("turn", "turn"),
+        ("turn", "trajectory"),
+        ("sequence_token", "turn"),
+        ("token", "turn"),
+    ],
+)
 def test_episodes_train_at_every_level(tmp_path, tiny_model_dir, tiny_tokenizer, level, granularity):
     assert tiny_tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
     args = config(tmp_path, importance_sampling_level=level, advantage_granularity=granularity)
@@ -55,8 +67,9 @@ def test_episodes_train_at_every_level(tmp_path, tiny_model_dir, tiny_tokenizer,
     first = logs[0]
     assert first["episodes/turns/mean"] > 1  # some episodes went past their first turn
     assert 0 < first["episodes/env_token_fraction"] < 1
-    assert sum(first[f"episodes/ended_by/{r}"] for r in ("terminated", "env_truncated", "max_turns", "length",
-                                                           "budget")) == pytest.approx(1.0)
+    assert sum(
+        first[f"episodes/ended_by/{r}"] for r in ("terminated", "env_truncated", "max_turns", "length", "budget")
+    ) == pytest.approx(1.0)
     assert "rewards/env/mean" in first and "episodes/reward_turn_0/mean" in first
     assert any(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
 
@@ -98,8 +111,13 @@ def test_reward_functions_get_the_conversation_and_the_environments(tmp_path, ti
         seen["completions"], seen["environments"] = completions, environments
         return [float(sum(c.isdigit() for c in completion[-1]["content"])) for completion in completions]
 
-    trainer = GSPOTrainer(tiny_model_dir, [final_digits], args=config(tmp_path, max_steps=1), train_dataset=chat_rows(),
-                          env_factory=DigitsEnv)
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        [final_digits],
+        args=config(tmp_path, max_steps=1),
+        train_dataset=chat_rows(),
+        env_factory=DigitsEnv,
+    )
     trainer.train()
     assert all(isinstance(env, DigitsEnv) for env in seen["environments"])
     assert all(c[0]["role"] == "assistant" for c in seen["completions"])
@@ -115,7 +133,9 @@ def test_rows_without_prompt_start_from_the_reset_observation(tmp_path, tiny_mod
             return f"Count to {options['n']}.", {}
 
     data = Dataset.from_dict({"n": list(range(8))})
-    trainer = GSPOTrainer(tiny_model_dir, None, args=config(tmp_path, max_steps=1), train_dataset=data, env_factory=Asks)
+    trainer = GSPOTrainer(
+        tiny_model_dir, None, args=config(tmp_path, max_steps=1), train_dataset=data, env_factory=Asks
+    )
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"])
 
@@ -129,10 +149,24 @@ def test_episodes_with_the_gpu_recipe_bf16_lora_and_kl(tmp_path, tiny_model_dir)
     # What users run: bf16 autocast (on CPU here), a LoRA adapter and the KL term to the disabled-adapter reference.
     from peft import LoraConfig
 
-    args = config(tmp_path, importance_sampling_level="turn", advantage_granularity="turn", bf16=True, beta=0.04,
-                  steps_per_generation=2, gradient_accumulation_steps=1, max_steps=2)
-    trainer = GSPOTrainer(tiny_model_dir, None, args=args, train_dataset=chat_rows(), env_factory=DigitsEnv,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    args = config(
+        tmp_path,
+        importance_sampling_level="turn",
+        advantage_granularity="turn",
+        bf16=True,
+        beta=0.04,
+        steps_per_generation=2,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+    )
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        None,
+        args=args,
+        train_dataset=chat_rows(),
+        env_factory=DigitsEnv,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(math.isfinite(entry["loss"]) for entry in logs)

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from helpers import count_digits, small_config
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from helpers import count_digits, small_config
 
 
 def ok_reward(completions, **kwargs):
@@ -39,8 +39,15 @@ def dataset():
 
 def config(tmp_path, **kwargs):
     values = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        max_steps=2, learning_rate=1e-2, report_to="none", save_strategy="no", use_cpu=True,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=1e-2,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
     )
     values.update(kwargs)
     return GSPOConfig(**values)
@@ -74,12 +81,16 @@ def test_args_must_be_gspo_config(tmp_path, tiny_model_dir):
     from transformers import TrainingArguments
 
     with pytest.raises(TypeError, match="GSPOConfig"):
-        GSPOTrainer(tiny_model_dir, ok_reward, args=TrainingArguments(output_dir=str(tmp_path)), train_dataset=dataset())
+        GSPOTrainer(
+            tiny_model_dir, ok_reward, args=TrainingArguments(output_dir=str(tmp_path)), train_dataset=dataset()
+        )
 
 
 def test_reward_weights_length(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="reward_weights"):
-        GSPOTrainer(tiny_model_dir, ok_reward, args=config(tmp_path, reward_weights=[1.0, 2.0]), train_dataset=dataset())
+        GSPOTrainer(
+            tiny_model_dir, ok_reward, args=config(tmp_path, reward_weights=[1.0, 2.0]), train_dataset=dataset()
+        )
 
 
 def test_bad_reward_func_type(tmp_path, tiny_model_dir):
@@ -94,14 +105,24 @@ def test_bad_model_type(tmp_path):
 
 def test_model_init_kwargs_with_instantiated_model(tmp_path, tiny_model):
     with pytest.raises(ValueError, match="model_init_kwargs"):
-        GSPOTrainer(tiny_model, ok_reward, args=config(tmp_path, model_init_kwargs={"dtype": "float32"}),
-                    train_dataset=dataset())
+        GSPOTrainer(
+            tiny_model,
+            ok_reward,
+            args=config(tmp_path, model_init_kwargs={"dtype": "float32"}),
+            train_dataset=dataset(),
+        )
 
 
 def test_too_few_prompts_for_one_rollout_is_a_clear_error(tmp_path, tiny_model_dir):
     # 2 prompts, a rollout of 4 × 2 / 2 = 4 prompts: the sampler would yield nothing and Trainer stop at step 0.
-    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                      steps_per_generation=2, use_cpu=True, report_to="none")
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        steps_per_generation=2,
+        use_cpu=True,
+        report_to="none",
+    )
     with pytest.raises(ValueError, match=r"train_dataset has 2 prompts, but one rollout takes 4: .* 1 processes"):
         GSPOTrainer(tiny_model_dir, ok_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}))
 
@@ -110,8 +131,12 @@ def test_training_passes_with_a_whole_micro_batch_quantile_are_refused_by_name(t
     # The entropy quantile spans the whole micro-batch: a budget set by hand is refused, the default keeps one pass.
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + 1?" for i in range(8)]})
     with pytest.raises(ValueError, match="max_tokens_per_pass=64 cannot train a micro-batch in several passes"):
-        GSPOTrainer(tiny_model_dir, count_digits, train_dataset=dataset,
-                    args=small_config(tmp_path, top_entropy_quantile=0.2, max_tokens_per_pass=64))
+        GSPOTrainer(
+            tiny_model_dir,
+            count_digits,
+            train_dataset=dataset,
+            args=small_config(tmp_path, top_entropy_quantile=0.2, max_tokens_per_pass=64),
+        )
     from gspo_trl.passes import pass_budget
 
     assert pass_budget(small_config(tmp_path, top_entropy_quantile=0.2), "cuda", router_aux_loss=False) is None

@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import count_digits, small_config, text_dataset
 
 from gspo_trl import GSPOTrainer
 from gspo_trl.loss import policy_loss
-from helpers import count_digits, small_config, text_dataset
 
 # TRL-style option sets: each must build a TRL GRPOConfig and a GSPOConfig alike, then train.
 TRL_OPTIONS = {
@@ -28,10 +28,16 @@ TRL_OPTIONS = {
     "top entropy + bonus": dict(top_entropy_quantile=0.2, entropy_coef=0.01),
     "adaptive entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=100.0),
 }
-OBJECTIVE_METRIC = {"sapo": "sapo/gate_weight", "sapo token": "sapo/gate_weight", "cispo": "cispo_clip_ratio",
-                    "vespo": "vespo/phi_seq_mean", "dapo": "clip_ratio/region", "off-policy mask":
-                    "off_policy/masked_fraction", "top entropy + bonus": "entropy_coef",
-                    "adaptive entropy": "entropy_coef"}
+OBJECTIVE_METRIC = {
+    "sapo": "sapo/gate_weight",
+    "sapo token": "sapo/gate_weight",
+    "cispo": "cispo_clip_ratio",
+    "vespo": "vespo/phi_seq_mean",
+    "dapo": "clip_ratio/region",
+    "off-policy mask": "off_policy/masked_fraction",
+    "top entropy + bonus": "entropy_coef",
+    "adaptive entropy": "entropy_coef",
+}
 
 
 def train_logs(trainer):
@@ -45,8 +51,14 @@ def test_trl_options_build_a_trl_config_and_train_here(tmp_path, tiny_model_dir,
     options = TRL_OPTIONS[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", num_generations=4,
-                   per_device_train_batch_size=4, **options)  # the same options are valid TRL
+        GRPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            use_cpu=True,
+            report_to="none",
+            num_generations=4,
+            per_device_train_batch_size=4,
+            **options,
+        )  # the same options are valid TRL
     config = small_config(tmp_path / "out", max_steps=4, learning_rate=5e-3, **options)  # 4 steps off one rollout
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -61,8 +73,14 @@ def test_trl_options_build_a_trl_config_and_train_here(tmp_path, tiny_model_dir,
 def test_token_mean_losses_average_over_the_whole_optimizer_step(tmp_path, tiny_model_dir):
     # Two micro-batches make one optimizer step. DAPO's step loss, as Trainer accumulates it (each micro-batch's
     # loss / 2), must be the token mean over both micro-batches together, not the mean of two token means.
-    config = small_config(tmp_path, loss_type="dapo", gradient_accumulation_steps=2, steps_per_generation=2,
-                          per_device_train_batch_size=4, max_completion_length=16)
+    config = small_config(
+        tmp_path,
+        loss_type="dapo",
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        per_device_train_batch_size=4,
+        max_completion_length=16,
+    )
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.model.train()
     batch = [{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)]
@@ -76,26 +94,43 @@ def test_token_mean_losses_average_over_the_whole_optimizer_step(tmp_path, tiny_
             break
     assert first["completion_mask"].sum() != second["completion_mask"].sum()  # unequal token counts matter
     accumulated = sum(trainer.compute_loss(trainer.model, mb).detach() / 2 for mb in (first, second))
-    both = {key: torch.cat([first[key], second[key]]) for key in ("input_ids", "attention_mask", "completion_ids",
-                                                                    "completion_mask", "advantages")}
+    both = {
+        key: torch.cat([first[key], second[key]])
+        for key in ("input_ids", "attention_mask", "completion_ids", "completion_mask", "advantages")
+    }
     logps = trainer._score_without_grad(trainer.model, both)
-    token_mean, _ = policy_loss(logps, None, both["advantages"], both["completion_mask"], loss_type="bnpo",
-                                importance_sampling_level="token")
+    token_mean, _ = policy_loss(
+        logps, None, both["advantages"], both["completion_mask"], loss_type="bnpo", importance_sampling_level="token"
+    )
     torch.testing.assert_close(accumulated, token_mean, atol=1e-6, rtol=1e-5)
 
 
 def test_adaptive_entropy_coefficient_moves_each_step_and_survives_resume(tmp_path, tiny_model_dir):
-    options = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.02, entropy_target=100.0,
-                   save_strategy="steps", save_steps=2)
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
-                          args=small_config(tmp_path / "out", max_steps=2, **options))
+    options = dict(
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_coef_delta=0.02,
+        entropy_target=100.0,
+        save_strategy="steps",
+        save_steps=2,
+    )
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        count_digits,
+        train_dataset=text_dataset(),
+        args=small_config(tmp_path / "out", max_steps=2, **options),
+    )
     trainer.train()
     coefficients = [entry["entropy_coef"] for entry in train_logs(trainer)]
     # Step 1 applies nothing (no entropy measured yet); entropy (a few nats) < target: +0.02 per step after it.
     assert coefficients[0] == 0.0
     assert trainer.entropy_coefficient.coefficient == pytest.approx(0.01 + 2 * 0.02)
-    resumed = GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
-                          args=small_config(tmp_path / "out", max_steps=3, **options))
+    resumed = GSPOTrainer(
+        tiny_model_dir,
+        count_digits,
+        train_dataset=text_dataset(),
+        args=small_config(tmp_path / "out", max_steps=3, **options),
+    )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.entropy_coefficient.coefficient == pytest.approx(0.01 + 3 * 0.02)
     assert train_logs(resumed)[-1]["entropy_coef"] == pytest.approx(0.01 + 2 * 0.02)
@@ -104,8 +139,12 @@ def test_adaptive_entropy_coefficient_moves_each_step_and_survives_resume(tmp_pa
 def test_entropy_bonus_changes_the_gradient(tmp_path, tiny_model_dir):
     grads = []
     for coef in (0.0, 1.0):
-        trainer = GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
-                              args=small_config(tmp_path / str(coef), entropy_coef=coef, steps_per_generation=1))
+        trainer = GSPOTrainer(
+            tiny_model_dir,
+            count_digits,
+            train_dataset=text_dataset(),
+            args=small_config(tmp_path / str(coef), entropy_coef=coef, steps_per_generation=1),
+        )
         trainer.model.train()
         torch.manual_seed(0)
         inputs = trainer._prepare_inputs([{"prompt": f"What is {i} + 1?"} for i in range(1) for _ in range(4)])
@@ -119,20 +158,34 @@ def tiny_moe(tokenizer):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                  num_experts_per_tok=2, vocab_size=len(tokenizer), router_aux_loss_coef=0.02,
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model(
+        "mixtral",
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=len(tokenizer),
+        router_aux_loss_coef=0.02,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
 def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tiny_tokenizer):
     losses, aux = {}, {}
     for coef in (None, 0.0):
-        trainer = GSPOTrainer(tiny_moe(tiny_tokenizer), count_digits, processing_class=tiny_tokenizer,
-                              train_dataset=text_dataset(),
-                              args=small_config(tmp_path / str(coef), router_aux_loss_coef=coef, steps_per_generation=1))
+        trainer = GSPOTrainer(
+            tiny_moe(tiny_tokenizer),
+            count_digits,
+            processing_class=tiny_tokenizer,
+            train_dataset=text_dataset(),
+            args=small_config(tmp_path / str(coef), router_aux_loss_coef=coef, steps_per_generation=1),
+        )
         assert trainer.router_aux_loss_coef == (0.02 if coef is None else 0.0)  # None: the model config's
         trainer.model.train()
         torch.manual_seed(0)
@@ -147,23 +200,33 @@ def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tiny_tokenizer):
 
 def test_router_aux_loss_coef_on_a_dense_model_is_refused(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
-        GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(),
-                    args=small_config(tmp_path, router_aux_loss_coef=0.01))
+        GSPOTrainer(
+            tiny_model_dir,
+            count_digits,
+            train_dataset=text_dataset(),
+            args=small_config(tmp_path, router_aux_loss_coef=0.01),
+        )
 
 
-@pytest.mark.parametrize("options, use_lora", [
-    (dict(loss_type="sapo", beta=0.04), False),
-    (dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, beta=0.04), True),
-    (dict(loss_type="vespo", off_policy_mask_threshold=0.1, use_adaptive_entropy=True), True),
-])
+@pytest.mark.parametrize(
+    "options, use_lora",
+    [
+        (dict(loss_type="sapo", beta=0.04), False),
+        (dict(loss_type="cispo", top_entropy_quantile=0.5, entropy_coef=0.01, beta=0.04), True),
+        (dict(loss_type="vespo", off_policy_mask_threshold=0.1, use_adaptive_entropy=True), True),
+    ],
+)
 def test_family_trains_with_the_gpu_recipe_bf16_lora_and_kl(tmp_path, tiny_model_dir, options, use_lora):
     # bf16 autocast on CPU, as users run on GPUs, with a KL term and (where set) a LoRA adapter.
     from peft import LoraConfig
 
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM") if use_lora else None
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM") if use_lora else None
+    )
     config = small_config(tmp_path / "out", max_steps=4, learning_rate=5e-3, bf16=True, **options)
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(),
-                          peft_config=peft_config)
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config
+    )
     trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     assert any(not torch.equal(trainable[n], p) for n, p in trainer.model.named_parameters() if n in trainable)

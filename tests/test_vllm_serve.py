@@ -11,8 +11,10 @@ from gspo_trl.vllm.serve import WORKER_EXTENSION, find_vllm_python, server_envir
 
 
 def test_print_command_has_the_extension_processed_logprobs_and_localhost(capsys):
-    assert main(["vllm-serve", "some/model", "--vllm-python", sys.executable, "--print-command", "--dtype",
-                 "bfloat16"]) == 0
+    assert (
+        main(["vllm-serve", "some/model", "--vllm-python", sys.executable, "--print-command", "--dtype", "bfloat16"])
+        == 0
+    )
     line = capsys.readouterr().out.split()
     assert line[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert line[line.index("--model") + 1] == "some/model"
@@ -34,10 +36,13 @@ def test_worker_extension_imports_without_trl(tmp_path):
     # The server's environment has torch and vllm, not TRL: importing the extension must not pull in the trainer.
     import subprocess
 
-    code = ("import sys; sys.modules['trl'] = None; sys.modules['vllm'] = type(sys)('vllm'); "
-            "import gspo_trl.vllm.worker_extension as w; print(w.WeightSyncExtension.__name__)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=server_environment(), cwd=tmp_path)
+    code = (
+        "import sys; sys.modules['trl'] = None; sys.modules['vllm'] = type(sys)('vllm'); "
+        "import gspo_trl.vllm.worker_extension as w; print(w.WeightSyncExtension.__name__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=server_environment(), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "WeightSyncExtension"
 
@@ -54,8 +59,12 @@ def test_without_a_model_the_demo_model_is_served_and_vllm_flags_pass_through(ca
     import gspo_trl.default_model as default_model
 
     monkeypatch.setattr(default_model, "default_model_path", lambda: "/cache/SmolLM2-135M-Instruct")
-    assert main(["vllm-serve", "--enforce-eager", "--dtype", "float32", "--vllm-python", sys.executable,
-                 "--print-command"]) == 0
+    assert (
+        main(
+            ["vllm-serve", "--enforce-eager", "--dtype", "float32", "--vllm-python", sys.executable, "--print-command"]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.split()
     assert line[line.index("--model") + 1] == "/cache/SmolLM2-135M-Instruct"
     assert line[-3:] == ["--enforce-eager", "--dtype", "float32"]

@@ -40,8 +40,10 @@ def test_dtype_cast(tiny_model):
 
 
 def test_lora_is_merged_on_a_copy_and_the_training_weights_stay(tiny_model):
-    lora = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"],
-                                                 modules_to_save=["embed_tokens"]))
+    lora = get_peft_model(
+        tiny_model,
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], modules_to_save=["embed_tokens"]),
+    )
     with torch.no_grad():  # LoRA's B starts at 0: give the adapter a real delta
         for name, param in lora.named_parameters():
             if "lora_B" in name or "modules_to_save" in name:
@@ -56,8 +58,10 @@ def test_lora_is_merged_on_a_copy_and_the_training_weights_stay(tiny_model):
     for name, tensor in expected.items():
         torch.testing.assert_close(names[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
     # The adapter changed something: the merged q_proj differs from the base one.
-    assert not torch.allclose(names["model.layers.0.self_attn.q_proj.weight"],
-                              lora.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight)
+    assert not torch.allclose(
+        names["model.layers.0.self_attn.q_proj.weight"],
+        lora.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight,
+    )
 
 
 def test_snapshot_loads_back_into_the_same_model(tiny_model, tiny_model_dir, tmp_path):
@@ -117,19 +121,26 @@ def test_fsdp2_shards_are_gathered_into_plain_tensors(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    result = subprocess.run([sys.executable, "-c", FSDP2_SCRIPT, str(Path(__file__).parent), str(port)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", FSDP2_SCRIPT, str(Path(__file__).parent), str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("lora, max_rank, reason", [
-    (dict(r=4, target_modules=["q_proj", "v_proj"]), 8, None),
-    (dict(r=4, target_modules=["q_proj"]), None, "without --enable-lora"),
-    (dict(r=16, target_modules=["q_proj"]), 8, "rank 16 exceeds"),
-    (dict(r=4, target_modules=["q_proj"], use_dora=True), 8, "DoRA"),
-    (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), 8, "modules_to_save"),
-    (dict(r=4, target_modules=["q_proj", "lm_head"]), 8, "LM head"),
-])
+@pytest.mark.parametrize(
+    "lora, max_rank, reason",
+    [
+        (dict(r=4, target_modules=["q_proj", "v_proj"]), 8, None),
+        (dict(r=4, target_modules=["q_proj"]), None, "without --enable-lora"),
+        (dict(r=16, target_modules=["q_proj"]), 8, "rank 16 exceeds"),
+        (dict(r=4, target_modules=["q_proj"], use_dora=True), 8, "DoRA"),
+        (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), 8, "modules_to_save"),
+        (dict(r=4, target_modules=["q_proj", "lm_head"]), 8, "LM head"),
+    ],
+)
 def test_when_the_adapter_alone_can_be_sent(tiny_model, lora, max_rank, reason):
     found = adapter_sync_unsupported_reason(get_peft_model(tiny_model, LoraConfig(**lora)), max_rank)
     assert found == reason if reason is None else reason in found
@@ -145,8 +156,11 @@ def test_adapter_is_written_as_peft_saves_it_and_replaces_the_last(tiny_model, t
     directory.mkdir()
     (directory / "stale.bin").write_bytes(b"old")
     write_adapter(lora, str(directory))
-    assert sorted(p.name for p in directory.iterdir()) == ["README.md", "adapter_config.json",
-                                                           "adapter_model.safetensors"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     saved = load_file(directory / "adapter_model.safetensors")
     assert saved and all("lora_" in name for name in saved)
 

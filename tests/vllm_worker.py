@@ -10,20 +10,32 @@ import sys
 
 import torch
 from datasets import Dataset
-
 from distributed_worker import DEEPSPEED
+from helpers import count_digits, leave_worker
+
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.logprobs import completion_logprobs
-from helpers import count_digits, leave_worker
 
 FIXED_TEXT = [5, 17, 40, 99, 120, 7, 33, 250, 12, 64, 3, 81]
 
 
 def main(model_dir: str, mode: str, url: str, out: str) -> None:
     config = GSPOConfig(
-        output_dir=f"{out}.output", per_device_train_batch_size=4, num_generations=4, steps_per_generation=2,
-        max_steps=4, max_completion_length=8, learning_rate=1e-2, logging_steps=1, report_to="none", seed=0,
-        use_cpu=True, save_strategy="no", deepspeed=DEEPSPEED.get(mode), use_vllm=True, vllm_server_base_url=url,
+        output_dir=f"{out}.output",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        steps_per_generation=2,
+        max_steps=4,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        seed=0,
+        use_cpu=True,
+        save_strategy="no",
+        deepspeed=DEEPSPEED.get(mode),
+        use_vllm=True,
+        vllm_server_base_url=url,
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     trainer = GSPOTrainer(model_dir, count_digits, args=config, train_dataset=dataset)
@@ -32,13 +44,20 @@ def main(model_dir: str, mode: str, url: str, out: str) -> None:
     backend.update_weights(trainer.model_wrapped, -1)  # the final weights, through the same collective path
     ids = torch.tensor([FIXED_TEXT])
     with torch.no_grad():
-        ours = completion_logprobs(trainer.model_wrapped, ids, torch.ones_like(ids), ids[:, 1:],
-                                   torch.ones_like(ids[:, 1:])).logps[0]
+        ours = completion_logprobs(
+            trainer.model_wrapped, ids, torch.ones_like(ids), ids[:, 1:], torch.ones_like(ids[:, 1:])
+        ).logps[0]
     rank = torch.distributed.get_rank()
-    record = {"syncs": len(backend.sync_seconds), "world_size": trainer.accelerator.num_processes,
-              "partitioned": any(hasattr(p, "ds_id") for p in trainer.accelerator.unwrap_model(trainer.model).parameters()),
-              "logs": [{k: e[k] for k in ("step", "loss", "reward", "sampling/mismatch_kl") if k in e}
-                       for e in trainer.state.log_history if "loss" in e]}
+    record = {
+        "syncs": len(backend.sync_seconds),
+        "world_size": trainer.accelerator.num_processes,
+        "partitioned": any(hasattr(p, "ds_id") for p in trainer.accelerator.unwrap_model(trainer.model).parameters()),
+        "logs": [
+            {k: e[k] for k in ("step", "loss", "reward", "sampling/mismatch_kl") if k in e}
+            for e in trainer.state.log_history
+            if "loss" in e
+        ],
+    }
     if rank == 0:
         server = torch.tensor(backend.client.prompt_logprobs(FIXED_TEXT))
         record["max_error"] = (server - ours).abs().max().item()

@@ -50,11 +50,14 @@ class Calculator:
 def questions(size: int, seed: int) -> Dataset:
     rng = random.Random(seed)
     pairs = [(rng.randint(100, 999), rng.randint(11, 99)) for _ in range(size)]
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"What is {a} times {b}?"}] for a, b in pairs],
-        "answer": [str(a * b) for a, b in pairs],
-        "a": [a for a, _ in pairs], "b": [b for _, b in pairs],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {a} times {b}?"}] for a, b in pairs],
+            "answer": [str(a * b) for a, b in pairs],
+            "a": [a for a, _ in pairs],
+            "b": [b for _, b in pairs],
+        }
+    )
 
 
 def final_number(text: str) -> str | None:
@@ -76,11 +79,13 @@ def warm_up_transcripts(size: int, seed: int) -> Dataset:
     for row in questions(size, seed):
         call = {"name": "multiply", "arguments": {"a": row["a"], "b": row["b"]}}
         prompts.append([{"role": "user", "content": row["prompt"][0]["content"] + tools}])
-        completions.append([
-            {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
-            {"role": "user", "content": f"<tool_response>\n{row['answer']}\n</tool_response>"},
-            {"role": "assistant", "content": f"The answer is {row['answer']}."},
-        ])
+        completions.append(
+            [
+                {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+                {"role": "user", "content": f"<tool_response>\n{row['answer']}\n</tool_response>"},
+                {"role": "assistant", "content": f"The answer is {row['answer']}."},
+            ]
+        )
     return Dataset.from_dict({"prompt": prompts, "completion": completions})
 
 
@@ -91,14 +96,28 @@ def warm_up(model_path: str, steps: int, output_dir: str):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if supports_tool_calling(tokenizer):
-        raise ValueError(f"{model_path}'s chat template renders tools itself; the calculator warm-up transcripts are "
-                         "written for templates without tool support (tools in the user message).")
+        raise ValueError(
+            f"{model_path}'s chat template renders tools itself; the calculator warm-up transcripts are "
+            "written for templates without tool support (tools in the user message)."
+        )
     trainer = SFTTrainer(
-        AutoModelForCausalLM.from_pretrained(model_path), processing_class=tokenizer,
+        AutoModelForCausalLM.from_pretrained(model_path),
+        processing_class=tokenizer,
         train_dataset=warm_up_transcripts(size=8 * steps, seed=1),
-        args=SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=8, learning_rate=5e-5,
-                       lr_scheduler_type="constant", logging_steps=4, save_strategy="no", report_to="none",
-                       use_cpu=True, bf16=False, activation_checkpointing=False, seed=0),  # fp32, as GSPO trains
+        args=SFTConfig(
+            output_dir=output_dir,
+            max_steps=steps,
+            per_device_train_batch_size=8,
+            learning_rate=5e-5,
+            lr_scheduler_type="constant",
+            logging_steps=4,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            activation_checkpointing=False,
+            seed=0,
+        ),  # fp32, as GSPO trains
     )
     trainer.train()
     return trainer.model, tokenizer

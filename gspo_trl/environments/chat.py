@@ -28,8 +28,13 @@ from trl.chat_template_utils import (
 class ObservationEncoder:
     """`encoder(text)`: the token ids that show `text` to the model as the next user message."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, conversational: bool, end_of_turn_ids: list[int],
-                 chat_template_kwargs: dict | None = None):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        conversational: bool,
+        end_of_turn_ids: list[int],
+        chat_template_kwargs: dict | None = None,
+    ):
         self.tokenizer = tokenizer
         self.conversational = conversational
         self.end_of_turn_ids = set(end_of_turn_ids)
@@ -43,8 +48,12 @@ class ObservationEncoder:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False,
-            chat_template=self.chat_template, **self.chat_template_kwargs,
+            messages,
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
+            chat_template=self.chat_template,
+            **self.chat_template_kwargs,
         )
         return list(ids)
 
@@ -73,8 +82,11 @@ class ObservationEncoder:
                 self._native_tools = supports_tool_calling(self.tokenizer)
             if self._native_tools:
                 # Templates that render tool results may need the assistant's call (e.g. for the tool's name).
-                calls = [{"type": "function", "function": {"name": m.get("name", "tool"), "arguments": {}}}
-                         for m in messages if m["role"] == "tool"]
+                calls = [
+                    {"type": "function", "function": {"name": m.get("name", "tool"), "arguments": {}}}
+                    for m in messages
+                    if m["role"] == "tool"
+                ]
                 history = [self._history[0], {"role": "assistant", "content": "", "tool_calls": calls}]
                 prefix = self._history_ids(history)
             else:
@@ -85,7 +97,7 @@ class ObservationEncoder:
                 "The chat template renders a conversation differently once a user message follows the assistant's "
                 "turn (the earlier tokens change), so observations cannot be appended as token ids."
             )
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
 
 def _as_user_message(message: dict) -> dict:

@@ -76,7 +76,9 @@ class EpisodeRunner:
 
     def __init__(self, env_factory, tokenizer, args, max_turns: int | None = None):
         if not callable(env_factory):
-            raise TypeError(f"env_factory must be a callable returning an environment, got {type(env_factory).__name__}.")
+            raise TypeError(
+                f"env_factory must be a callable returning an environment, got {type(env_factory).__name__}."
+            )
         self.env_factory = env_factory
         self.tokenizer = tokenizer
         self.args = args
@@ -113,8 +115,9 @@ class EpisodeRunner:
                 prompts.append(prompt)
         return prompts
 
-    def run(self, backend: RolloutBackend, rows: list[dict], seeds: list[int],
-            keys: torch.Tensor | None = None) -> EpisodeBatch:
+    def run(
+        self, backend: RolloutBackend, rows: list[dict], seeds: list[int], keys: torch.Tensor | None = None
+    ) -> EpisodeBatch:
         """Play one episode per row; the rows of a group share their seed, so they start from the same state.
 
         `keys`: per-row sampling streams (`rollout.stream_keys`); each turn draws from its own stream."""
@@ -125,8 +128,9 @@ class EpisodeRunner:
         conversational = is_conversational_prompt(prompts[0])
         # Environments whose tools the chat template presents itself (`tools.ToolEnvironment`) say which.
         tools = [getattr(env, "template_tools", None) for env in envs]
-        prompt_ids, prompt_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length,
-                                                   args.chat_template_kwargs, tools)
+        prompt_ids, prompt_mask = tokenize_prompts(
+            prompts, tokenizer, args.max_prompt_length, args.chat_template_kwargs, tools
+        )
         episodes = [Episode(env, ids[mask.bool()].tolist()) for env, ids, mask in zip(envs, prompt_ids, prompt_mask)]
         encoder = self._encoder(conversational, backend.eos_token_ids)
         budget = args.max_completion_length
@@ -139,7 +143,9 @@ class EpisodeRunner:
             room = [budget - len(episode.completion_ids) for episode in live]
             turn_keys = None if keys is None else stream_keys(turn, keys[torch.tensor(live_rows)])
             rollout = backend.generate_from_ids(
-                [episode.prompt_ids + episode.completion_ids for episode in live], max(room), turn_keys,
+                [episode.prompt_ids + episode.completion_ids for episode in live],
+                max(room),
+                turn_keys,
                 [episode.state for episode in live],
             )
             actions, finished_turn = [], []
@@ -147,8 +153,9 @@ class EpisodeRunner:
                 episode.state = None if rollout.states is None else rollout.states[row]
                 length = int(rollout.completion_mask[row].sum())
                 ids = rollout.completion_ids[row, :length].tolist()
-                logps = ([0.0] * length if rollout.sampling_logps is None
-                         else rollout.sampling_logps[row, :length].tolist())
+                logps = (
+                    [0.0] * length if rollout.sampling_logps is None else rollout.sampling_logps[row, :length].tolist()
+                )
                 ended = not bool(rollout.is_truncated[row]) and length <= space
                 history = episode.prompt_ids + episode.completion_ids
                 episode.add_turn(ids[:space], logps[:space], turn)
@@ -181,12 +188,21 @@ class EpisodeRunner:
                 if episode.end is not None:
                     episode.state = None  # nothing to continue: free it now
             turn += 1
-        return _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer,
-                      rollout.sampling_logps is not None, rollout.sampled_by_policy)
+        return _batch(
+            episodes,
+            prompts,
+            prompt_ids,
+            prompt_mask,
+            conversational,
+            tokenizer,
+            rollout.sampling_logps is not None,
+            rollout.sampled_by_policy,
+        )
 
 
-def _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer, has_sampling_logps,
-           sampled_by_policy) -> EpisodeBatch:
+def _batch(
+    episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer, has_sampling_logps, sampled_by_policy
+) -> EpisodeBatch:
     rows, width = len(episodes), max(1, max(len(e.completion_ids) for e in episodes))
     turns = max(len(e.rewards) for e in episodes)
     completion_ids = torch.full((rows, width), tokenizer.pad_token_id, dtype=torch.long)
@@ -206,9 +222,17 @@ def _batch(episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer
         turn_rewards[row, : len(episode.rewards)] = torch.tensor(episode.rewards, dtype=torch.float32)
         reached[row, : len(episode.rewards)] = True
     is_truncated = torch.tensor([episode.end in BUDGET_ENDS for episode in episodes])
-    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated,
-                      sampling_logps if has_sampling_logps else None, env_mask, turn_ids,
-                      sampled_by_policy=has_sampling_logps and sampled_by_policy)
+    rollout = Rollout(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        is_truncated,
+        sampling_logps if has_sampling_logps else None,
+        env_mask,
+        turn_ids,
+        sampled_by_policy=has_sampling_logps and sampled_by_policy,
+    )
     if conversational:
         completions = [episode.messages for episode in episodes]
     else:

@@ -18,8 +18,13 @@ FEEDBACK = "That is not correct. Try again: reply with one short line that ends 
 class ReasoningGymRetryEnv:
     """Rows come from `tasks.reasoning_gym_dataset` (the verifier reads their ``entry_json``)."""
 
-    def __init__(self, task: str = DEFAULT_TASK, retry_penalty: float = 0.3,
-                 format_weight: float = DEFAULT_FORMAT_WEIGHT, **difficulty: Any):
+    def __init__(
+        self,
+        task: str = DEFAULT_TASK,
+        retry_penalty: float = 0.3,
+        format_weight: float = DEFAULT_FORMAT_WEIGHT,
+        **difficulty: Any,
+    ):
         if not 0 <= retry_penalty <= 1:
             raise ValueError(f"retry_penalty must be in [0, 1], got {retry_penalty}")
         if task == DEFAULT_TASK and not difficulty:
@@ -30,7 +35,9 @@ class ReasoningGymRetryEnv:
 
     def reset(self, seed=None, options=None):
         if not options or "entry_json" not in options:
-            raise KeyError("ReasoningGymRetryEnv plays rows of tasks.reasoning_gym_dataset(), which carry 'entry_json'.")
+            raise KeyError(
+                "ReasoningGymRetryEnv plays rows of tasks.reasoning_gym_dataset(), which carry 'entry_json'."
+            )
         self.entry_json, self.attempt = options["entry_json"], 0
         return "", {}
 

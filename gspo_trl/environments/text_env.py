@@ -98,6 +98,7 @@ def step_all(envs: list, actions: list[str]) -> list[StepResult]:
         else:
             results[index] = result
     if pending:
+
         async def gather():
             return await asyncio.gather(*(awaitable for _, awaitable in pending), return_exceptions=True)
 
@@ -118,18 +119,30 @@ def _check_step(env, result) -> StepResult:
     for flag_name, flag in (("terminated", terminated), ("truncated", truncated)):
         if not isinstance(flag, (bool, numbers.Integral)) and type(flag).__name__ != "bool_":
             raise TypeError(f"{where} returned {flag_name}={flag!r}; it must be a bool.")
-    return StepResult(_observation(observation, where, messages_allowed=True), float(reward), bool(terminated),
-                      bool(truncated), info if isinstance(info, dict) else {})
+    return StepResult(
+        _observation(observation, where, messages_allowed=True),
+        float(reward),
+        bool(terminated),
+        bool(truncated),
+        info if isinstance(info, dict) else {},
+    )
 
 
 def _observation(value, where: str, messages_allowed: bool = False) -> str | list[dict]:
     if value is None:
         return ""
-    if messages_allowed and isinstance(value, list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
+    if (
+        messages_allowed
+        and isinstance(value, list)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    ):
         return value
     if not isinstance(value, str):
-        kinds = "a string or a list of chat messages ({'role': ..., 'content': str})" if messages_allowed else "a string"
+        kinds = (
+            "a string or a list of chat messages ({'role': ..., 'content': str})" if messages_allowed else "a string"
+        )
         raise TypeError(f"{where} returned observation {_show(value)}; text environments return {kinds}.")
     return value
 

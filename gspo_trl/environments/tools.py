@@ -120,8 +120,13 @@ def public_methods(environment) -> list[Callable]:
 class ToolEnvironment:
     """One episode's tools and (optionally) TRL-style environment, behind the gym-style interface."""
 
-    def __init__(self, tools: list[Callable], environment_factory=None,
-                 tool_call_parser: Callable[[str], list[dict]] = parse_hermes_tool_calls, template_presents_tools=False):
+    def __init__(
+        self,
+        tools: list[Callable],
+        environment_factory=None,
+        tool_call_parser: Callable[[str], list[dict]] = parse_hermes_tool_calls,
+        template_presents_tools=False,
+    ):
         self.standalone_tools = list(tools)
         self.template_presents_tools = template_presents_tools
         self.schemas: list[dict] = []  # the JSON schemas of this episode's tools
@@ -138,14 +143,18 @@ class ToolEnvironment:
             return None
         name = row.get("environment") if isinstance(factories, dict) else None
         if isinstance(factories, dict) and name not in factories:
-            raise ValueError(f"A row has environment={name!r}, which is not among the environments passed to "
-                             f"environment_factory: {sorted(factories)}.")
+            raise ValueError(
+                f"A row has environment={name!r}, which is not among the environments passed to "
+                f"environment_factory: {sorted(factories)}."
+            )
         if name not in self._instances:
             factory = factories[name] if isinstance(factories, dict) else factories
             self._instances[name] = factory()
             if not callable(getattr(self._instances[name], "reset", None)):
-                raise TypeError(f"environment_factory returned a {type(self._instances[name]).__name__} without a "
-                                "reset() method; TRL's convention is reset(**row) -> optional text for the prompt.")
+                raise TypeError(
+                    f"environment_factory returned a {type(self._instances[name]).__name__} without a "
+                    "reset() method; TRL's convention is reset(**row) -> optional text for the prompt."
+                )
         return self._instances[name]
 
     @property
@@ -159,12 +168,17 @@ class ToolEnvironment:
         self.tool_calls = self.tool_failures = 0
         observation = ""
         if self.environment is not None:
-            reset_row = {k: v for k, v in row.items() if k != "environment"} if isinstance(
-                self.environment_factory, dict) else row
+            reset_row = (
+                {k: v for k, v in row.items() if k != "environment"}
+                if isinstance(self.environment_factory, dict)
+                else row
+            )
             observation = self.environment.reset(**reset_row) or ""
             if not isinstance(observation, str):
-                raise TypeError(f"{type(self.environment).__name__}.reset returned {type(observation).__name__}; "
-                                "it may return text for the prompt, or None.")
+                raise TypeError(
+                    f"{type(self.environment).__name__}.reset returned {type(observation).__name__}; "
+                    "it may return text for the prompt, or None."
+                )
         self.tools = {tool.__name__: tool for tool in self.standalone_tools}
         if self.environment is not None:
             self.tools.update({tool.__name__: tool for tool in public_methods(self.environment)})
@@ -191,8 +205,10 @@ class ToolEnvironment:
         tool = self.tools.get(call["name"])
         try:
             if call["name"] == MALFORMED:
-                raise ValueError(f"could not read the tool call {call['arguments']['text'][:200]!r}: expected "
-                                 '{"name": ..., "arguments": {...}}')
+                raise ValueError(
+                    f"could not read the tool call {call['arguments']['text'][:200]!r}: expected "
+                    '{"name": ..., "arguments": {...}}'
+                )
             if tool is None:
                 raise ValueError(f"tool {call['name']!r} not found; the tools are {sorted(self.tools)}")
             result = tool(**call["arguments"])
@@ -211,21 +227,27 @@ def tool_episode_factory(tools, environment_factory, tool_call_parser=None, env_
     if tools is None and environment_factory is None:
         return None
     if env_factory is not None:
-        raise ValueError("Pass env_factory (gym-style environments) or tools / environment_factory (TRL's tool "
-                         "calling), not both.")
+        raise ValueError(
+            "Pass env_factory (gym-style environments) or tools / environment_factory (TRL's tool calling), not both."
+        )
     tools = list(tools or [])
     for tool in tools:
         if not callable(tool):
             raise TypeError(f"tools must be callables, got {type(tool).__name__}.")
         tool_schema(tool)
-    factories = environment_factory if isinstance(environment_factory, dict) else (
-        {} if environment_factory is None else {None: environment_factory})
+    factories = (
+        environment_factory
+        if isinstance(environment_factory, dict)
+        else ({} if environment_factory is None else {None: environment_factory})
+    )
     for name, factory in factories.items():
         environment = factory()
         if not callable(getattr(environment, "reset", None)):
-            raise TypeError(f"environment_factory{'' if name is None else f'[{name!r}]'} returned a "
-                            f"{type(environment).__name__} without a reset() method; TRL's convention is "
-                            "reset(**row) -> optional text for the prompt.")
+            raise TypeError(
+                f"environment_factory{'' if name is None else f'[{name!r}]'} returned a "
+                f"{type(environment).__name__} without a reset() method; TRL's convention is "
+                "reset(**row) -> optional text for the prompt."
+            )
         for method in public_methods(environment):
             tool_schema(method)
     if tool_call_parser is not None:
@@ -234,8 +256,11 @@ def tool_episode_factory(tools, environment_factory, tool_call_parser=None, env_
         parser = ResponseTemplateParser(tokenizer)
     else:
         parser = parse_hermes_tool_calls
-    native = tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None and \
-        supports_tool_calling(tokenizer)
+    native = (
+        tokenizer is not None
+        and getattr(tokenizer, "chat_template", None) is not None
+        and supports_tool_calling(tokenizer)
+    )
 
     def factory():
         return ToolEnvironment(tools, environment_factory, parser, template_presents_tools=native)
@@ -246,8 +271,11 @@ def tool_episode_factory(tools, environment_factory, tool_call_parser=None, env_
 def environment_reward_functions(environment_factory) -> list[Callable]:
     """TRL's rule: an environment class with ``get_reward()`` adds a reward function, named after the class and
     weighted 1, that asks each episode's environment of that class for its reward (None for the others)."""
-    factories = environment_factory.values() if isinstance(environment_factory, dict) else (
-        [] if environment_factory is None else [environment_factory])
+    factories = (
+        environment_factory.values()
+        if isinstance(environment_factory, dict)
+        else ([] if environment_factory is None else [environment_factory])
+    )
     functions, seen = [], set()
     for factory in factories:
         environment_type = factory if isinstance(factory, type) else type(factory())  # a class needs no instance
@@ -260,10 +288,13 @@ def environment_reward_functions(environment_factory) -> list[Callable]:
 
 def _get_reward_function(environment_type):
     if inspect.iscoroutinefunction(environment_type.get_reward):
+
         async def get_reward(environments, **kwargs):
             return [await e.get_reward() if type(e) is environment_type else None for e in environments]
     else:
+
         def get_reward(environments, **kwargs):
             return [e.get_reward() if type(e) is environment_type else None for e in environments]
+
     get_reward.__name__ = get_reward.__qualname__ = environment_type.__name__
     return get_reward

@@ -119,8 +119,11 @@ class VLLMServerBackend(RolloutBackend):
         config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
         ours = {name: getattr(config, name, None) for name in MATCHING_FIELDS}
         theirs = {name: self.server_info.get(name) for name in MATCHING_FIELDS}
-        mismatched = [f"{name}: trainer {ours[name]}, server {theirs[name]}" for name in MATCHING_FIELDS
-                      if ours[name] is not None and theirs[name] and ours[name] != theirs[name]]
+        mismatched = [
+            f"{name}: trainer {ours[name]}, server {theirs[name]}"
+            for name in MATCHING_FIELDS
+            if ours[name] is not None and theirs[name] and ours[name] != theirs[name]
+        ]
         architectures = set(getattr(config, "architectures", None) or getattr(base.config, "architectures", None) or [])
         served = set(self.server_info.get("architectures") or [])
         if architectures and served and not architectures & served:
@@ -137,8 +140,10 @@ class VLLMServerBackend(RolloutBackend):
         reason = adapter_sync_unsupported_reason(model, self.server_info.get("max_lora_rank"))
         wanted = self.args.vllm_lora_adapter_sync
         if wanted and reason is not None:
-            raise ValueError(f"vllm_lora_adapter_sync=True, but {reason}. Set it to None (auto) or False to send merged "
-                             "full weights.")
+            raise ValueError(
+                f"vllm_lora_adapter_sync=True, but {reason}. Set it to None (auto) or False to send merged "
+                "full weights."
+            )
         return reason is None and wanted is not False
 
     def _make_snapshot_dir(self) -> str:
@@ -177,8 +182,9 @@ class VLLMServerBackend(RolloutBackend):
             if not self.sends_adapter or not self.base_sent:
                 # Full weights; for adapter syncs, the frozen base once, since the server may hold other weights.
                 dtype = _torch_dtype(self.server_info.get("dtype"))
-                write_snapshot(model, self.snapshot_dir or "", is_writer=is_main, dtype=dtype,
-                               merge_lora=not self.sends_adapter)
+                write_snapshot(
+                    model, self.snapshot_dir or "", is_writer=is_main, dtype=dtype, merge_lora=not self.sends_adapter
+                )
                 if is_main:
                     self.client.reload_weights(self.snapshot_dir)
                 self.base_sent = True
@@ -214,7 +220,10 @@ class VLLMServerBackend(RolloutBackend):
         return self._rollout(prompt_ids, prompt_mask, samples)
 
     def generate_from_ids(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, stream_keys: torch.Tensor | None = None,
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        stream_keys: torch.Tensor | None = None,
         states: list | None = None,
     ) -> Rollout:
         # Each episode has its own history: one sample per prompt, in one request (the server's prefix cache, not
@@ -229,8 +238,14 @@ class VLLMServerBackend(RolloutBackend):
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
         sampling_logps = sampling_logps.masked_fill(completion_mask == 0, 0.0)
         device = self.accelerator.device
-        return Rollout(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
-                       completion_mask.to(device), is_truncated.to(device), sampling_logps.to(device))
+        return Rollout(
+            prompt_ids.to(device),
+            prompt_mask.to(device),
+            completion_ids.to(device),
+            completion_mask.to(device),
+            is_truncated.to(device),
+            sampling_logps.to(device),
+        )
 
 
 def _torch_dtype(name: str | None) -> torch.dtype | None:

@@ -146,8 +146,9 @@ class VLLMServerClient:
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Load (or replace in place) the LoRA adapter saved in `path` under `name`; requests then name it as model."""
-        response = self._request("POST", "/v1/load_lora_adapter",
-                                 json={"lora_name": name, "lora_path": path, "load_inplace": True})
+        response = self._request(
+            "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, "load_inplace": True}
+        )
         if response.status_code != 200:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} refused the LoRA adapter in {path}: HTTP {response.status_code}: "
@@ -190,8 +191,13 @@ class VLLMServerClient:
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token_t | tokens_<t) under the served weights, for t = 1 .. len - 1 (temperature 1)."""
-        body = {"model": self.model_name or self.served_model(), "prompt": [token_ids], "max_tokens": 1,
-                "prompt_logprobs": 0, "temperature": 1.0}
+        body = {
+            "model": self.model_name or self.served_model(),
+            "prompt": [token_ids],
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        }
         result = self._json("POST", "/v1/completions", json=body)
         entries = result["choices"][0]["prompt_logprobs"][1:]
         return [entry[str(token)]["logprob"] for entry, token in zip(entries, token_ids[1:])]

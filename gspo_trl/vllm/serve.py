@@ -25,8 +25,9 @@ def find_vllm_python(explicit: str | None = None) -> str:
     for candidate in (explicit, os.environ.get(VLLM_PYTHON_ENV)):
         if candidate:
             if not shutil.which(candidate) and not os.access(candidate, os.X_OK):
-                raise FileNotFoundError(f"No Python executable at {candidate!r} (from --vllm-python or "
-                                        f"${VLLM_PYTHON_ENV}).")
+                raise FileNotFoundError(
+                    f"No Python executable at {candidate!r} (from --vllm-python or ${VLLM_PYTHON_ENV})."
+                )
             return candidate
     probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True)
     if probe.returncode == 0:
@@ -40,10 +41,19 @@ def find_vllm_python(explicit: str | None = None) -> str:
 
 def server_command(model: str, python: str, host: str, port: int, extra: list[str]) -> list[str]:
     return [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--host", host, "--port", str(port),
-        "--worker-extension-cls", WORKER_EXTENSION,
-        "--logprobs-mode", "processed_logprobs",
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        "--logprobs-mode",
+        "processed_logprobs",
         *extra,
     ]
 

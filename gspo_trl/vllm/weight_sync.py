@@ -91,7 +91,9 @@ def named_weights(
             continue
         if wrapper_types and isinstance(module, wrapper_types):
             done_prefixes.append(prefix)
-            active = module.modules_to_save[module.active_adapter] if not module.disable_adapters else module.original_module
+            active = (
+                module.modules_to_save[module.active_adapter] if not module.disable_adapters else module.original_module
+            )
             with _gathered(active, recurse=True):
                 for name, param in active.named_parameters():
                     if id(param) not in seen:
@@ -131,7 +133,8 @@ def adapter_sync_unsupported_reason(model: torch.nn.Module, max_lora_rank: int |
 
 
 def write_adapter(model: torch.nn.Module, directory: str) -> None:
-    """The active LoRA adapter as PEFT saves it (adapter_config.json + adapter_model.safetensors), replacing the last."""
+    """The active LoRA adapter as PEFT saves it (adapter_config.json + adapter_model.safetensors), replacing the
+    last."""
     shutil.rmtree(directory, ignore_errors=True)
     unwrap_model(model).save_pretrained(directory)
 
