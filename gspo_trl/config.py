@@ -157,11 +157,15 @@ class GSPOConfig(TrainingArguments):
         },
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature. Must be > 0."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the top tokens of this mass, in (0, 1]."})
+    top_p: float = field(
+        default=1.0, metadata={"help": "Nucleus sampling: keep the top tokens of this mass, in (0, 1]."}
+    )
     top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens when sampling; 0 disables it."})
     min_p: float | None = field(
         default=None,
-        metadata={"help": "Drop tokens less likely than min_p × the top token's probability, in [0, 1]. None disables."},
+        metadata={
+            "help": "Drop tokens less likely than min_p × the top token's probability, in [0, 1]. None disables."
+        },
     )
     repetition_penalty: float = field(
         default=1.0,
@@ -562,10 +566,7 @@ class GSPOConfig(TrainingArguments):
             self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = (
-                not self.fp16
-                and not self.use_cpu
-                and torch.cuda.is_available()
-                and torch.cuda.is_bf16_supported()
+                not self.fp16 and not self.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
             )
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if isinstance(self.scale_rewards, str):
@@ -615,16 +616,20 @@ class GSPOConfig(TrainingArguments):
                 f"importance_sampling_level must be 'token' (or unset), got {self.importance_sampling_level!r}."
             )
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            logger.warning("loss_type='luspo' is defined on GSPO's sequence ratio; importance_sampling_level="
-                           f"{self.importance_sampling_level!r} departs from the LUSPO paper.")
+            logger.warning(
+                "loss_type='luspo' is defined on GSPO's sequence ratio; importance_sampling_level="
+                f"{self.importance_sampling_level!r} departs from the LUSPO paper."
+            )
         if self.importance_sampling_level == "sequence" and self.loss_type in TOKEN_SUM_LOSS_TYPES:
             logger.warning(
                 f"loss_type={self.loss_type!r} sums per-token losses, so each sequence's sequence-level term is "
                 "weighted by its length instead of GSPO's per-sequence objective; loss_type='grpo' is the paper's."
             )
         if self.loss_type == "cispo" and self.epsilon_high < 1:
-            logger.warning(f"loss_type='cispo' caps every importance weight at epsilon_high={self.epsilon_high} < 1, "
-                           f"which shrinks every gradient; ScaleRL recommends {CISPO_EPSILON_MAX}.")
+            logger.warning(
+                f"loss_type='cispo' caps every importance weight at epsilon_high={self.epsilon_high} < 1, "
+                f"which shrinks every gradient; ScaleRL recommends {CISPO_EPSILON_MAX}."
+            )
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
         if not math.isfinite(self.entropy_coef):
@@ -648,17 +653,24 @@ class GSPOConfig(TrainingArguments):
 
     def _validate_episodes(self) -> None:
         if self.advantage_granularity not in ADVANTAGE_GRANULARITIES:
-            raise ValueError(f"advantage_granularity must be one of {ADVANTAGE_GRANULARITIES}, got "
-                             f"{self.advantage_granularity!r}.")
+            raise ValueError(
+                f"advantage_granularity must be one of {ADVANTAGE_GRANULARITIES}, got {self.advantage_granularity!r}."
+            )
         if self.advantage_granularity == "turn" and self.importance_sampling_level == "sequence":
-            raise ValueError("advantage_granularity='turn' gives each turn its own advantage, which one ratio per "
-                             "sequence cannot carry: set importance_sampling_level='turn' (one ratio per turn) or "
-                             "'sequence_token' (GSPO-token).")
+            raise ValueError(
+                "advantage_granularity='turn' gives each turn its own advantage, which one ratio per "
+                "sequence cannot carry: set importance_sampling_level='turn' (one ratio per turn) or "
+                "'sequence_token' (GSPO-token)."
+            )
         if self.advantage_granularity == "turn" and self.loss_type == "vespo":
-            raise ValueError("loss_type='vespo' weighs whole sequences and takes one advantage per sequence: use "
-                             "advantage_granularity='trajectory' with it.")
+            raise ValueError(
+                "loss_type='vespo' weighs whole sequences and takes one advantage per sequence: use "
+                "advantage_granularity='trajectory' with it."
+            )
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}.")
+            raise ValueError(
+                f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}."
+            )
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 or None, got {self.max_turns}.")
         if not 0 <= self.turn_discount <= 1:
@@ -693,9 +705,11 @@ class GSPOConfig(TrainingArguments):
         if self.decode_max_rows is not None and self.decode_max_rows < 1:
             raise ValueError(f"decode_max_rows must be >= 1 or None (automatic), got {self.decode_max_rows}.")
         if self.decode_logprobs_as_old and (self.decode_loop != "gspo" or self.use_vllm):
-            raise ValueError("decode_logprobs_as_old=True needs decode_loop='gspo' and use_vllm=False (the log-probs "
-                             "come from gspo-trl's decoding loop); with use_vllm=True, vllm_logprobs_as_old=True takes "
-                             "the server's.")
+            raise ValueError(
+                "decode_logprobs_as_old=True needs decode_loop='gspo' and use_vllm=False (the log-probs "
+                "come from gspo-trl's decoding loop); with use_vllm=True, vllm_logprobs_as_old=True takes "
+                "the server's."
+            )
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}.")
         if not self.repetition_penalty > 0:
@@ -707,11 +721,15 @@ class GSPOConfig(TrainingArguments):
         if isinstance(self.logprob_kept_logits_mb, bool) or not isinstance(self.logprob_kept_logits_mb, (int, float)):
             raise TypeError(f"logprob_kept_logits_mb must be a number of MiB, got {self.logprob_kept_logits_mb!r}.")
         if not self.logprob_kept_logits_mb >= 0:
-            raise ValueError(f"logprob_kept_logits_mb must be >= 0 (MiB; 0 recomputes every chunk), got "
-                             f"{self.logprob_kept_logits_mb}.")
+            raise ValueError(
+                f"logprob_kept_logits_mb must be >= 0 (MiB; 0 recomputes every chunk), got "
+                f"{self.logprob_kept_logits_mb}."
+            )
         if not isinstance(self.activation_checkpointing_keep_attention, bool):
-            raise TypeError(f"activation_checkpointing_keep_attention must be True or False, got "
-                            f"{self.activation_checkpointing_keep_attention!r}.")
+            raise TypeError(
+                f"activation_checkpointing_keep_attention must be True or False, got "
+                f"{self.activation_checkpointing_keep_attention!r}."
+            )
         if self.eval_strategy != "no" and self.per_device_eval_batch_size * self.world_size % self.num_generations:
             raise ValueError(
                 f"per_device_eval_batch_size × num_processes ({self.per_device_eval_batch_size} × {self.world_size}) "
@@ -727,13 +745,19 @@ class GSPOConfig(TrainingArguments):
         if self.vllm_importance_sampling_cap is not None:
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         if self.vllm_importance_sampling_mode not in CORRECTION_MODES:
-            raise ValueError(f"vllm_importance_sampling_mode must be one of {CORRECTION_MODES}, got "
-                             f"{self.vllm_importance_sampling_mode!r}.")
+            raise ValueError(
+                f"vllm_importance_sampling_mode must be one of {CORRECTION_MODES}, got "
+                f"{self.vllm_importance_sampling_mode!r}."
+            )
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if (low is not None and low < 0) or (high is not None and high <= 0) or (
-                low is not None and high is not None and low > high):
-            raise ValueError(f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max and max > 0, got "
-                             f"{low} and {high}.")
+        if (
+            (low is not None and low < 0)
+            or (high is not None and high <= 0)
+            or (low is not None and high is not None and low > high)
+        ):
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max and max > 0, got {low} and {high}."
+            )
         if not self.use_vllm:
             if self.vllm_logprobs_as_old:
                 raise ValueError("vllm_logprobs_as_old=True needs use_vllm=True (the log-probs come from the server).")
@@ -745,16 +769,25 @@ class GSPOConfig(TrainingArguments):
             )
         if self.vllm_mode != "server":
             raise ValueError(f"vllm_mode must be 'server' (or 'colocate', not available yet), got {self.vllm_mode!r}.")
-        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
-                self.vllm_importance_sampling_mode.startswith("sequence"):
-            raise ValueError("loss_type='vespo' takes the sampling correction into its own sequence weight, token by "
-                             "token: set vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (as TRL).")
+        if (
+            self.loss_type == "vespo"
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode.startswith("sequence")
+        ):
+            raise ValueError(
+                "loss_type='vespo' takes the sampling correction into its own sequence weight, token by "
+                "token: set vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (as TRL)."
+            )
         if self.layout_independent_sampling:
-            raise ValueError("layout_independent_sampling=True is not available with use_vllm=True: the vLLM server "
-                             "samples with its own random state (start it with --seed for reproducible runs).")
+            raise ValueError(
+                "layout_independent_sampling=True is not available with use_vllm=True: the vLLM server "
+                "samples with its own random state (start it with --seed for reproducible runs)."
+            )
         if self.decode_loop != "gspo" or self.cache_implementation is not None:
-            logger.warning("decode_loop and cache_implementation apply to sampling on the trained model; with "
-                           "use_vllm=True the vLLM server samples.")
+            logger.warning(
+                "decode_loop and cache_implementation apply to sampling on the trained model; with "
+                "use_vllm=True the vLLM server samples."
+            )
 
     def _resolve_batch_sizes(self, steps_per_generation_was_set: bool) -> None:
         global_batch = self.per_device_train_batch_size * self.world_size
@@ -776,7 +809,8 @@ class GSPOConfig(TrainingArguments):
         step_batch = global_batch * self.gradient_accumulation_steps
         if step_batch % self.num_generations != 0:
             raise ValueError(
-                f"An optimizer step trains on per_device_train_batch_size × num_processes × gradient_accumulation_steps "
+                "An optimizer step trains on per_device_train_batch_size × num_processes × "
+                f"gradient_accumulation_steps "
                 f"= {self.per_device_train_batch_size} × {self.world_size} × {self.gradient_accumulation_steps} = "
                 f"{step_batch} completions, not a multiple of num_generations ({self.num_generations}): a prompt's "
                 "group would be split across optimizer steps. Adjust per_device_train_batch_size or "
@@ -792,8 +826,10 @@ class GSPOConfig(TrainingArguments):
     def _validate_async_rollouts(self) -> None:
         if not self.async_rollouts:
             if self.max_staleness is not None:
-                raise ValueError(f"max_staleness={self.max_staleness} only applies with async_rollouts=True; set "
-                                 "async_rollouts=True to sample rollouts ahead, or leave max_staleness unset.")
+                raise ValueError(
+                    f"max_staleness={self.max_staleness} only applies with async_rollouts=True; set "
+                    "async_rollouts=True to sample rollouts ahead, or leave max_staleness unset."
+                )
             return
         if self.steps_per_generation * self.num_iterations % self.gradient_accumulation_steps:
             raise ValueError(
