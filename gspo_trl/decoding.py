@@ -35,6 +35,7 @@ from .decode_attention import packed_gqa_decoding
 from .decode_forward import StepForward
 from .decode_linear import fast_decode_linears
 from .kv_cache import cache_kwargs
+from .positions import positions_from_mask
 
 # GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram
 # bans, bad words, a minimum length, ...) is `generate`'s job: `supports` says so and the backend falls back.
@@ -322,7 +323,7 @@ def sample(
     rows = torch.arange(n, device=device)  # the original row of each live batch row
     sequences = prompt_ids if history is None else history  # (n, P' + t): what the processors see
     attention = prompt_mask  # (n, P + t)
-    positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)  # as generate derives them
+    positions = positions_from_mask(prompt_mask)
     if cache is None:
         cache, step_ids, step_positions = DynamicCache(config=model.config), prompt_ids, positions
     else:

@@ -8,7 +8,8 @@ training the chunks whose logits fit `kept_logits_mb` keep them for the backward
 checkpointed, so their logits exist only while that chunk is being processed (forward, then again in
 backward). What it does not own: which tokens count (the caller's mask) and anything about the
 objective. With `padding_free`, the forward runs on the packed layout built by `packing` instead of
-padded rows (two forwards when `packing.plan_forwards` cuts the micro-batch).
+padded rows (two forwards when `packing.plan_forwards` cuts the micro-batch); padded rows take the position ids
+of `positions`, as the decoding loop samples with them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .distributed import fsdp2_modules, is_fsdp2_module, is_partitioned, unshard_fsdp2_owner, unwrap_model
 from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, plan_forwards, relative_attention_cost
+from .positions import positions_from_mask, takes_position_ids
 from .precision import Float32LMHead, project_in_fp32
 
 DEFAULT_KEPT_LOGITS_MB = 1024  # fp32 logits kept from the forward for the backward pass; the rest are recomputed
@@ -189,8 +191,11 @@ def completion_logprobs(
         )  # (R, L, H)
         hidden_valid = hidden.flatten(0, 1)[packed.score_index]  # (N, H)
     else:
+        # The positions the decoding loop sampled with: a left-padded row counts from its first token, not its first
+        # pad (models with learned absolute positions, GPT-2, would otherwise score it at shifted positions).
+        positions = {"position_ids": positions_from_mask(attention_mask)} if takes_position_ids(model) else {}
         hidden, aux_loss = _final_hidden_states(
-            model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss
+            model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss, **positions
         )
         # The hidden state at position t predicts token t + 1, so the completion is scored from the
         # C positions that end one before the last.

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from .kv_cache import cache_kwargs
+from .positions import positions_from_mask
 
 # The least share of the prefill positions that sharing must save to be used: it costs a second forward.
 MIN_SAVING = 0.125
@@ -115,7 +116,7 @@ def prefill_shared_prefixes(model, rows: list[list[int]], pad_token_id: int):
     prefix_ids, prefix_mask = _left_pad(
         [rows[members[0]][:length] for members, length in groups], prefix_width, pad_token_id
     )
-    prefix_positions = (prefix_mask.cumsum(-1) - 1).masked_fill(prefix_mask == 0, 1)
+    prefix_positions = positions_from_mask(prefix_mask)
     cache = DynamicCache(config=model.config)
     model(
         input_ids=prefix_ids.to(device),
@@ -164,7 +165,7 @@ def _continue_rows(model, cache, prefix_ids, prefix_mask, rows, prefix_lengths, 
     last = torch.tensor([[row[-1]] for row in rows])
     ids = torch.cat([prefix_ids, tail_ids, last], dim=1).to(device)
     mask = torch.cat([prefix_mask, tail_mask, torch.ones_like(last)], dim=1).to(device)
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as `decoding.sample` derives them
+    positions = positions_from_mask(mask)
     if tail_width:
         prefix_width = prefix_ids.shape[1]
         columns = slice(prefix_width, prefix_width + tail_width)
@@ -185,8 +186,7 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Dynam
     tokens: nothing would be left to prefill)."""
     if prompt_ids.shape[1] < 2 or int(prompt_mask.sum(1).min()) < 2:
         return None
-    # Position ids as `generate` derives them from a left-padded mask.
-    positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+    positions = positions_from_mask(prompt_mask)
     cache = DynamicCache(config=model.config)
     model(
         input_ids=prompt_ids[:, :-1],

@@ -91,6 +91,29 @@ def build_tiny_model(tokenizer, seed: int = 0):
     return model
 
 
+def build_tiny_gpt2(tokenizer, seed: int = 0, attention: str = "sdpa"):
+    """A tiny random GPT-2: learned absolute position embeddings, so a row scored at positions other than those it was
+    sampled with (counted from its first pad instead of its first token) gets other log-probs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=len(tokenizer),
+        n_positions=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation=attention,
+    )
+    model = GPT2LMHeadModel(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny Llama + tokenizer directory, loadable by path like a Hub id."""

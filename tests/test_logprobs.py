@@ -153,3 +153,31 @@ def test_architectures_that_scale_their_logits(tiny_tokenizer, model_type, scali
     expected = reference_logps(model, *inputs, temperature=0.7)
     logps, _, _ = completion_logprobs(model, *inputs, temperature=0.7, chunk_size=4)
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=1e-5)
+
+
+def row_alone_logps(model, input_ids, attention_mask, completion_ids, completion_mask, temperature):
+    """Each row run alone, unpadded, at its own positions 0, 1, ...: the log-probs the model gives it."""
+    length = completion_ids.shape[1]
+    logps = torch.zeros(completion_ids.shape)
+    for row in range(input_ids.shape[0]):
+        ids = input_ids[row][attention_mask[row].bool()]
+        logits = model(input_ids=ids[None]).logits[0, -length - 1 : -1].float() / temperature
+        logps[row] = logits.log_softmax(-1).gather(-1, completion_ids[row].unsqueeze(-1)).squeeze(-1)
+    return logps * completion_mask
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_learned_positions_score_a_padded_row_as_the_row_alone(tiny_tokenizer, monkeypatch, padding_free):
+    # GPT-2 adds a learned embedding per position: a left-padded row must be scored at the positions it was sampled
+    # with (counted from its first token), not counted from its first pad.
+    from conftest import build_tiny_gpt2
+
+    model = build_tiny_gpt2(tiny_tokenizer).eval()
+    inputs = batch(model.config.vocab_size)  # row 0 has 4 pads
+    expected = row_alone_logps(model, *inputs, temperature=0.7)
+    logps, _, _ = completion_logprobs(model, *inputs, temperature=0.7, padding_free=padding_free)
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(logprobs, "takes_position_ids", lambda model: False)  # positions from the first pad
+    shifted, _, _ = completion_logprobs(model, *inputs, temperature=0.7)
+    assert (shifted[0] - expected[0]).abs().max() > 1e-2  # the padded row is off
+    torch.testing.assert_close(shifted[1:], expected[1:], atol=1e-5, rtol=1e-5)  # rows without padding are not
