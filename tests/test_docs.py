@@ -255,7 +255,7 @@ def test_distributed_memory_table_matches_the_result_file():
 
 
 def test_decoding_tables_match_the_result_files():
-    """docs/benchmarks.md shows what benchmarks/results/decoding_epyc_compiled.json holds (benchmarks/decoding.py prints it)."""
+    """docs/benchmarks.md's decoding table is what benchmarks/results/decoding_epyc_compiled.json holds."""
     spec = importlib.util.spec_from_file_location("decoding_benchmark", ROOT / "benchmarks" / "decoding.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
