@@ -25,11 +25,13 @@ answers that from the config).
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
 import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+from .positions import takes_position_ids
 
 DEFAULT_MAX_ROW_TOKENS = 2048  # bounds the (rows, 1, L, L) mask and the attention of one row
 DEFAULT_ATTENTION_PAIR_COST = 1 / 3000  # about SmolLM2-135M's; see relative_attention_cost
@@ -331,6 +333,18 @@ def packing_pays_on(device_type: str) -> bool:
     return device_type == "cpu"
 
 
+DENSE_MASKS_NEEDED = "needs one that applies a dense 4-D attention mask, such as 'sdpa' or 'eager'"
+
+
+def takes_dense_masks(implementation: str | None) -> bool:
+    """Whether attention implementation `implementation` applies a custom dense (rows, 1, queries, keys) mask: those
+    transformers builds dense masks for (`sdpa_mask`, `eager_mask`), whatever they are registered as. Flash
+    attention (2-D padding masks or none), flex attention (block masks) and kernels without a mask function of
+    transformers' would ignore or refuse one."""
+    mask_function = ALL_MASK_ATTENTION_FUNCTIONS.get(implementation) if implementation is not None else None
+    return mask_function is sdpa_mask or mask_function is eager_mask
+
+
 def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `model` cannot run the packed layout exactly, or None if it can.
 
@@ -343,8 +357,8 @@ def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model"
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in ("sdpa", "eager"):
-        return f"its attention implementation is {implementation!r} (padding-free needs 'sdpa' or 'eager')"
+    if not takes_dense_masks(implementation):
+        return f"its attention implementation is {implementation!r} (padding-free {DENSE_MASKS_NEEDED})"
     layer_types = getattr(text_config, "layer_types", None) or []
     sliding = getattr(text_config, "sliding_window", None) is not None and getattr(
         text_config, "use_sliding_window", True
@@ -353,6 +367,6 @@ def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
         return "it uses sliding-window attention"
     if getattr(text_config, "alibi", False) or getattr(text_config, "model_type", "") in ("bloom", "mpt"):
         return "it uses ALiBi position biases"
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    if not takes_position_ids(model):
         return "its forward takes no position_ids"
     return None

@@ -3,10 +3,11 @@
 On a GPU the per-step Python and kernel launches of a model's forward, not its arithmetic, set the speed of
 decoding: on an H100, 64 rows of a 1.7B model, HF `generate` takes 20 ms per step and `decoding.sample` 25 ms
 where this loop's replayed graph takes 6 ms (docs/benchmarks.md, "GPU"). This module owns the static variant of the
-loop:
-every row's keys and values live in buffers sized for the whole rollout (`StaticKVLayer`), attention reads a
-window of them through a 4-D mask, and the forward of one step is captured once per window size (a multiple
-of `WINDOW_BLOCK` positions) as a CUDA graph, then replayed (`StaticDecoder`). Sampling and the logits
+loop: every row's keys and values live in buffers sized for the whole rollout (`StaticKVLayer`), attention reads a
+window of them through a 4-D additive mask (0 where attended, the dtype's minimum elsewhere: what eager attention adds
+to its scores and SDPA takes as a bias; eager attention would add a boolean one as 1s and 0s, masking nothing), and
+the forward of one step is captured once per window size (a multiple of `WINDOW_BLOCK` positions) as a CUDA graph,
+then replayed (`StaticDecoder`). Sampling and the logits
 processors are `decoding`'s, run between replays. A finished row stays in the batch, its tokens discarded,
 until at most half the rows are live; then the batch is compacted and the graphs are captured again. With
 `keep_states`, the cache of each row that ended with an EOS is copied out as its `decoding.RowState` (for the
@@ -26,21 +27,25 @@ from transformers.utils import logging
 from gspo_trl.decoding import Decoded, RowState, UniformSource, draw, only_scales, random_uniforms
 from gspo_trl.distributed import fsdp2_modules
 from gspo_trl.kv_cache import cache_kwargs
+from gspo_trl.packing import DENSE_MASKS_NEEDED, takes_dense_masks
+from gspo_trl.positions import positions_from_mask
 from gspo_trl.prefix_sharing import prefill
 
 logger = logging.get_logger(__name__)
 
 WINDOW_BLOCK = 256  # attention window granularity: one captured graph per multiple of this many positions
 CHECK_EVERY = 8  # decoding steps between two looks (one device sync) at how many rows are still live
-ATTENTION_WITH_4D_MASKS = ("sdpa", "eager")
+ATTENDED = 0.0  # the additive mask's value where a query attends a key; elsewhere the dtype's minimum
 
 
 def unsupported_reason(model, cache: DynamicCache | None) -> str | None:
     """Why the static loop cannot decode for `model` (None when it can): it needs an attention implementation
-    that takes a 4-D mask, plain full-attention cache layers, and parameters that are whole on this device."""
+    that applies a dense 4-D mask (`packing.takes_dense_masks`), plain full-attention cache layers, and parameters
+    that are whole on this device. Whether the mask is applied right is checked on the first rollout
+    (`logprob_check`)."""
     attention = getattr(model.config, "_attn_implementation", None)
-    if attention not in ATTENTION_WITH_4D_MASKS:
-        return f"attn_implementation={attention!r} (the static loop needs one of {ATTENTION_WITH_4D_MASKS})"
+    if not takes_dense_masks(attention):
+        return f"attn_implementation={attention!r} (the static loop {DENSE_MASKS_NEEDED})"
     if cache is None:
         return "no prefilled prompt cache"
     if any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in cache.layers):
@@ -108,8 +113,14 @@ class StaticDecoder:
         self.write_at = torch.zeros(1, dtype=torch.long, device=device)
         for index, layer in enumerate(cache.layers):
             cache.layers[index] = StaticKVLayer.from_layer(layer, capacity, self.write_at)
-        self.mask = torch.zeros((prompt_mask.shape[0], 1, 1, capacity), dtype=torch.bool, device=device)
-        self.mask[:, 0, 0, : self.prompt_length] = prompt_mask.bool()
+        # (rows, 1, 1, capacity) additive, a static buffer (replayed graphs read it): the prompt's tokens attended,
+        # its padding and gaps and the completion's unwritten slots not. In the embeddings' dtype, as the packed
+        # layout's mask: SDPA takes it for queries of that dtype or of autocast's.
+        dtype = model.get_input_embeddings().weight.dtype
+        self.mask = torch.full(
+            (prompt_mask.shape[0], 1, 1, capacity), torch.finfo(dtype).min, dtype=dtype, device=device
+        )
+        self.mask[:, 0, 0, : self.prompt_length].masked_fill_(prompt_mask.bool(), ATTENDED)
         self.step_ids = torch.zeros((prompt_mask.shape[0], 1), dtype=torch.long, device=device)
         self.positions = torch.zeros_like(self.step_ids)
         self.graphs = graphs
@@ -131,7 +142,7 @@ class StaticDecoder:
 
     def logits(self, step_ids: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
         write = self.prompt_length - 1 + t
-        self.mask[:, 0, 0, write] = True
+        self.mask[:, 0, 0, write] = ATTENDED
         self.write_at.fill_(write)
         self.step_ids.copy_(step_ids)
         self.positions.copy_(positions)
@@ -172,7 +183,7 @@ class StaticDecoder:
         for row, length in zip(batch_rows, lengths):
             columns = torch.cat(
                 [
-                    self.mask[row, 0, 0, : self.prompt_length].nonzero().squeeze(1),
+                    (self.mask[row, 0, 0, : self.prompt_length] == ATTENDED).nonzero().squeeze(1),
                     torch.arange(self.prompt_length, self.prompt_length + length - 1, device=self.mask.device),
                 ]
             )
@@ -244,7 +255,7 @@ def sample(
 
     history = prompt_ids if history is None else history
     sequences = torch.cat([history, completions], dim=1)  # what the processors see: sequences[:, :H + t]
-    step_ids, positions = prompt_ids[:, -1:], prompt_mask.sum(-1, keepdim=True) - 1
+    step_ids, positions = prompt_ids[:, -1:], positions_from_mask(prompt_mask)[:, -1:]
     scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
     for t in range(max_new_tokens):
         logits = decoder.logits(step_ids, positions, t)

@@ -11,6 +11,8 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from gspo_trl import decoding, static_decoding
+from gspo_trl.decode_attention import NAME as DENSE_MASKED_CUSTOM_ATTENTION
+from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.prefix_sharing import prefill, prefill_shared_prompts
 from gspo_trl.rollout import completion_mask_from_eos, keyed_uniform, stream_keys
 
@@ -22,11 +24,15 @@ def encode(tokenizer, prompts=PROMPTS):
     return encoded.input_ids, encoded.attention_mask
 
 
-@pytest.mark.parametrize("window_block, check_every", [(4, 2), (256, 8), (3, 1)])
+@pytest.mark.parametrize(
+    "window_block, check_every, attention", [(4, 2, "sdpa"), (256, 8, "sdpa"), (3, 1, "sdpa"), (4, 2, "eager")]
+)
 def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
-    tiny_model, tiny_tokenizer, window_block, check_every
+    tiny_model, tiny_tokenizer, window_block, check_every, attention
 ):
-    # Windows of 4 and 3 positions grow every few steps; checks every 1 or 2 steps compact the batch.
+    # Windows of 4 and 3 positions grow every few steps; checks every 1 or 2 steps compact the batch. Eager attention
+    # adds the 4-D mask to its scores: the padding and the window's unwritten slots must be masked there too.
+    tiny_model.set_attn_implementation(attention)
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
     ids, mask = encode(tiny_tokenizer)
     keys = stream_keys(3, torch.arange(len(PROMPTS)))
@@ -131,13 +137,18 @@ def test_unsupported_reason_names_what_the_static_loop_needs(tiny_model, tiny_to
         )
     assert "no prefilled prompt cache" in static_decoding.unsupported_reason(tiny_model, None)
     assert "full attention" in static_decoding.unsupported_reason(tiny_model, DynamicCache(config=tiny_model.config))
-    tiny_model.config._attn_implementation = "flex_attention"
-    assert "flex_attention" in static_decoding.unsupported_reason(tiny_model, cache)
+    tiny_model.config._attn_implementation = DENSE_MASKED_CUSTOM_ATTENTION  # registered with SDPA's dense masks
+    assert static_decoding.unsupported_reason(tiny_model, cache) is None
+    for attention in ("flex_attention", "flash_attention_2"):  # block masks; 2-D padding masks or none
+        tiny_model.config._attn_implementation = attention
+        assert f"attn_implementation={attention!r}" in static_decoding.unsupported_reason(tiny_model, cache)
 
 
-def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenizer, attention):
     # Later turns of episodes: rows share a prompt, then differ; `prefill_shared_prefixes` lays them out
     # [prefix | gap | tail | last token]. The processors (repetition penalty here) see the left-padded rows.
+    tiny_model.set_attn_implementation(attention)
     from gspo_trl.prefix_sharing import prefill_shared_prefixes
     from gspo_trl.rollout import left_pad
 
@@ -241,3 +252,39 @@ def test_static_loop_records_the_logps_the_dynamic_loop_records(tiny_model, tiny
     completion_mask, _ = completion_mask_from_eos(static.completion_ids, ends)
     assert (static.logps[completion_mask == 0] == 0).all() and (static.logps[completion_mask == 1] < 0).all()
     torch.testing.assert_close(static.logps, dynamic.logps, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_static_loop_records_the_logps_a_scoring_forward_gives(tiny_model, tiny_tokenizer, family, attention):
+    # The recorded log-probs are π_old (decode_logprobs_as_old): they must be what training scores, under either
+    # attention (eager adds the mask to its scores: a boolean mask there masked nothing, 1.1 nats off on Llama) and
+    # for learned absolute positions (GPT-2: the static loop's positions count each row from its first token).
+    from conftest import build_tiny_gpt2
+
+    model = tiny_model if family == "llama" else build_tiny_gpt2(tiny_tokenizer).eval()
+    model.set_attn_implementation(attention)
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    ids, mask = encode(tiny_tokenizer)
+    keys = stream_keys(19, torch.arange(len(PROMPTS)))
+    kwargs = dict(
+        max_new_tokens=10,
+        eos_token_ids=[eos],
+        pad_token_id=pad,
+        processors=LogitsProcessorList([FavourEos(eos)]),
+        logp_temperature=0.8,
+        uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+    )
+    static = static_decoding.sample(model, ids, mask, graphs=False, window_block=4, check_every=3, **kwargs)
+    dynamic = decoding.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask), **kwargs)
+    assert torch.equal(static.completion_ids, dynamic.completion_ids)
+    completion_mask, _ = completion_mask_from_eos(static.completion_ids, [eos])
+    scored = completion_logprobs(
+        model,
+        torch.cat([ids, static.completion_ids], dim=1),
+        torch.cat([mask, completion_mask], dim=1),
+        static.completion_ids,
+        completion_mask,
+        temperature=0.8,
+    ).logps
+    torch.testing.assert_close(static.logps, scored, atol=1e-5, rtol=0)
