@@ -28,7 +28,7 @@ a distributed launch there, so it would be plain training).
 memory; accelerate then trains with DeepSpeedCPUAdam). `--device cuda` runs the GPU recipe (bf16 weights,
 `bf16=True`) and records each rank's peak GPU memory (`torch.cuda.max_memory_allocated`) and what stays allocated
 after training; with `--architecture` (and `--tokenizer`, as for step_time.py) the model is a random-init one of
-SmolLM2's sizes on synthetic prompts, for a GPU machine without the demo's weights. The GPU row issue 9 asks for
+SmolLM2's sizes on synthetic prompts, for a GPU machine without the demo's weights. The GPU row
 (one process, ZeRO-3 with and without offload):
 
     python benchmarks/distributed.py --device cuda --architecture smollm2-1.7b --tokenizer .bench/smollm2-tokenizer \

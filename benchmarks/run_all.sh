@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every measurement behind docs/benchmarks.md, then its tables. About 80 minutes on a 2-core CPU;
-# run it with nothing else on the machine.
+# The CPU side-by-side runs behind docs/benchmarks.md (full fine-tuning and LoRA against TRL, scaling against TRL),
+# then its tables; every other table names its own command on the page. About 80 minutes on a 2-core CPU; run it
+# with nothing else on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"

@@ -7,7 +7,7 @@ layer already. Keeping it (PyTorch's selective checkpointing: the outputs of the
 other operator of the layer is recomputed) takes the O(L²) forward out of the backward pass, for one more
 hidden-size tensor and its log-sum-exp per layer and token. The gradients are the same bit for bit: the kept
 tensors are what the recomputation would have produced. SmolLM2-135M on a 2-core CPU, one 4,096-token completion:
-10.9–11.3 against 12.0–12.5 ms per token (docs/benchmarks.md, "Checkpointing that keeps attention").
+10.9–11.3 against 12.0–12.5 ms per token (docs/benchmarks.md, "The training phase alone").
 
 Owns the policy and the checkpoint keyword arguments built from `GSPOConfig`; `enable_kept_attention` re-enables a
 model's checkpointing with them after `Trainer.train` has enabled it with the user's. Attention implementations

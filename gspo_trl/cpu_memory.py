@@ -3,7 +3,7 @@
 PyTorch on CPU allocates activations, gradients and KV caches with plain `malloc`. glibc serves
 large blocks with fresh `mmap` pages and returns them on `free`, so every training step faults in
 (and zeroes) gigabytes of new pages again; on a 2-core machine that cost a third of the training
-phase (docs/benchmarks.md). Asking glibc to serve everything from its heap and not trim it plays
+phase (docs/design/performance.md). Asking glibc to serve everything from its heap and not trim it plays
 the part that PyTorch's caching allocator plays on GPUs. What this module does not own: any
 tensor, and anything on GPUs or non-glibc systems (there it does nothing).
 """

@@ -5,7 +5,7 @@ product of a weight with one to eight rows (`csrc/decode_linear.c`), and the rot
 PyTorch's CPU SDPA reads a decoding step's KV cache at 10-16 GB/s on the 2-core EPYC, where its memory gives about
 30, and MKL reads the weights of a one- or two-row product at two thirds of that at best: at the end of a long
 rollout, where a few rows decode alone, both are far from the hardware. The C loops read near the memory bandwidth
-(docs/benchmarks.md, "Attention at the memory bandwidth" and "Few-row products at the memory bandwidth"); the
+(docs/design/performance.md); the
 rotary loop replaces some 18 small operators per layer with one call. They are compiled once per machine with the
 C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`), into one library in gspo-trl's cache
 folder (builds no process has loaded for `UNUSED_DAYS` are removed when a new one is built), and loaded with ctypes;

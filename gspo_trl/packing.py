@@ -152,7 +152,7 @@ def pack_shared_prefix(
     if any(len(row) > 1 or len(row[0].completions) > 1 for row in rows):
         attention_mask = _block_tree_mask(unit_of, branch_of).unsqueeze(1)
     # else one prompt and one completion per row, then padding: causal attention is exact for every real token, and
-    # measured 1.2x faster than the same layout under a dense mask at 1-4k tokens on CPU (docs/benchmarks.md).
+    # measured 1.2x faster than the same layout under a dense mask at 1-4k tokens on CPU (docs/design/performance.md).
 
     score_index = predictor[completion_mask.bool()]
     if (score_index < 0).any():  # a bug here would silently score the wrong hidden states

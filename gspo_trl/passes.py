@@ -24,7 +24,7 @@ import torch
 
 # Positions per pass on a CUDA device when `max_tokens_per_pass` is unset: at 1.7B parameters (bf16, no
 # checkpointing) about 20 GB of activations; passes this large cost the 1.7B/1024-token benchmark cell 5% of its
-# training-phase speed against one pass (docs/benchmarks.md, "Third GPU session").
+# training-phase speed against one pass (docs/benchmarks.md, "SmolLM2-1.7B architecture on an H200").
 DEFAULT_CUDA_PASS_TOKENS = 8192
 
 # Keys of a micro-batch whose first dimension is not its rows.
