@@ -23,15 +23,38 @@ MIGRATION = DOCS / "migrating-from-trl.md"
 
 # Concepts that GSPOConfig shares with TRL's GRPOConfig: they must keep TRL's names.
 SHARED_WITH_TRL = [
-    "num_generations", "per_device_train_batch_size", "steps_per_generation", "generation_batch_size",
-    "num_iterations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "epsilon", "epsilon_high", "beta", "use_bias_correction_kl", "scale_rewards", "reward_weights",
-    "mask_truncated_completions", "importance_sampling_level", "log_completions",
+    "num_generations",
+    "per_device_train_batch_size",
+    "steps_per_generation",
+    "generation_batch_size",
+    "num_iterations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "epsilon",
+    "epsilon_high",
+    "beta",
+    "use_bias_correction_kl",
+    "scale_rewards",
+    "reward_weights",
+    "mask_truncated_completions",
+    "importance_sampling_level",
+    "log_completions",
 ]
 # Rows the defaults table of the migration guide must have.
 REQUIRED_DEFAULT_ROWS = {
-    "importance_sampling_level", "epsilon", "epsilon_high", "steps_per_generation", "loss_type",
-    "disable_dropout", "bf16", "gradient_checkpointing", "learning_rate",
+    "importance_sampling_level",
+    "epsilon",
+    "epsilon_high",
+    "steps_per_generation",
+    "loss_type",
+    "disable_dropout",
+    "bf16",
+    "gradient_checkpointing",
+    "learning_rate",
 }
 # Fields whose value differs only because another listed field differs (explained in the guide's prose).
 DERIVED_FIELDS = {"generation_batch_size"}
@@ -73,8 +96,9 @@ def migration_text() -> str:
 @pytest.fixture(scope="module")
 def default_configs(tmp_path_factory):
     """(GSPOConfig, GRPOConfig) built with only output_dir and gradient_accumulation_steps set."""
-    kwargs = dict(output_dir=str(tmp_path_factory.mktemp("docs-config")),
-                  gradient_accumulation_steps=GRADIENT_ACCUMULATION)
+    kwargs = dict(
+        output_dir=str(tmp_path_factory.mktemp("docs-config")), gradient_accumulation_steps=GRADIENT_ACCUMULATION
+    )
     if not CUDA_BF16:
         kwargs["use_cpu"] = True  # TRL's bf16=True default refuses to construct without a bf16 GPU otherwise
     with warnings.catch_warnings():
@@ -83,6 +107,7 @@ def default_configs(tmp_path_factory):
 
 
 # --- docs/config.md ----------------------------------------------------------------------------
+
 
 def _load_generator():
     spec = importlib.util.spec_from_file_location("gen_config_reference", DOCS / "gen_config_reference.py")
@@ -161,6 +186,7 @@ def test_every_declared_field_help_is_one_or_two_sentences():
 
 # --- docs/migrating-from-trl.md ----------------------------------------------------------------
 
+
 def _claimed_value(expression: str):
     namespace = {"gradient_accumulation_steps": GRADIENT_ACCUMULATION, "cuda_bf16": CUDA_BF16}
     return eval(expression.replace("×", "*"), {"__builtins__": {}}, namespace)  # noqa: S307 (our own doc)
@@ -210,7 +236,9 @@ def test_migration_metrics_table_covers_logged_names(migration_text):
     ours = {name for row in rows for name in _code_spans(row[0])}
     lengths = completion_length_metrics(torch.ones(2, 3), torch.zeros(2, dtype=torch.bool))
     logged = (
-        set(LOSS_STAT_NAMES.values()) | set(SAMPLING_STAT_NAMES.values()) | set(lengths)
+        set(LOSS_STAT_NAMES.values())
+        | set(SAMPLING_STAT_NAMES.values())
+        | set(lengths)
         | {"entropy", "reward", "reward_std", "frac_reward_zero_std", "num_tokens", "loss"}
     )
     assert logged <= ours, f"metrics missing from the guide: {sorted(logged - ours)}"
@@ -244,7 +272,8 @@ def test_objective_comparison_table_matches_the_result_files():
 
 
 def test_distributed_memory_table_matches_the_result_file():
-    """docs/distributed.md shows what benchmarks/results/distributed.json holds (benchmarks/distributed.py prints it)."""
+    """docs/distributed.md shows what benchmarks/results/distributed.json holds (benchmarks/distributed.py prints
+    it)."""
     spec = importlib.util.spec_from_file_location("distributed_benchmark", ROOT / "benchmarks" / "distributed.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -283,8 +312,10 @@ def test_agents_page_shows_the_measured_retry_run():
     text = (DOCS / "agents.md").read_text(encoding="utf-8")
     record = json.loads((ROOT / "benchmarks" / "results" / "retry_env_demo.json").read_text())
     for rollout in record["rollouts"]:
-        row = (f"| {rollout['step']} | {rollout['reward']:.3f} | {rollout['episodes/reward_turn_0/mean']:.3f} | "
-               f"{rollout['episodes/ended_by/terminated']:.0%} | {rollout['completions/mean_length']:.1f} |")
+        row = (
+            f"| {rollout['step']} | {rollout['reward']:.3f} | {rollout['episodes/reward_turn_0/mean']:.3f} | "
+            f"{rollout['episodes/ended_by/terminated']:.0%} | {rollout['completions/mean_length']:.1f} |"
+        )
         assert row in text, row
     assert f"+{record['summary']['reward_gain']:.3f}" in text
     assert record["command"].split("train ", 1)[1].split()[:2] == ["--env", "retry"]
@@ -295,8 +326,10 @@ def test_agents_page_shows_the_measured_calculator_run():
     text = (DOCS / "agents.md").read_text(encoding="utf-8")
     record = json.loads((ROOT / "benchmarks" / "results" / "calculator_agent.json").read_text())
     for rollout in record["rollouts"]:
-        row = (f"| {rollout['step']} | {rollout['reward']:.3f} | {rollout['tools/call_frequency']:.2f} | "
-               f"{rollout['tools/failure_frequency']:.2f} |")
+        row = (
+            f"| {rollout['step']} | {rollout['reward']:.3f} | {rollout['tools/call_frequency']:.2f} | "
+            f"{rollout['tools/failure_frequency']:.2f} |"
+        )
         assert row in text, row
     assert f"warm-up {record['warm_up_seconds']:.0f} s" in text and f"in {record['gspo_seconds']:.0f} s" in text
 
@@ -306,6 +339,8 @@ def test_readme_demo_record_is_the_recorded_run():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     record = json.loads((ROOT / "benchmarks" / "results" / "demo_metrics.json").read_text())
     summary = record["summary"]
-    assert f"| **{summary['reward_last_window']:.3f}** |" in text and f"| {summary['reward_first_window']:.3f} |" in text
+    assert (
+        f"| **{summary['reward_last_window']:.3f}** |" in text and f"| {summary['reward_first_window']:.3f} |" in text
+    )
     assert f"+{summary['reward_gain']:.3f}" in text
     assert f"({summary['train_runtime_s']:.1f} s of training)" in text
