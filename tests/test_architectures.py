@@ -2,6 +2,7 @@
 padded and packed layouts, those each decoding loop records while sampling and those `generate` samples from, all
 against a forward of each row alone (no padding, no cache, no position ids); and two training steps. Where a path
 cannot serve a family, the test asserts the reason gspo-trl gives and the path it falls back to.
+docs/architectures.md is the table of what each family takes; `test_docs_table_matches_the_code` keeps it true.
 
 Every check compares float32 log-probs within 1e-5: the float32 rounding of a few layers of a 64-wide model,
 summed in another order (a padded batch, a packed row, a KV cache, a 4-D mask), differs by a few ulps of values
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +24,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from gspo_trl import GSPOConfig, GSPOTrainer, decoding, static_decoding, trainer
 from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.models import router_aux_loss_coef
 from gspo_trl.packing import padding_free_unsupported_reason
 from gspo_trl.prefix_sharing import prefill
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, stream_keys
+
+DOCS_TABLE = Path(__file__).resolve().parent.parent / "docs" / "architectures.md"
 
 # hidden 64, 2 layers, 4 heads of 16, 2 key/value heads: a few hundred thousand parameters, built in well under 1 s.
 LLAMA_LIKE = dict(
@@ -40,7 +46,7 @@ WINDOW = 8
 
 FALCON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 
-# id -> (model_type, config values). The ids name the tests (`gpt2-eager-padded`).
+# id -> (model_type, config values). The ids name the tests (`gpt2-eager-padded`) and the rows of the docs table.
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("llama", LLAMA_LIKE),
     "qwen2": ("qwen2", LLAMA_LIKE),
@@ -391,3 +397,33 @@ def test_two_training_steps(family, tmp_path):
     losses = [entry["loss"] for entry in gspo_trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), losses
     assert any(not torch.equal(before[name], p) for name, p in model.named_parameters())
+
+
+# --- docs/architectures.md -----------------------------------------------------------------------------------
+
+
+def docs_rows() -> dict[str, list[str]]:
+    """The cells of each row of the table in docs/architectures.md, by the test id in its first cell."""
+    rows = {}
+    for line in DOCS_TABLE.read_text(encoding="utf-8").splitlines():
+        match = re.match(r"\| `([\w-]+)` \|", line)
+        if match:
+            rows[match.group(1)] = [cell.strip() for cell in line.strip().strip("|").split("|")]
+    return rows
+
+
+def test_docs_table_matches_the_code():
+    # Each family of this matrix has a row, whose model_type, packed-rows and GPU-decoding cells say what the code
+    # decides for it (a load-balancing loss keeps the training forward on padded rows: `completion_logprobs`).
+    rows = docs_rows()
+    assert set(rows) == set(FAMILIES), set(rows) ^ set(FAMILIES)
+    tok = tokenizer()
+    encoded = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    for family, (model_type, _) in FAMILIES.items():
+        _, documented_type, packed, gpu_loop, *_ = rows[family]
+        assert documented_type == f"`{model_type}`", family
+        model = tiny(family, "eager")
+        packs = padding_free_unsupported_reason(model) is None
+        assert packed.startswith("yes" if packs else "no"), family
+        assert ("load-balancing" in packed) == (packs and router_aux_loss_coef(model, None) != 0), family
+        assert gpu_loop.startswith("static" if static_refusal(model, encoded) is None else "dynamic"), family
