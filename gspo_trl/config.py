@@ -26,6 +26,8 @@ from .sampling_correction import CORRECTION_MODES
 ADVANTAGE_GRANULARITIES = ("trajectory", "turn")
 # How completions are sampled (see `decode_loop`).
 DECODE_LOOPS = ("gspo", "generate")
+# What a disagreement found by the log-prob check does (see `check_logprobs`).
+CHECK_LOGPROBS_OPTIONS = ("raise", "warn", "off")
 
 # Optimizer steps per rollout batch when the user leaves `steps_per_generation` unset (the paper's
 # "each batch of rollouts is split into four minibatches for gradient updates").
@@ -368,6 +370,15 @@ class GSPOConfig(TrainingArguments):
         metadata={
             "help": "Pack each prompt once with its completions under a block-tree attention mask for the training and "
             "log-prob passes; None: packed on CPU, padded rows on GPUs. See docs/performance-options.md#packed-rows."
+        },
+    )
+    check_logprobs: str = field(
+        default="raise",
+        metadata={
+            "help": "On the first rollout, compare the log-probs of the path training scores with (padded or packed "
+            "rows) and those the decoding loop recorded with a plain forward of a few rows alone: 'raise' fails on a "
+            "disagreement, 'warn' warns and falls back to a safe path, 'off' skips the check. See "
+            "docs/performance-options.md#log-prob-check."
         },
     )
 
@@ -716,6 +727,8 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         if self.max_tokens_per_pass is not None and self.max_tokens_per_pass < 0:
             raise ValueError(f"max_tokens_per_pass must be >= 0 (0: no limit) or None, got {self.max_tokens_per_pass}.")
+        if self.check_logprobs not in CHECK_LOGPROBS_OPTIONS:
+            raise ValueError(f"check_logprobs must be one of {CHECK_LOGPROBS_OPTIONS}, got {self.check_logprobs!r}.")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
         if isinstance(self.logprob_kept_logits_mb, bool) or not isinstance(self.logprob_kept_logits_mb, (int, float)):

@@ -191,6 +191,15 @@ def weights_for_generation(model_wrapped: torch.nn.Module, accelerator, gather_z
     )
 
 
+def has_sharded_parameters(model: torch.nn.Module) -> bool:
+    """Whether `model` holds parameter shards that every forward gathers with the other processes (DeepSpeed ZeRO-3,
+    FSDP2's DTensors, FSDP1's flat parameters): each process must then run the same forwards."""
+    return any(
+        hasattr(p, "ds_id") or type(p).__name__ in ("DTensor", "FlatParameter")
+        for p in unwrap_model(model).parameters()
+    )
+
+
 def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` that FSDP2 (`fully_shard`) shards, outermost first (empty without FSDP2)."""
     return [module for module in model.modules() if is_fsdp2_module(module)]

@@ -60,6 +60,9 @@ class Rollout:
     # of the decoding loop, `decoding.RowState`), None where nothing was kept; None for backends that keep nothing.
     states: list | None = None
     sampled_by_policy: bool = False
+    # The decoding loop that sampled the rows on the trained model (and recorded `sampling_logps`, where it did):
+    # "static" (a static KV cache, `static_decoding`) or "dynamic" (`decoding`); None for others (generate, vLLM).
+    decoding_loop: str | None = None
 
     @property
     def sampled_mask(self) -> torch.Tensor:
@@ -107,6 +110,10 @@ class RolloutBackend(ABC):
         """Called before every rollout with the (wrapped) policy: an engine with its own copy of the weights
         refreshes it when they changed since it last did (`global_step` counts optimizer steps). Every process
         calls it."""
+
+    def avoid_loop(self, loop: str) -> None:  # noqa: B027 (a no-op by default)
+        """Stop sampling with decoding loop `loop` (a `Rollout.decoding_loop`), whose log-probs the log-prob check
+        found to be other than the model's (`logprob_check`); a backend that has no such loop ignores it."""
 
     @abstractmethod
     def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
@@ -262,6 +269,12 @@ class HFGenerateBackend(RolloutBackend):
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return tokenize_prompts(prompts, self.tokenizer, self.max_prompt_length, self.chat_template_kwargs)
 
+    def avoid_loop(self, loop: str) -> None:
+        if loop == "static":  # the dynamic loop, on the model's own cache and masks
+            self.cuda_graphs = False
+        elif loop == "dynamic":  # transformers' generate (which records no log-probs: π_old gets its forward pass)
+            self.use_decode_loop, self.logp_temperature = False, None
+
     def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
         prompt_ids, prompt_mask = self.tokenize_prompts(prompts)
         return self._sample(prompt_ids, prompt_mask, stream_keys, self.generation_config.max_new_tokens)
@@ -290,7 +303,7 @@ class HFGenerateBackend(RolloutBackend):
         # (about 7x slower sampling).
         model.eval()
         try:
-            parts = [
+            sliced = [
                 self._sample_rows(
                     model,
                     prompt_ids[part],
@@ -304,6 +317,7 @@ class HFGenerateBackend(RolloutBackend):
             ]
         finally:
             model.train(was_training)
+        parts, loops = [part for part, _ in sliced], {loop for _, loop in sliced}
         pad = self.tokenizer.pad_token_id
         width = max(part.completion_ids.shape[1] for part in parts)
         completion_ids = torch.cat(
@@ -325,6 +339,7 @@ class HFGenerateBackend(RolloutBackend):
             sampling_logps=logps,
             states=kept if keep_states else None,
             sampled_by_policy=logps is not None,
+            decoding_loop=None if loops == {None} else "static" if "static" in loops else "dynamic",
         )
 
     def _rows_per_slice(self, model, rows: int, positions: int) -> int:
@@ -349,15 +364,15 @@ class HFGenerateBackend(RolloutBackend):
 
     def _sample_rows(
         self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
-    ) -> decoding.Decoded:
-        """One slice of rows, decoded together."""
+    ) -> tuple[decoding.Decoded, str | None]:
+        """One slice of rows, decoded together, and the decoding loop that sampled them (None: generate)."""
         if self.use_decode_loop:
             return self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states)
-        return decoding.Decoded(self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens))
+        return decoding.Decoded(self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens)), None
 
     def _sample_with_loop(
         self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
-    ) -> decoding.Decoded:
+    ) -> tuple[decoding.Decoded, str]:
         def keyed_uniforms(rows, position):  # one uniform per row and position, from the row's own stream
             return keyed_uniform(keys[rows], position, 1).squeeze(1)
 
@@ -388,16 +403,21 @@ class HFGenerateBackend(RolloutBackend):
             keep_states=keep_states,
             logp_temperature=self.logp_temperature,
         )
-        if self.cuda_graphs and ids.device.type == "cuda":
+        if self._uses_static_loop(ids.device):
             if cache is None:
                 cache = prefill(model, ids, mask)
             reason = static_decoding.unsupported_reason(model, cache)
             if reason is None:
-                return static_decoding.sample(model, ids, mask, cache=cache, **sampling)
+                graphs = ids.device.type == "cuda"
+                return static_decoding.sample(model, ids, mask, cache=cache, graphs=graphs, **sampling), "static"
             if not self._static_refusal_logged:
                 logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
                 self._static_refusal_logged = True
-        return decoding.sample(model, ids, mask, cache=cache, timed_forms=self.timed_forms, **sampling)
+        return decoding.sample(model, ids, mask, cache=cache, timed_forms=self.timed_forms, **sampling), "dynamic"
+
+    def _uses_static_loop(self, device: torch.device) -> bool:
+        # The static loop pays on a GPU only (CUDA graphs); tests run it on CPU by replacing this.
+        return self.cuda_graphs and device.type == "cuda"
 
     def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
         generation_config, processors = self.generation_config, None

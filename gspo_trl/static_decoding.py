@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging
 
 from gspo_trl.decoding import Decoded, RowState, UniformSource, draw, only_scales, random_uniforms
-from gspo_trl.distributed import fsdp2_modules
+from gspo_trl.distributed import fsdp2_modules, has_sharded_parameters
 from gspo_trl.kv_cache import cache_kwargs
 from gspo_trl.packing import DENSE_MASKS_NEEDED, takes_dense_masks
 from gspo_trl.positions import positions_from_mask
@@ -50,7 +50,7 @@ def unsupported_reason(model, cache: DynamicCache | None) -> str | None:
         return "no prefilled prompt cache"
     if any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in cache.layers):
         return "cache layers other than full attention (sliding windows, linear attention, ...)"
-    if any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in model.parameters()):
+    if has_sharded_parameters(model):
         return "sharded parameters (DeepSpeed ZeRO-3 or FSDP)"
     if fsdp2_modules(model):  # whole for the rollout, but FSDP2's hooks would run (and be captured) in every forward
         return "FSDP2 (its forward hooks run around every step; CUDA-graph capture of them is untested)"

@@ -1,10 +1,10 @@
 """`GSPOTrainer`: the `transformers.Trainer` that wires rollout → reward → advantage → loss → log.
 
 It holds no math and no backend details: sampling lives in `rollout`, multi-turn episodes in
-`environments`, log-probabilities in `logprobs`, rewards in `rewards`, the rollout's advantages in `scoring`
-(math in `advantages`), the objective in `loss`, a micro-batch's training passes in `passes`. The
-trainer's own job is the schedule (one rollout reused for `steps_per_generation × num_iterations`
-micro-steps, as in TRL), moving data between those modules, and logging.
+`environments`, log-probabilities in `logprobs` (checked on the first rollout by `logprob_check`), rewards in
+`rewards`, the rollout's advantages in `scoring` (math in `advantages`), the objective in `loss`, a micro-batch's
+training passes in `passes`. The trainer's own job is the schedule (one rollout reused for
+`steps_per_generation × num_iterations` micro-steps, as in TRL), moving data between those modules, and logging.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .entropy_control import EntropyCoefficient
 from .environments import EpisodeRunner
 from .environments.episodes import END_REASONS, end_codes
 from .environments.tools import environment_reward_functions, tool_episode_factory
+from .logprob_check import check_first_rollout
 from .logprobs import completion_logprobs
 from .loss import Objective, masked_mean, policy_loss
 from .loss_masks import high_entropy_token_mask
@@ -212,6 +213,7 @@ class GSPOTrainer(Trainer):
         self._rollout_generator = torch.Generator().manual_seed(args.seed)
         self._entropy_window = None  # (entropy sum, token count) of this optimizer step so far, for adaptive control
         self._pass_metrics: list[tuple[dict, dict]] = []  # the loss metrics of a micro-batch's passes so far
+        self._logprobs_unchecked = args.check_logprobs != "off"  # until the first training rollout (logprob_check)
 
     # --- precision ----------------------------------------------------------------------------
 
@@ -528,6 +530,19 @@ class GSPOTrainer(Trainer):
         # π_old: the sampling weights' log-probs when they are already gone (async_rollouts), else filled per
         # micro-batch by _prepare_inputs where needed.
         inputs["old_per_token_logps"] = sampled.behaviour_logps
+        if mode == "train" and self._logprobs_unchecked:  # once, before a π_old or reference pass scores on a path
+            self._logprobs_unchecked = False
+            snapshot = getattr(self.rollout_pipeline, "snapshot_backend", None)  # async rollouts sample with it
+            self.padding_free = check_first_rollout(
+                self.model,
+                inputs,
+                self.args,
+                self.accelerator,
+                padding_free=self.padding_free,
+                decoding_loop=rollout.decoding_loop,
+                backends=[backend for backend in (self.rollout_backend, snapshot) if backend is not None],
+                checked_mask=sampled_mask,
+            )
         inputs["ref_per_token_logps"] = None
         if args.beta > 0:
             with reference_weights(self.model, self.ref_model) as reference:

@@ -197,11 +197,20 @@ class EpisodeRunner:
             tokenizer,
             rollout.sampling_logps is not None,
             rollout.sampled_by_policy,
+            rollout.decoding_loop,
         )
 
 
 def _batch(
-    episodes, prompts, prompt_ids, prompt_mask, conversational, tokenizer, has_sampling_logps, sampled_by_policy
+    episodes,
+    prompts,
+    prompt_ids,
+    prompt_mask,
+    conversational,
+    tokenizer,
+    has_sampling_logps,
+    sampled_by_policy,
+    decoding_loop=None,
 ) -> EpisodeBatch:
     rows, width = len(episodes), max(1, max(len(e.completion_ids) for e in episodes))
     turns = max(len(e.rewards) for e in episodes)
@@ -232,6 +241,7 @@ def _batch(
         env_mask,
         turn_ids,
         sampled_by_policy=has_sampling_logps and sampled_by_policy,
+        decoding_loop=decoding_loop,
     )
     if conversational:
         completions = [episode.messages for episode in episodes]

@@ -1,0 +1,211 @@
+"""gspo_trl.logprob_check: on the first rollout, the log-probs of the path training scores with and of the decoding
+loop agree with a plain forward of each row alone on the fixed paths, and a deliberately broken path (positions
+shifted, the static loop's old boolean mask under eager attention) raises, or with "warn" falls back and trains."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import build_tiny_gpt2
+from datasets import Dataset
+from helpers import count_digits, small_config, text_dataset
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper
+
+from gspo_trl import GSPOConfig, GSPOTrainer, decoding, logprobs, static_decoding
+from gspo_trl.logprob_check import FLOAT32, HALF_PRECISION, check_first_rollout, checked_rows, tolerance_in_use
+from gspo_trl.prefix_sharing import prefill_shared_prompts
+from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos
+
+PROMPTS = ["What is 2 + 3?"] * 3 + ["Hi"] * 3 + ["Solve: 7 - 4 = 3. Reply with just the number."] * 3
+TEMPERATURE = 0.9
+
+
+def rollout_inputs(model, tokenizer, loop: str = "dynamic") -> dict:
+    """A rollout as the trainer hands it to the check: left-padded prompts, completions, the loop's log-probs."""
+    encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = encoded.input_ids, encoded.attention_mask
+    eos = tokenizer.eos_token_id
+    kwargs = dict(
+        max_new_tokens=10,
+        eos_token_ids=[eos],
+        pad_token_id=tokenizer.pad_token_id,
+        processors=LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE)]),
+        logp_temperature=TEMPERATURE,
+    )
+    torch.manual_seed(0)
+    if loop == "static":
+        decoded = static_decoding.sample(model, ids, mask, graphs=False, window_block=4, **kwargs)
+    else:
+        decoded = decoding.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask), **kwargs)
+    completion_mask, _ = completion_mask_from_eos(decoded.completion_ids, [eos])
+    return {
+        "input_ids": torch.cat([ids, decoded.completion_ids], dim=1),
+        "attention_mask": torch.cat([mask, completion_mask], dim=1),
+        "completion_ids": decoded.completion_ids,
+        "completion_mask": completion_mask,
+        "decoding_per_token_logps": decoded.logps,
+    }
+
+
+def check(model, inputs, option="raise", padding_free=False, loop="dynamic", backends=()):
+    args = SimpleNamespace(check_logprobs=option, temperature=TEMPERATURE, logprob_chunk_size=1024)
+    return check_first_rollout(
+        model, inputs, args, padding_free=padding_free, decoding_loop=loop, backends=list(backends)
+    )
+
+
+def shift_padded_positions(monkeypatch, by: int = 3):
+    """Padded rows scored at positions `by` past those they were sampled with (learned positions notice)."""
+    positions = logprobs.positions_from_mask
+    monkeypatch.setattr(logprobs, "positions_from_mask", lambda mask: positions(mask) + by)
+
+
+def old_boolean_mask(monkeypatch):
+    """The static loop as it was: a boolean mask, which eager attention adds to its scores as 1s and 0s."""
+    init = static_decoding.StaticDecoder.__init__
+
+    def with_boolean_mask(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.mask = self.mask == static_decoding.ATTENDED
+
+    monkeypatch.setattr(static_decoding.StaticDecoder, "__init__", with_boolean_mask)
+    monkeypatch.setattr(static_decoding, "ATTENDED", True)
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.avoided = []
+
+    def avoid_loop(self, loop):
+        self.avoided.append(loop)
+
+
+def test_checked_rows_are_the_most_padded_scored_rows_groups_together():
+    attention = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 1, 1, 0]])
+    completion_mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1], [0, 0]])  # row 4 scores nothing
+    assert checked_rows(attention, completion_mask, count=4).tolist() == [0, 1, 3, 2]
+    assert checked_rows(attention, completion_mask, count=9).tolist() == [0, 1, 3, 2, 4]  # a fixed count
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_fixed_paths_agree(tiny_model, tiny_tokenizer, family, attention):
+    model = tiny_model if family == "llama" else build_tiny_gpt2(tiny_tokenizer)
+    model.set_attn_implementation(attention)
+    backend = RecordingBackend()
+    for loop in ("static", "dynamic"):
+        inputs = rollout_inputs(model.eval(), tiny_tokenizer, loop)  # sampled in eval mode, as the backend does
+        model.train()  # training mode, as the trainer calls the check (which runs in eval mode: no dropout)
+        for padding_free in (False, True):
+            assert check(model, inputs, padding_free=padding_free, loop=loop, backends=[backend]) is padding_free
+        assert inputs["decoding_per_token_logps"] is not None and backend.avoided == []
+    assert model.training  # put back
+
+
+def test_shifted_positions_raise_naming_the_family_the_path_and_the_error(tiny_tokenizer, monkeypatch):
+    model = build_tiny_gpt2(tiny_tokenizer).eval()
+    inputs = rollout_inputs(model, tiny_tokenizer)
+    shift_padded_positions(monkeypatch)
+    with pytest.raises(ValueError, match="padded rows") as raised:
+        check(model, inputs, option="warn")  # padded rows are the safe path: nothing to fall back to
+    message = str(raised.value)
+    assert "model_type='gpt2'" in message and "attn_implementation='sdpa'" in message
+    error = float(message.split("by up to ")[1].split(" nats")[0])
+    assert error > 10 * FLOAT32.atol and "float32" in message
+    assert check(model, inputs, option="off") is False  # off: nothing checked
+
+
+def test_the_static_loops_old_boolean_mask_under_eager_attention_is_found(tiny_model, tiny_tokenizer, monkeypatch):
+    tiny_model.set_attn_implementation("eager")
+    old_boolean_mask(monkeypatch)
+    inputs = rollout_inputs(tiny_model, tiny_tokenizer, "static")
+    with pytest.raises(ValueError, match="static decoding loop.*model_type='llama', attn_implementation='eager'"):
+        check(tiny_model, inputs, loop="static")
+    backend = RecordingBackend()
+    assert check(tiny_model, inputs, option="warn", loop="static", backends=[backend]) is False
+    assert backend.avoided == ["static"] and inputs["decoding_per_token_logps"] is None  # π_old gets a forward
+
+
+def test_a_dynamic_loops_disagreement_falls_back_to_generate(tiny_model, tiny_tokenizer, tmp_path):
+    inputs = rollout_inputs(tiny_model, tiny_tokenizer)
+    inputs["decoding_per_token_logps"] = inputs["decoding_per_token_logps"] - 0.01 * inputs["completion_mask"]
+    with pytest.raises(ValueError, match="dynamic decoding loop differ"):
+        check(tiny_model, inputs)
+    backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, small_config(tmp_path))
+    assert backend.use_decode_loop and backend.logp_temperature is not None
+    assert check(tiny_model, inputs, option="warn", padding_free=True, backends=[backend]) is True  # rows are right
+    assert not backend.use_decode_loop and backend.logp_temperature is None  # generate, which records nothing
+    assert inputs["decoding_per_token_logps"] is None
+
+
+def test_the_tolerance_follows_the_precision(tiny_model):
+    assert tolerance_in_use(tiny_model) is FLOAT32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert tolerance_in_use(tiny_model) is HALF_PRECISION
+    assert tolerance_in_use(tiny_model.to(torch.bfloat16)) is HALF_PRECISION
+    assert HALF_PRECISION.atol + HALF_PRECISION.rtol * 3 < 0.9  # a likely token's broken 0.9 nats stand out
+
+
+def test_config_validates_the_option(tmp_path):
+    with pytest.raises(ValueError, match="check_logprobs must be one of"):
+        GSPOConfig(output_dir=str(tmp_path), check_logprobs="maybe")
+
+
+def gpt2_trainer(tmp_path, tokenizer, **overrides):
+    prompts = Dataset.from_dict({"prompt": [PROMPTS[0], PROMPTS[3], PROMPTS[6], "Numbers 0 1 2 3"] * 2})  # padded
+    config = small_config(tmp_path / "out", **overrides)
+    return GSPOTrainer(
+        build_tiny_gpt2(tokenizer), count_digits, args=config, train_dataset=prompts, processing_class=tokenizer
+    )
+
+
+def test_warn_falls_back_from_broken_packed_rows_to_padded_rows_and_trains(
+    tmp_path, tiny_tokenizer, monkeypatch, caplog
+):
+    pack = logprobs.pack_shared_prefix
+
+    def shifted_pack(*args, **kwargs):
+        packed = pack(*args, **kwargs)
+        packed.position_ids += 3
+        return packed
+
+    monkeypatch.setattr(logprobs, "pack_shared_prefix", shifted_pack)
+    trainer = gpt2_trainer(tmp_path, tiny_tokenizer, padding_free=True, check_logprobs="warn")
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "packed rows differ" in caplog.text and "Falling back to padded rows" in caplog.text
+    assert not trainer.padding_free
+    assert all(math.isfinite(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry)
+    trainer = gpt2_trainer(tmp_path, tiny_tokenizer, padding_free=True)  # the default, "raise"
+    with pytest.raises(ValueError, match="packed rows differ.*model_type='gpt2'"):
+        trainer.train()
+
+
+def test_warn_falls_back_from_a_broken_static_loop_to_the_dynamic_one(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(HFGenerateBackend, "_uses_static_loop", lambda self, device: self.cuda_graphs)  # on CPU too
+    old_boolean_mask(monkeypatch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    config = small_config(tmp_path / "out", check_logprobs="warn", steps_per_generation=1)  # a rollout per step
+    trainer = GSPOTrainer(model, count_digits, args=config, train_dataset=text_dataset())
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "static decoding loop differ" in caplog.text and "Decoding without the static KV cache" in caplog.text
+    assert trainer.rollout_backend.cuda_graphs is False  # the second rollout was sampled by the dynamic loop
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_gpt2_trains_in_bf16_with_the_check_on(tmp_path, tiny_tokenizer, padding_free, caplog):
+    # bf16 autocast rounds the plain forward and the training path apart: within the half-precision tolerance.
+    trainer = gpt2_trainer(tmp_path, tiny_tokenizer, bf16=True, padding_free=padding_free)
+    with caplog.at_level("INFO", logger="gspo_trl.logprob_check"):
+        trainer.train()
+    assert f"{'packed' if padding_free else 'padded'} rows agree with a plain forward" in caplog.text  # it ran
+    assert trainer.padding_free is padding_free
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
