@@ -15,6 +15,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
     command = [
         sys.executable,
@@ -54,6 +55,7 @@ def test_gpu_suite_summary_of_a_cell_run_by_one_library():
     assert "| tiny, 8 | failed | failed |" in both  # TRL was to run and gave nothing
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_static_decoding_benchmark_smoke_runs_on_cpu(tmp_path):
     out = tmp_path / "static.json"
     command = [
@@ -73,6 +75,7 @@ def test_static_decoding_benchmark_smoke_runs_on_cpu(tmp_path):
     assert agreement["fp32"]["token_agreement_with_dynamic"] == 1.0
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_distributed_benchmark_smoke_runs_the_sharded_cells(tmp_path, tiny_model_dir):
     # ZeRO-3 and FSDP2 on 2 processes (FSDP2 has no 1-process cell: the driver skips it)
     out = tmp_path / "distributed.json"
@@ -112,6 +115,7 @@ def test_distributed_benchmark_smoke_runs_the_sharded_cells(tmp_path, tiny_model
     assert rows[0]["reward"][0] == rows[1]["reward"][0] == rows[3]["reward"][0]
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_decoding_benchmark_smoke_runs_both_loops(tmp_path, tiny_model_dir):
     out = tmp_path / "decoding.json"
     command = [
@@ -135,6 +139,7 @@ def test_decoding_benchmark_smoke_runs_both_loops(tmp_path, tiny_model_dir):
     assert 0 < summary["gspo"]["mean_length"] <= 4
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_decoding_benchmark_runs_the_ab_loops(tmp_path, tiny_model_dir):
     # A smoke test of --loops: the growing buffers themselves are tested against DynamicLayer in test_decoding.py, the
     # linear layers' forms in test_decode_linear.py (the tiny model's weights are too small for them to apply).
@@ -171,6 +176,7 @@ def test_decoding_benchmark_runs_the_ab_loops(tmp_path, tiny_model_dir):
     assert "| gspo_full_buffers |" in completed.stdout and "| gspo_module_forward |" in completed.stdout
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_decode_step_benchmark_smoke_times_the_four_forms(tmp_path, tiny_model_dir):
     out = tmp_path / "step.json"
     command = [
@@ -201,6 +207,7 @@ def test_decode_step_benchmark_smoke_times_the_four_forms(tmp_path, tiny_model_d
     assert "| 2 | 8 |" in completed.stdout
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_episode_rollout_benchmark_smoke_runs_the_three_ways(tmp_path, tiny_model_dir):
     out = tmp_path / "episodes.json"
     command = [
@@ -226,6 +233,7 @@ def test_episode_rollout_benchmark_smoke_runs_the_three_ways(tmp_path, tiny_mode
     assert all(row["seconds_median"] > 0 and row["turns_per_episode"] >= 1 for row in summary.values())
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_async_rollouts_benchmark_smoke_runs_both_modes(tmp_path, tiny_model_dir):
     out = tmp_path / "async.json"
     command = [
@@ -254,6 +262,7 @@ def test_async_rollouts_benchmark_smoke_runs_both_modes(tmp_path, tiny_model_dir
     assert all(1 <= length <= 4 for run in record["runs"] for length in run["mean_completion_length_per_rollout"])
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_train_length_benchmark_smoke_runs_both_layouts(tmp_path, tiny_model_dir):
     out = tmp_path / "train_length.json"
     command = [
@@ -276,6 +285,7 @@ def test_train_length_benchmark_smoke_runs_both_layouts(tmp_path, tiny_model_dir
     assert all(r["seconds"] > 0 and r["tokens"] == 2 * r["length"] for r in rows)
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_train_length_benchmark_smoke_runs_each_checkpointing(tmp_path, tiny_model_dir):
     out = tmp_path / "train_length.json"
     command = [
@@ -301,6 +311,7 @@ def test_train_length_benchmark_smoke_runs_each_checkpointing(tmp_path, tiny_mod
     assert all(r["seconds"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_packed_microbatch_benchmark_smoke_runs_two_passes(tmp_path, tiny_model_dir):
     command = [
         sys.executable,
@@ -325,6 +336,7 @@ def test_packed_microbatch_benchmark_smoke_runs_two_passes(tmp_path, tiny_model_
     assert all(line["after_backward"]["peak_mib"] > 0 for line in lines[1:])
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_distributed_benchmark_smoke_runs_zero_offload_on_a_random_architecture(tmp_path):
     # the GPU row's cell (ZeRO-3 with optimizer and parameter offload, one process, a random-init architecture
     # on synthetic prompts), here on CPU
@@ -355,6 +367,7 @@ def test_distributed_benchmark_smoke_runs_zero_offload_on_a_random_architecture(
     assert row["step_s"] > 0 and len(row["reward"]) == 2  # the warm-up rollout and the timed one
 
 
+@pytest.mark.slow  # a benchmark's smoke run
 def test_train_microbatch_benchmark_smoke_times_every_setting(tmp_path, tiny_model_dir):
     out = tmp_path / "train_microbatch.json"
     command = [

@@ -176,6 +176,7 @@ def test_the_loop_steps_with_it_and_samples_what_it_samples_without(tiny_model, 
     assert torch.equal(ours.logps, theirs.logps)
 
 
+@pytest.mark.slow  # the real SmolLM2
 def test_the_real_model_with_the_forms_measured_on_this_machine():
     """SmolLM2-135M-Instruct, whose 425 MB of weights `decode_linear` times on this machine: 1 to 32 rows over a
     40-position cache."""

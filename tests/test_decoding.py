@@ -104,6 +104,7 @@ def test_processed_scores_equal_generates(tiny_model, tiny_tokenizer, settings):
         torch.testing.assert_close(processors(ids, logits.float()), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # thousands of samples
 def test_first_token_frequencies_match_generate(tmp_path, tiny_model, tiny_tokenizer):
     # One prompt, many rows: the first token's distribution is fixed. Both samplers' frequencies must match the
     # probabilities generate samples from (softmax of its processed scores).

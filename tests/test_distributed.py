@@ -66,6 +66,7 @@ def assert_same_run(a, b, tolerance, steps=3, compared_steps=None):
 
 
 @pytest.mark.parametrize("options", ["", "+lora+beta"])
+@pytest.mark.slow  # torchrun launches
 def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny_model_dir, options):
     ddp = launch(tmp_path, tiny_model_dir, ("ddp_no_flag" if not options else "ddp") + options)
     zero2 = launch(tmp_path, tiny_model_dir, "zero2" + options)
@@ -101,6 +102,7 @@ def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny
 @pytest.mark.parametrize(
     "zero_modes, options", [(["zero1", "zero3+offload"], "+beta"), (["zero2+offload"], "+lora+beta")]
 )
+@pytest.mark.slow  # torchrun launches
 def test_deepspeed_zero1_and_zero_offload_train_like_ddp(tmp_path, tiny_model_dir, zero_modes, options):
     """ZeRO-1, and ZeRO-Offload (optimizer states in CPU memory; under ZeRO-3 the parameters too), with the reference
     model (beta > 0) or LoRA's disabled adapter: the same run as DDP. With offload, accelerate replaces the torch
@@ -118,6 +120,7 @@ def test_deepspeed_zero1_and_zero_offload_train_like_ddp(tmp_path, tiny_model_di
 
 
 @pytest.mark.parametrize("options", ["+beta", "+lora+beta+gc", "+beta+bf16", "+seeded+episodes"])
+@pytest.mark.slow  # torchrun launches
 def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
     """A whole GSPOTrainer run under accelerate's FSDP2 (accelerate's own preparation, transformer-based wrapping:
     each decoder layer, the embeddings and the LM head their own units; its GPU-only gate lifted by
@@ -151,6 +154,7 @@ def test_accelerate_fsdp2_trains_like_ddp(tmp_path, tiny_model_dir, options):
         assert checksum == pytest.approx(fsdp[0]["checksum"], rel=1e-9)
 
 
+@pytest.mark.slow  # torchrun launches
 def test_decode_linear_forms_train_the_same_run_under_ddp_zero3_and_fsdp2(tmp_path, tiny_model_dir):
     """decode_linear's transposed products (forced on: the tiny model is below its size threshold) in the decoding
     loops of every rank, with and without LoRA: the same run as F.linear's within float rounding, and the same under
@@ -179,6 +183,7 @@ def test_decode_linear_forms_train_the_same_run_under_ddp_zero3_and_fsdp2(tmp_pa
     assert_same_run(lora_plain[0], lora[0], 1e-5)
 
 
+@pytest.mark.slow  # torchrun launches
 def test_micro_batches_trained_in_passes_train_the_same_run_under_ddp_zero_and_fsdp2(tmp_path, tiny_model_dir):
     """max_tokens_per_pass cuts each micro-batch of 4 rows into passes of 2, each back-propagated on its own: under
     DDP (the first pass under no_sync), DeepSpeed ZeRO-2 and ZeRO-3 (no accumulation boundary until the last pass)
@@ -200,6 +205,7 @@ def test_micro_batches_trained_in_passes_train_the_same_run_under_ddp_zero_and_f
         assert any(e["kl"] > 0 for e in ranks[0]["logs"]) and any(e["ratio/max"] != 1.0 for e in ranks[0]["logs"])
 
 
+@pytest.mark.slow  # torchrun launches
 def test_micro_batches_trained_in_passes_under_bf16_autocast_on_two_processes(tmp_path, tiny_model_dir):
     """The GPU recipe's autocast with passes, under DDP and ZeRO-3: each micro-batch is cut into passes of 2 rows, the
     ranks agree exactly, and the run is the one-pass bf16 run within bf16 rounding (one process: each pass's weight
@@ -216,6 +222,7 @@ def test_micro_batches_trained_in_passes_under_bf16_autocast_on_two_processes(tm
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+offload", "fsdp2"])
+@pytest.mark.slow  # torchrun launches
 def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_path, tiny_model_dir, mode):
     whole = launch(tmp_path, tiny_model_dir, f"{mode}+checkpoints", name="whole")
     killed = launch(tmp_path, tiny_model_dir, f"{mode}+kill", name="cut", must_succeed=False)
@@ -231,6 +238,7 @@ def test_kill_9_of_one_rank_mid_window_then_resume_continues_the_trajectory(tmp_
         assert resumed[0]["distributed_type"] == "DistributedType.FSDP"
 
 
+@pytest.mark.slow  # torchrun launches
 def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir):
     # rank 1's reward function raises while rank 0 waits in the reward gather: both must end, with the
     # message naming the function, not hang until the process group's timeout.
@@ -255,6 +263,7 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
         "ddp+scripted",
     ],
 )
+@pytest.mark.slow  # torchrun launches
 def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode):
     # 8 completions per micro-step: one process of 8, or two of 4, with layout-independent sampling. Both
     # sample the same rollouts and cut them into the same global micro-batches (each process its slice).
@@ -277,6 +286,7 @@ def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode
 
 
 @pytest.mark.parametrize("mode", ["ddp+bf16+beta", "zero3+bf16+lora+beta"])
+@pytest.mark.slow  # torchrun launches
 def test_bf16_recipes_train_on_two_processes(tmp_path, tiny_model_dir, mode):
     # The GPU recipe (bf16 autocast) on several processes: ranks agree, the KL term and an off-policy step run.
     ranks = launch(tmp_path, tiny_model_dir, mode)
@@ -287,6 +297,7 @@ def test_bf16_recipes_train_on_two_processes(tmp_path, tiny_model_dir, mode):
 
 
 @pytest.mark.parametrize("mode", ["", "+reshard", "+bf16", "+head", "+reshard+head"])
+@pytest.mark.slow  # torchrun launches
 def test_fsdp2_sharded_model_scores_and_decodes_like_the_whole_model(tmp_path, tiny_model_dir, mode):
     """FSDP2 by hand (accelerate enables it on GPUs only): log-probs, the gradient FSDP2 averages over the two
     ranks' different rows, and samples equal the whole model's (bf16: within bf16 rounding of the whole model
@@ -454,6 +465,7 @@ def accelerate_launch(tmp_path, model_dir, config: str, machines: int = 1, bf16:
     return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
 
 
+@pytest.mark.slow  # torchrun launches
 def test_example_accelerate_configs_run_as_is_under_accelerate_launch(tmp_path, tiny_model_dir):
     """Every config of examples/accelerate_configs/ trains the same run (with the reference model, beta > 0) under
     `accelerate launch` on 2 CPU processes, with only the process count and precision overridden: DDP (multi_gpu:

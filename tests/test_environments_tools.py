@@ -164,6 +164,7 @@ def test_trainer_trains_a_trl_environment_factory_unchanged(tmp_path, tiny_model
     assert torch.isfinite(torch.tensor(log["loss"]))
 
 
+@pytest.mark.slow  # trains TRL's trainer too
 def test_side_by_side_with_trl_grpo_trainer(tmp_path):
     """The same environment class and reward function train under TRL 1.16's GRPOTrainer and GSPOTrainer (a
     Qwen3 template, which TRL requires for tools), log the same reward and tool metric names, and append a tool

@@ -219,6 +219,7 @@ def test_epoch_structure_assumed_by_the_rule(tmp_path, tiny_model_dir):
     assert trainer._micro_steps_per_epoch == 6 // 3 * 3 * 2  # 2 rollouts of 3 prompts, 6 uses each
 
 
+@pytest.mark.slow  # torchrun launch
 def test_shortcut_equals_reference_on_two_processes(tmp_path, tiny_model_dir):
     # Two gloo processes under torchrun (use_cpu=True), rollouts starting inside accumulation windows.
     import json

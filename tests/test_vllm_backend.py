@@ -174,6 +174,7 @@ def record_syncs(trainer):
     return syncs
 
 
+@pytest.mark.slow  # the real vLLM server
 def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, server, served_model_dir):
     trainer = GSPOTrainer(
         served_model_dir,
@@ -203,6 +204,7 @@ def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, serve
 
 
 @pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "lora merged"])
+@pytest.mark.slow  # the real vLLM server
 def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
     peft_config = (
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -233,6 +235,7 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
     assert all(entry["sampling/corrected_fraction"] == 0.0 for entry in logged)
 
 
+@pytest.mark.slow  # the real vLLM server
 def test_an_adapter_the_server_cannot_take_is_refused_when_required(tmp_path, server, served_model_dir):
     args = vllm_config(tmp_path, server, vllm_lora_adapter_sync=True)
     with pytest.raises(ValueError, match="rank 16 exceeds the server's --max-lora-rank 8"):
@@ -245,11 +248,13 @@ def test_an_adapter_the_server_cannot_take_is_refused_when_required(tmp_path, se
         )
 
 
+@pytest.mark.slow  # the real vLLM server
 def test_model_mismatch_is_refused_at_construction(tmp_path, server, tiny_model_dir):
     with pytest.raises(ValueError, match="serves a different model.*hidden_size: trainer 64, server 128"):
         GSPOTrainer(tiny_model_dir, count_digits, args=vllm_config(tmp_path, server), train_dataset=text_dataset())
 
 
+@pytest.mark.slow  # the real vLLM server
 def test_weight_sync_dir_the_server_cannot_read_is_refused(tmp_path, server, served_model_dir, monkeypatch):
     import gspo_trl.vllm.client as client
 
@@ -265,6 +270,7 @@ def test_unreachable_server_is_an_error_naming_the_url(tmp_path, served_model_di
         GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
 
 
+@pytest.mark.slow  # the real vLLM server
 def test_server_logprobs_as_old_skip_the_old_forward(tmp_path, server, served_model_dir):
     args = vllm_config(
         tmp_path,
@@ -284,6 +290,7 @@ def test_server_logprobs_as_old_skip_the_old_forward(tmp_path, server, served_mo
     assert len(ratios) == 4 and any(entry["ratio/max"] != 1.0 for entry in ratios[1::2])  # off-policy steps moved
 
 
+@pytest.mark.slow  # the real vLLM server
 def test_the_server_samples_the_next_rollout_ahead_with_the_weights_of_its_launch(tmp_path, server, served_model_dir):
     args = vllm_config(
         tmp_path,
@@ -311,6 +318,7 @@ def test_the_server_samples_the_next_rollout_ahead_with_the_weights_of_its_launc
         vllm_config(tmp_path, server, async_rollouts=True)
 
 
+@pytest.mark.slow  # the real vLLM server
 def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_the_ratio(
     tmp_path, server, served_model_dir
 ):
@@ -342,6 +350,7 @@ def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_th
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
+@pytest.mark.slow  # the real vLLM server
 def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
     import json
 
@@ -385,6 +394,7 @@ class AskAgain:
         return " Again:", float(len(action) % 3), False, False, {}
 
 
+@pytest.mark.slow  # the real vLLM server
 def test_episodes_sample_each_turn_on_the_server_from_token_ids(tmp_path, server, served_model_dir):
     args = vllm_config(
         tmp_path,

@@ -112,6 +112,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # process launches
 def test_fsdp2_shards_are_gathered_into_plain_tensors(tmp_path):
     import socket
     import subprocess
