@@ -345,6 +345,14 @@ def takes_dense_masks(implementation: str | None) -> bool:
     return mask_function is sdpa_mask or mask_function is eager_mask
 
 
+def uses_alibi(model: torch.nn.Module) -> bool:
+    """Whether `model` adds ALiBi position biases, which its forward builds from a 2-D padding mask (Falcon-RW, BLOOM,
+    MPT): a custom 4-D mask leaves it none to build them from."""
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text_config, "alibi", False)) or getattr(text_config, "model_type", "") in ("bloom", "mpt")
+
+
 def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `model` cannot run the packed layout exactly, or None if it can.
 
@@ -365,7 +373,7 @@ def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
     )
     if sliding or any("sliding" in str(kind) for kind in layer_types):
         return "it uses sliding-window attention"
-    if getattr(text_config, "alibi", False) or getattr(text_config, "model_type", "") in ("bloom", "mpt"):
+    if uses_alibi(model):
         return "it uses ALiBi position biases"
     if not takes_position_ids(model):
         return "its forward takes no position_ids"

@@ -27,7 +27,7 @@ from transformers.utils import logging
 from gspo_trl.decoding import Decoded, RowState, UniformSource, draw, only_scales, random_uniforms
 from gspo_trl.distributed import fsdp2_modules, has_sharded_parameters
 from gspo_trl.kv_cache import cache_kwargs
-from gspo_trl.packing import DENSE_MASKS_NEEDED, takes_dense_masks
+from gspo_trl.packing import DENSE_MASKS_NEEDED, takes_dense_masks, uses_alibi
 from gspo_trl.positions import positions_from_mask
 from gspo_trl.prefix_sharing import prefill
 
@@ -39,13 +39,15 @@ ATTENDED = 0.0  # the additive mask's value where a query attends a key; elsewhe
 
 
 def unsupported_reason(model, cache: DynamicCache | None) -> str | None:
-    """Why the static loop cannot decode for `model` (None when it can): it needs an attention implementation
-    that applies a dense 4-D mask (`packing.takes_dense_masks`), plain full-attention cache layers, and parameters
-    that are whole on this device. Whether the mask is applied right is checked on the first rollout
-    (`logprob_check`)."""
+    """Why the static loop cannot decode for `model` (None when it can): it needs an attention implementation that
+    applies a dense 4-D mask (`packing.takes_dense_masks`) and no ALiBi biases, plain full-attention cache layers, and
+    parameters that are whole on this device. Whether the mask is applied right is checked on the first rollout, where
+    the loop records its log-probs (`logprob_check`)."""
     attention = getattr(model.config, "_attn_implementation", None)
     if not takes_dense_masks(attention):
         return f"attn_implementation={attention!r} (the static loop {DENSE_MASKS_NEEDED})"
+    if uses_alibi(model):
+        return "ALiBi position biases (the model builds them from a 2-D padding mask, not the static loop's 4-D one)"
     if cache is None:
         return "no prefilled prompt cache"
     if any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in cache.layers):
