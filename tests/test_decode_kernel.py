@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import subprocess
 import time
 
@@ -269,3 +270,37 @@ def test_without_a_working_compiler_steps_use_sdpa_after_one_warning(fresh_kerne
     warnings = [record.getMessage() for record in records if record.levelno == logging.WARNING]
     assert len(warnings) == 1 and "SDPA" in warnings[0] and "GSPO_TRL_DECODE_KERNEL=0" in warnings[0]
     assert ("no C compiler" in warnings[0]) == (compiler != "false")
+
+
+# CPUs the suite does not run on here, as compile targets: GitHub-style x86 without AVX-512 (x86-64-v3, Zen 3), an
+# older x86 (x86-64-v2), Intel with AVX-512 (Sapphire Rapids), and Arm servers (Graviton 2 = Neoverse N1, baseline
+# ARMv8-A). The cross compiler for Arm comes from Debian's gcc-aarch64-linux-gnu (.ci/run installs it).
+OTHER_TARGETS = [
+    ("cc", "-march=x86-64-v2"),
+    ("cc", "-march=x86-64-v3"),
+    ("cc", "-march=znver3"),
+    ("cc", "-march=sapphirerapids"),
+    ("aarch64-linux-gnu-gcc", "-mcpu=neoverse-n1"),
+    ("aarch64-linux-gnu-gcc", "-march=armv8-a"),
+]
+
+
+@pytest.mark.parametrize("compiler, target", OTHER_TARGETS, ids=[target for _, target in OTHER_TARGETS])
+def test_the_kernels_compile_for_other_cpus(tmp_path, compiler, target):
+    """Each source compiles, with the flags the build uses, for a CPU other than this one (-march=native replaced):
+    the kernels use no vector intrinsics of one instruction set, only C the compiler vectorises."""
+    import platform
+    import shutil
+    from pathlib import Path
+
+    if compiler == "cc" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets need an x86 compiler")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"{compiler} is not installed (Debian: gcc-aarch64-linux-gnu)")
+    *compiles, _link = decode_kernel.compile_commands(tmp_path, tmp_path / "lib.so")
+    own_compiler = len(shlex.split(os.environ.get("CC", "cc")))  # the words of $CC that start each command
+    for command in compiles:
+        command = [compiler, *(target if flag == "-march=native" else flag for flag in command[own_compiler:])]
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert completed.returncode == 0, f"{' '.join(command)}\n{completed.stderr[-2000:]}"
+        assert Path(command[command.index("-o") + 1]).stat().st_size > 0
