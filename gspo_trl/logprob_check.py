@@ -83,9 +83,9 @@ def checked_rows(
     """(min(count, B),) the rows to check: rows with scored tokens and the most left padding first (what a layout bug
     needs to show), ties in batch order, so that completions of one prompt stay together (packed rows share them)."""
     prompt_length = attention_mask.shape[1] - completion_mask.shape[1]
-    padding = prompt_length - attention_mask[:, :prompt_length].sum(1)
-    scored = completion_mask.bool().any(1)
-    order = sorted(range(len(padding)), key=lambda row: (not bool(scored[row]), -int(padding[row]), row))
+    padding = (prompt_length - attention_mask[:, :prompt_length].sum(1)).tolist()
+    scored = completion_mask.bool().any(1).tolist()
+    order = sorted(range(len(padding)), key=lambda row: (not scored[row], -padding[row], row))
     return torch.tensor(order[:count], dtype=torch.long, device=attention_mask.device)
 
 
