@@ -33,7 +33,6 @@ def test_batch_sizes(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, level, epsilon, epsilon_high",
     [
-        ({}, "sequence", 3e-4, 4e-4),  # the GSPO paper's setting
         ({"epsilon": 1e-3}, "sequence", 1e-3, 1e-3),  # epsilon set, epsilon_high unset: symmetric (TRL's meaning)
         ({"epsilon": 1e-3, "epsilon_high": 2e-3}, "sequence", 1e-3, 2e-3),
         ({"importance_sampling_level": "token"}, "token", 0.2, 0.2),  # GRPO's customary range, TRL's default
