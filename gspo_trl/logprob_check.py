@@ -163,7 +163,8 @@ def check_first_rollout(
     `inputs`: the rollout's model inputs (`input_ids`, `attention_mask`, `completion_ids`, `completion_mask`) and the
     decoding loop's recorded `decoding_per_token_logps` (None where none were), which a fallback sets to None.
     `args`: the `GSPOConfig` (`check_logprobs`, `temperature`, `logprob_chunk_size`). `decoding_loop`: the loop that
-    recorded them (`Rollout.decoding_loop`); `backends`: those a loop fallback applies to (`RolloutBackend.avoid_loop`).
+    recorded them (`Rollout.decoding_loop`; None where no loop did with the model's current weights); `backends`: those
+    a loop fallback applies to (`RolloutBackend.avoid_loop`).
     `checked_mask`: (B, C) the tokens compared, by default `completion_mask`; the trainer passes every sampled token,
     those of truncated completions that `mask_truncated_completions` leaves out of the loss included.
     `accelerator`: training's, whose precision context the forwards run in and whose processes all fall back (or
@@ -219,7 +220,8 @@ def check_first_rollout(
                 logger.info(f"check_logprobs: the {decoding_loop} decoding loop recorded no log-probs to check.")
             else:
                 logger.info(
-                    "check_logprobs: not sampled by gspo-trl's decoding loop; only the scoring path is checked."
+                    "check_logprobs: no log-probs of these weights recorded by gspo-trl's decoding loop; only the "
+                    "scoring path is checked."
                 )
             scoring_off, loop_off = _agreed(
                 agree, scoring is not None and not scoring.agrees, loop is not None and not loop.agrees

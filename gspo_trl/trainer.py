@@ -539,7 +539,9 @@ class GSPOTrainer(Trainer):
                 self.args,
                 self.accelerator,
                 padding_free=self.padding_free,
-                decoding_loop=rollout.decoding_loop,
+                # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are
+                # those of weights trained past since, not the model's: only the scoring path is checked.
+                decoding_loop=rollout.decoding_loop if sampled.behaviour_logps is None else None,
                 backends=[backend for backend in (self.rollout_backend, snapshot) if backend is not None],
                 checked_mask=sampled_mask,
             )

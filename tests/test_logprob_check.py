@@ -209,3 +209,40 @@ def test_gpt2_trains_in_bf16_with_the_check_on(tmp_path, tiny_tokenizer, padding
     assert trainer.padding_free is padding_free
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_the_check_leaves_the_training_trajectory_unchanged(tmp_path, tiny_tokenizer, caplog):
+    # Dropout on and a rollout per step: a check that drew from the global random state or left the model in eval mode
+    # would change the second rollout's draws or the dropout masks, and the two runs would part.
+    def trained(option: str):
+        trainer = gpt2_trainer(
+            tmp_path / option, tiny_tokenizer, check_logprobs=option, disable_dropout=False, steps_per_generation=1
+        )
+        with caplog.at_level("INFO", logger="gspo_trl.logprob_check"):
+            trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return losses, [parameter.detach().clone() for parameter in trainer.model.parameters()]
+
+    losses_off, weights_off = trained("off")
+    assert "agree with a plain forward" not in caplog.text
+    losses_checked, weights_checked = trained("raise")
+    assert "rows agree with a plain forward" in caplog.text  # it ran
+    assert len(losses_off) == 2 and losses_checked == losses_off
+    assert all(torch.equal(checked, off) for checked, off in zip(weights_checked, weights_off))
+
+
+def test_a_rollout_sampled_ahead_by_older_weights_checks_the_scoring_path_only(tmp_path, tiny_model_dir, caplog):
+    # Resumed inside a rollout, async rollouts sample the next one ahead, by the checkpoint's weights: the first rollout
+    # this process checks holds the log-probs of weights trained past since (0.16 nats off at lr 1e-3), not a broken
+    # loop's, and "raise" failed the resumed run.
+    args = small_config(
+        tmp_path / "out", max_steps=3, steps_per_generation=2, async_rollouts=True, save_strategy="steps", save_steps=1
+    )
+    GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset()).train()
+    resumed = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    with caplog.at_level("INFO", logger="gspo_trl.logprob_check"):
+        resumed.train(resume_from_checkpoint=f"{args.output_dir}/checkpoint-1")
+    staleness = {entry["step"]: entry["rollout/staleness"] for entry in resumed.state.log_history if "loss" in entry}
+    assert staleness[3] == 1  # step 3 trained on the rollout sampled ahead at step 1, the first one checked
+    assert "rows agree with a plain forward" in caplog.text and "decoding loop agree" not in caplog.text
+    assert resumed.rollout_backend.use_decode_loop  # no fallback either
