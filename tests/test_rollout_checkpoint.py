@@ -100,3 +100,78 @@ def test_last_complete_checkpoint_needs_every_process_rollout(tmp_path):
     assert path == str(tmp_path / "checkpoint-1")  # 10 lacks rank 1's rollout, 2 never had it
     assert skipped == [str(tmp_path / "checkpoint-10"), str(tmp_path / "checkpoint-2")]
     assert last_complete_checkpoint(str(tmp_path / "missing"), 1) == (None, [])
+
+
+def _state_with_a_rollout():
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.arange(12).reshape(2, 6)
+    batch = {
+        "input_ids": ids,
+        "completion_ids": ids[:, 2:],  # a view of the same storage, as slicing a rollout gives
+        "completion_mask": torch.ones(2, 4, dtype=torch.bool),
+        "advantages": torch.tensor([0.5, -0.5]),
+        "num_items_in_batch": torch.tensor(8),
+        "turn_ids": None,
+    }
+    entropy = {"coefficient": 0.01, "adaptive": True, "last_entropy": float("inf")}
+    return RolloutState([batch, dict(batch)], 7, generator.get_state(), 96, entropy)
+
+
+def _assert_same_state(got, expected):
+    assert (got.sampled_at_step, got.num_tokens_seen) == (expected.sampled_at_step, expected.num_tokens_seen)
+    assert got.entropy_control == expected.entropy_control
+    assert torch.equal(got.shuffle_generator_state, expected.shuffle_generator_state)
+    assert len(got.micro_batches) == len(expected.micro_batches)
+    for a, b in zip(got.micro_batches, expected.micro_batches):
+        assert a.keys() == b.keys()
+        for key in b:
+            if b[key] is None:
+                assert a[key] is None, key
+            else:
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def test_the_rollout_is_saved_as_safetensors_and_json_without_pickle(tmp_path):
+    state = _state_with_a_rollout()
+    save_rollout_state(str(tmp_path), 0, state)
+    assert sorted(os.listdir(tmp_path)) == ["gspo_rollout_rank0.json", "gspo_rollout_rank0.safetensors"]
+    _assert_same_state(load_rollout_state(str(tmp_path), 0, torch.device("cpu")), state)
+    between = RolloutState(None, 3, torch.Generator().get_state(), 0)
+    save_rollout_state(str(tmp_path / "between"), 1, between)
+    assert load_rollout_state(str(tmp_path / "between"), 1, torch.device("cpu")).micro_batches is None
+
+
+def test_a_value_json_cannot_hold_is_refused_when_saving(tmp_path):
+    state = _state_with_a_rollout()
+    state.micro_batches[0]["odd"] = object()
+    with pytest.raises(TypeError, match="micro-batch key 'odd'"):
+        save_rollout_state(str(tmp_path), 0, state)
+
+
+def test_a_checkpoint_of_the_earlier_pickle_format_still_resumes(tmp_path):
+    state = _state_with_a_rollout()
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    torch.save({**state.__dict__}, checkpoint / "gspo_rollout_rank0.pt")  # what earlier versions wrote
+    (checkpoint / "trainer_state.json").write_text("{}")
+    assert last_complete_checkpoint(str(tmp_path), 1) == (str(checkpoint), [])  # complete with the old file
+    _assert_same_state(load_rollout_state(str(checkpoint), 0, torch.device("cpu")), state)
+
+
+class _RunsCode:
+    """A pickle that would create a file when unpickled with weights_only=False."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_an_earlier_rollout_file_that_names_code_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "code-ran"
+    state = {**_state_with_a_rollout().__dict__, "num_tokens_seen": _RunsCode(str(marker))}
+    torch.save(state, tmp_path / "gspo_rollout_rank0.pt")
+    with pytest.raises(ValueError, match="not loaded: unpickling them could run code"):
+        load_rollout_state(str(tmp_path), 0, torch.device("cpu"))
+    assert not marker.exists()
