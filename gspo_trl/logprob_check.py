@@ -137,13 +137,14 @@ def tolerance_in_use(model) -> Tolerance:
     """`HALF_PRECISION` where this forward's products round to fewer bits than float32's: under bf16/fp16 autocast,
     with half-precision weights, or with float32 products in TF32 or bf16 (`torch.set_float32_matmul_precision`,
     `tf32`); `FLOAT32` otherwise. Call it inside the precision context the forwards run in."""
-    parameter = next(unwrap_model(model).parameters())
-    device = parameter.device.type
+    parameters = list(unwrap_model(model).parameters())
+    device = parameters[0].device.type
     autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in (torch.bfloat16, torch.float16)
     reduced = torch.get_float32_matmul_precision() != "highest" or (
         device == "cuda" and torch.backends.cuda.matmul.allow_tf32
     )
-    half = parameter.dtype in (torch.bfloat16, torch.float16)
+    # Any of them: the first is often the input embedding, float32 beside bf16 layers under cast_lm_head_to_fp32.
+    half = any(parameter.dtype in (torch.bfloat16, torch.float16) for parameter in parameters)
     return HALF_PRECISION if autocast or reduced or half else FLOAT32
 
 

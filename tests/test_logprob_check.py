@@ -17,6 +17,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from gspo_trl import GSPOConfig, GSPOTrainer, decoding, logprobs, static_decoding
 from gspo_trl.logprob_check import FLOAT32, HALF_PRECISION, check_first_rollout, checked_rows, tolerance_in_use
+from gspo_trl.precision import cast_lm_head_to_fp32
 from gspo_trl.prefix_sharing import prefill_shared_prompts
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos
 
@@ -148,6 +149,15 @@ def test_the_tolerance_follows_the_precision(tiny_model):
         assert tolerance_in_use(tiny_model) is HALF_PRECISION
     assert tolerance_in_use(tiny_model.to(torch.bfloat16)) is HALF_PRECISION
     assert HALF_PRECISION.atol + HALF_PRECISION.rtol * 3 < 0.9  # a likely token's broken 0.9 nats stand out
+
+
+def test_bf16_layers_beside_a_tied_float32_head_take_the_half_precision_tolerance(tiny_tokenizer):
+    # cast_lm_head_to_fp32 on a tied model makes its first parameter, the input embedding, float32: its layers still
+    # compute in bf16, and their padded rows (0.02 nats from a plain forward here) raised under float32's bounds.
+    model = build_tiny_gpt2(tiny_tokenizer).to(torch.bfloat16).eval()
+    cast_lm_head_to_fp32(model)
+    assert next(model.parameters()).dtype == torch.float32 and tolerance_in_use(model) is HALF_PRECISION
+    assert check(model, rollout_inputs(model, tiny_tokenizer)) is False
 
 
 def test_config_validates_the_option(tmp_path):
