@@ -309,10 +309,12 @@ def _build() -> Path:
         sources + calls.replace(str(SOURCES[0].parent), "csrc").encode() + _cpu_identity().encode()
     ).hexdigest()[:16]
     target = cache_root() / "kernels" / f"decode_kernels-{key}.so"
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _refuse_if_others_can_write(target.parent)
     if target.exists():
+        _refuse_if_others_can_write(target)
         _mark_used(target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     _prune(target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as folder:  # built aside, then moved in whole
         built = Path(folder) / target.name
@@ -323,8 +325,22 @@ def _build() -> Path:
                     f"compiling {' and '.join(source.name for source in SOURCES)} failed: "
                     f"{completed.stderr.strip()[-500:]}"
                 )
+        os.chmod(built, 0o755)  # whatever the umask: only its owner may write it (checked when loading)
         os.replace(built, target)
     return target
+
+
+def _refuse_if_others_can_write(path: Path) -> None:
+    """A RuntimeError (the kernels then stay off) when `path` belongs to another user or others may write to it:
+    a library loaded from there would run whatever someone else put in it."""
+    if not hasattr(os, "getuid"):
+        return
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise RuntimeError(
+            f"{path} is writable by other users or owned by another; not loading compiled code from it "
+            "(set GSPO_TRL_CACHE to a folder of your own)"
+        )
 
 
 # A build no process has loaded for this long (another gspo-trl version's, another CPU's in a shared cache) is

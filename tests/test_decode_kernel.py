@@ -304,3 +304,14 @@ def test_the_kernels_compile_for_other_cpus(tmp_path, compiler, target):
         completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert completed.returncode == 0, f"{' '.join(command)}\n{completed.stderr[-2000:]}"
         assert Path(command[command.index("-o") + 1]).stat().st_size > 0
+
+
+@pytest.mark.parametrize("shared", ["folder", "library"])
+def test_a_cache_others_can_write_to_is_not_loaded_from(fresh_kernel, tmp_path, shared):
+    assert decode_kernel.available()  # built into tmp_path/kernels, owned by this user, not writable by others
+    built = next((tmp_path / "kernels").glob("decode_kernels-*.so"))
+    (built if shared == "library" else built.parent).chmod(0o777)
+    decode_kernel._library, decode_kernel._tried = None, False
+    with pytest.raises(RuntimeError, match="writable by other users"):
+        decode_kernel._build()
+    assert not decode_kernel.available()  # the kernels stay off; the caller falls back to PyTorch's operators
