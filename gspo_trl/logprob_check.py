@@ -43,9 +43,13 @@ class Tolerance:
     rtol: float
     row_mean: float
     precision: str
+    tokens_decide: bool = True  # False: tokens beyond the per-token bound are counted and reported, rows decide
 
     def describe(self) -> str:
-        return f"{self.atol:g} + {self.rtol:g}·|log p| per token, {self.row_mean:g} on a row's mean ({self.precision})"
+        tokens = f"{self.atol:g} + {self.rtol:g}·|log p| per token"
+        if not self.tokens_decide:
+            tokens += " (reported only)"
+        return f"{tokens}, {self.row_mean:g} on a row's mean ({self.precision})"
 
 
 # Float32: two forwards of one row in different layouts (padded, packed, another batch size, a KV cache, SDPA's kernel
@@ -56,9 +60,11 @@ FLOAT32 = Tolerance(atol=1e-3, rtol=1e-3, row_mean=1e-3, precision="float32")
 # bf16/fp16 autocast, half weights, or float32 products in TF32: each layout rounds its products to 8 (bf16) or 11
 # bits, so logits of size |z| ≈ 10-30 differ by ~2^-8·|z|, a few tenths of a nat, between two layouts on an unlucky
 # token, and a few hundredths on a row's mean (measured on the tiny models with weights of std 0.2: ≤ 0.04 nats per
-# token, ≤ 0.03·|log p|, ≤ 0.01 on a row's mean). The per-token bound flags a broken path's 0.9 nats on any token
-# with p > 3e-4; the row-mean bound catches a path that is off on every token (padding, positions), however spread.
-HALF_PRECISION = Tolerance(atol=0.5, rtol=0.05, row_mean=0.1, precision="bf16/fp16")
+# token, ≤ 0.03·|log p|, ≤ 0.01 on a row's mean). On a large model (dozens of layers, logits of size 30) a single
+# token of a correct layout can exceed any per-token bound that would still flag a broken token, so in half precision
+# only a row's mean decides: it averages the rounding (independent per token) down and keeps a layout error, which
+# shifts every token of a row (padding, positions: 0.36 to 4 nats per token seen), far above 0.1.
+HALF_PRECISION = Tolerance(atol=0.5, rtol=0.05, row_mean=0.1, precision="bf16/fp16", tokens_decide=False)
 
 
 @dataclass
@@ -71,10 +77,11 @@ class PathReport:
     tokens_off: int  # tokens beyond the per-token bound
     rows_off: int  # rows beyond the row-mean bound
     tokens: int  # tokens compared
+    tokens_decide: bool = True  # whether tokens beyond the per-token bound alone make a disagreement
 
     @property
     def agrees(self) -> bool:
-        return self.tokens_off == 0 and self.rows_off == 0
+        return self.rows_off == 0 and (self.tokens_off == 0 or not self.tokens_decide)
 
 
 def checked_rows(
@@ -130,6 +137,7 @@ def compare(path: str, logps: torch.Tensor, reference: torch.Tensor, mask: torch
         tokens_off=int((error > bound).sum()),
         rows_off=int((row_mean > tolerance.row_mean).sum()),
         tokens=int(scored.sum()),
+        tokens_decide=tolerance.tokens_decide,
     )
 
 

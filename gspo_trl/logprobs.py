@@ -22,7 +22,13 @@ from torch.utils.checkpoint import checkpoint
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .distributed import fsdp2_modules, is_fsdp2_module, is_partitioned, unshard_fsdp2_owner, unwrap_model
-from .packing import DEFAULT_MAX_ROW_TOKENS, pack_shared_prefix, plan_forwards, relative_attention_cost
+from .packing import (
+    DEFAULT_MAX_ROW_TOKENS,
+    attention_mask_dtype,
+    pack_shared_prefix,
+    plan_forwards,
+    relative_attention_cost,
+)
 from .positions import positions_from_mask, takes_position_ids
 from .precision import Float32LMHead, project_in_fp32
 
@@ -182,7 +188,7 @@ def completion_logprobs(
             )
         packed = pack_shared_prefix(*layout, max_row_tokens=max_row_tokens, attention_pair_cost=pair_cost)
     if packed is not None:
-        dtype = unwrap_model(model).get_input_embeddings().weight.dtype
+        dtype = attention_mask_dtype(unwrap_model(model))
         hidden, _ = _final_hidden_states(
             model,
             input_ids=packed.input_ids,

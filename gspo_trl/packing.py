@@ -336,6 +336,22 @@ def packing_pays_on(device_type: str) -> bool:
 DENSE_MASKS_NEEDED = "needs one that applies a dense 4-D attention mask, such as 'sdpa' or 'eager'"
 
 
+def attention_mask_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of a float attention mask that meets the attention's queries: autocast's where autocast is on for the
+    model's device, else the lowest-precision floating dtype among its parameters. Not the input embedding's:
+    `cast_lm_head_to_fp32` makes a tied one float32 beside bf16 layers, and CUDA's memory-efficient SDPA refuses a mask
+    whose dtype is not the queries'."""
+    dtypes = {
+        parameter.dtype: parameter.device.type for parameter in model.parameters() if parameter.is_floating_point()
+    }
+    if not dtypes:
+        return torch.float32
+    device = next(iter(dtypes.values()))
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return min(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
+
+
 def takes_dense_masks(implementation: str | None) -> bool:
     """Whether attention implementation `implementation` applies a custom dense (rows, 1, queries, keys) mask: those
     transformers builds dense masks for (`sdpa_mask`, `eager_mask`), whatever they are registered as. Flash

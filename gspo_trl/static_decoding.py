@@ -27,7 +27,7 @@ from transformers.utils import logging
 from gspo_trl.decoding import Decoded, RowState, UniformSource, draw, only_scales, random_uniforms
 from gspo_trl.distributed import fsdp2_modules, has_sharded_parameters
 from gspo_trl.kv_cache import cache_kwargs
-from gspo_trl.packing import DENSE_MASKS_NEEDED, takes_dense_masks, uses_alibi
+from gspo_trl.packing import DENSE_MASKS_NEEDED, attention_mask_dtype, takes_dense_masks, uses_alibi
 from gspo_trl.positions import positions_from_mask
 from gspo_trl.prefix_sharing import prefill
 
@@ -116,9 +116,8 @@ class StaticDecoder:
         for index, layer in enumerate(cache.layers):
             cache.layers[index] = StaticKVLayer.from_layer(layer, capacity, self.write_at)
         # (rows, 1, 1, capacity) additive, a static buffer (replayed graphs read it): the prompt's tokens attended,
-        # its padding and gaps and the completion's unwritten slots not. In the embeddings' dtype, as the packed
-        # layout's mask: SDPA takes it for queries of that dtype or of autocast's.
-        dtype = model.get_input_embeddings().weight.dtype
+        # its padding and gaps and the completion's unwritten slots not; in the queries' dtype, as the packed mask.
+        dtype = attention_mask_dtype(model)
         self.mask = torch.full(
             (prompt_mask.shape[0], 1, 1, capacity), torch.finfo(dtype).min, dtype=dtype, device=device
         )

@@ -16,7 +16,14 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from gspo_trl import GSPOConfig, GSPOTrainer, decoding, logprobs, static_decoding
-from gspo_trl.logprob_check import FLOAT32, HALF_PRECISION, check_first_rollout, checked_rows, tolerance_in_use
+from gspo_trl.logprob_check import (
+    FLOAT32,
+    HALF_PRECISION,
+    check_first_rollout,
+    checked_rows,
+    compare,
+    tolerance_in_use,
+)
 from gspo_trl.precision import cast_lm_head_to_fp32
 from gspo_trl.prefix_sharing import prefill_shared_prompts
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos
@@ -148,7 +155,19 @@ def test_the_tolerance_follows_the_precision(tiny_model):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert tolerance_in_use(tiny_model) is HALF_PRECISION
     assert tolerance_in_use(tiny_model.to(torch.bfloat16)) is HALF_PRECISION
-    assert HALF_PRECISION.atol + HALF_PRECISION.rtol * 3 < 0.9  # a likely token's broken 0.9 nats stand out
+
+
+def test_in_half_precision_a_rows_mean_decides_and_in_float32_every_token_does():
+    reference = torch.full((2, 40), -3.0)  # log p of 40 completion tokens in each of 2 rows
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    one_token_off = reference.clone()
+    one_token_off[0, 5] -= 0.9  # rounding on one unlucky token of a correct layout: 0.0225 on the row's mean
+    every_token_off = reference - 0.2  # a layout error shifts a whole row
+    assert compare("padded rows", one_token_off, reference, mask, HALF_PRECISION).agrees
+    assert compare("padded rows", one_token_off, reference, mask, HALF_PRECISION).tokens_off == 1  # reported
+    assert not compare("padded rows", every_token_off, reference, mask, HALF_PRECISION).agrees
+    assert not compare("padded rows", one_token_off, reference, mask, FLOAT32).agrees
+    assert compare("padded rows", reference + 1e-5, reference, mask, FLOAT32).agrees
 
 
 def test_bf16_layers_beside_a_tied_float32_head_take_the_half_precision_tolerance(tiny_tokenizer):

@@ -416,3 +416,18 @@ def test_forwards_cut_from_one_micro_batch_share_the_kept_logits(tiny_model, mon
     scores.logps.sum().backward()
     kept = int(completion_mask.sum()) - sum(recomputed)
     assert 0 < kept <= budget_tokens
+
+
+def test_the_float_mask_takes_the_queries_dtype(tiny_model):
+    from gspo_trl.packing import attention_mask_dtype
+    from gspo_trl.precision import cast_lm_head_to_fp32
+
+    assert attention_mask_dtype(tiny_model) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention_mask_dtype(tiny_model) == torch.bfloat16  # autocast computes the queries in bf16
+    half = tiny_model.to(torch.bfloat16)
+    half.config.tie_word_embeddings = True
+    half.tie_weights()
+    cast_lm_head_to_fp32(half)  # a tied head cast to float32 takes the input embedding with it
+    assert half.get_input_embeddings().weight.dtype == torch.float32
+    assert attention_mask_dtype(half) == torch.bfloat16  # the layers, hence the queries, stay bf16
