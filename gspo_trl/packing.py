@@ -172,9 +172,8 @@ def _block_tree_mask(unit_of: torch.Tensor, branch_of: torch.Tensor) -> torch.Te
     same_unit = (unit_of.unsqueeze(2) == unit_of.unsqueeze(1)) & (unit_of.unsqueeze(2) >= 0)
     key_is_prompt_or_same_branch = (branch_of.unsqueeze(1) == -1) | (branch_of.unsqueeze(2) == branch_of.unsqueeze(1))
     causal = torch.ones(length, length, dtype=torch.bool, device=unit_of.device).tril()
-    diagonal = torch.eye(
-        length, dtype=torch.bool, device=unit_of.device
-    )  # padding queries see themselves: no empty rows
+    # padding queries see themselves: no empty rows
+    diagonal = torch.eye(length, dtype=torch.bool, device=unit_of.device)
     return (same_unit & key_is_prompt_or_same_branch & causal) | diagonal
 
 

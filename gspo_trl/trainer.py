@@ -309,9 +309,8 @@ class GSPOTrainer(Trainer):
                 elif args.always_compute_old_logprobs:
                     micro_batch["old_per_token_logps"] = self._score_without_grad(self.model, micro_batch)
                 elif needed:
-                    decoded = micro_batch.get(
-                        "decoding_per_token_logps"
-                    )  # the decoding loop's (decode_logprobs_as_old)
+                    # the decoding loop's (decode_logprobs_as_old)
+                    decoded = micro_batch.get("decoding_per_token_logps")
                     micro_batch["old_per_token_logps"] = (
                         decoded if decoded is not None else self._score_without_grad(self.model, micro_batch)
                     )
