@@ -53,7 +53,7 @@ def filled_cache(model, rows: int, context: int):
     the decoding loop's growing buffers."""
     from transformers import DynamicCache
 
-    from gspo_trl.decoding import preallocate
+    from gspo_trl.decoding.dynamic import preallocate
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -68,7 +68,7 @@ def filled_cache(model, rows: int, context: int):
 @torch.no_grad()
 def step_ms(model, cache, rows: int, context: int, repeats: int, step_forward=None) -> float:
     """The median milliseconds of `model`'s forward, or of `step_forward` (a `decode_forward.StepForward`)."""
-    from gspo_trl.kv_cache import cache_kwargs
+    from gspo_trl.decoding.kv_cache import cache_kwargs
 
     vocab = model.config.vocab_size
     token, mask = torch.randint(0, vocab, (rows, 1)), torch.ones(rows, context + 1, dtype=torch.long)

@@ -65,7 +65,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(HERE / "results" / "decoding.json"))
+    parser.add_argument("--out", default=str(HERE / "results" / "dynamic.json"))
     return parser.parse_args(argv)
 
 
@@ -73,7 +73,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo_trl import GSPOConfig, decode_forward, decode_kernel, decode_linear, decoding
+    from gspo_trl import GSPOConfig, decode_forward, decode_kernel, decode_linear
+    from gspo_trl.decoding import dynamic
     from gspo_trl.default_model import default_model_path
     from gspo_trl.rollout import HFGenerateBackend, stream_keys
     from gspo_trl.tasks import default_task_dataset
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
         )
         backends[loop] = HFGenerateBackend(lambda: model, tokenizer, config)
         assert backends[loop].use_decode_loop == (loop != "generate")
-    growing_room = decoding.INITIAL_ROOM
+    growing_room = dynamic.INITIAL_ROOM
     kernel_built = args.device == "cpu" and decode_kernel.available()
 
     def once(loop: str, repeat: int) -> dict:
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
         keys = stream_keys(args.seed, repeat, torch.arange(rows)) if args.layout_independent_sampling else None
         if args.device == "cuda":
             torch.cuda.synchronize()
-        decoding.INITIAL_ROOM = 1 << 40 if loop == FULL_BUFFERS else growing_room  # room capped at the longest row
+        dynamic.INITIAL_ROOM = 1 << 40 if loop == FULL_BUFFERS else growing_room  # room capped at the longest row
         decode_linear.enabled = loop != PLAIN_LINEARS
         decode_forward.enabled = loop != MODULE_FORWARD
         decode_linear.packing = loop != UNPACKED

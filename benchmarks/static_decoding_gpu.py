@@ -4,10 +4,10 @@
 1. Agreement, on a random-init SmolLM2-135M architecture with per-row keyed uniforms and 1,000 stop tokens that make
    rows end at different steps (so windows grow and the batch is compacted): the graph-replayed static loop
    against the same static loop run eagerly (must be token-identical: the same kernels) and against
-   `decoding.sample` (the dynamic loop; identical in fp32 up to summation order), in fp32, in bf16 weights, and
+   `dynamic.sample` (the dynamic loop; identical in fp32 up to summation order), in fp32, in bf16 weights, and
    in fp32 weights under bf16 autocast (accelerate's mixed-precision recipe).
 2. Time per decoding step for 64 rows on a random-init SmolLM2-1.7B architecture in bf16 (no EOS: every row
-   runs all steps): transformers' `generate`, `decoding.sample`, and the static loop with graphs.
+   runs all steps): transformers' `generate`, `dynamic.sample`, and the static loop with graphs.
 
     python benchmarks/static_decoding_gpu.py --tokenizer .bench/smollm2-tokenizer --out $OUT/static.json
     python benchmarks/static_decoding_gpu.py --device cpu --smoke      # CPU, seconds: it runs (no graphs there)
@@ -30,8 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from architectures import build_random_model, smollm2_tokenizer_dir  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessorList  # noqa: E402
 
-from gspo_trl import decoding, static_decoding  # noqa: E402
-from gspo_trl.prefix_sharing import prefill  # noqa: E402
+from gspo_trl.decoding import (
+    dynamic,
+    static,  # noqa: E402
+)
+from gspo_trl.decoding.prefix_sharing import prefill  # noqa: E402
 from gspo_trl.rollout import keyed_uniform, stream_keys  # noqa: E402
 
 
@@ -51,7 +54,7 @@ def agreement(model_dir, tokenizer, device, new_tokens: int, rows: int = 32) -> 
     # A random model's next token is close to uniform over the vocabulary: with 1,000 token ids that end a row,
     # about 2% of the rows end at each step, so rows end at many different steps.
     stops = [tokenizer.eos_token_id, *range(1000, 2000)]
-    processors = decoding.logits_processors(
+    processors = dynamic.logits_processors(
         GenerationConfig(do_sample=True, temperature=0.9, top_p=0.95, repetition_penalty=1.1)
     )
     kwargs = dict(
@@ -69,21 +72,21 @@ def agreement(model_dir, tokenizer, device, new_tokens: int, rows: int = 32) -> 
     ]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            graphed = static_decoding.sample(
+            graphed = static.sample(
                 model, ids, mask, graphs=device.type == "cuda", window_block=64, check_every=4, **kwargs
             ).completion_ids
-            eager = static_decoding.sample(
+            eager = static.sample(
                 model, ids, mask, graphs=False, window_block=64, check_every=4, **kwargs
             ).completion_ids
-            dynamic = decoding.sample(model, ids, mask, **kwargs).completion_ids
+            from_dynamic = dynamic.sample(model, ids, mask, **kwargs).completion_ids
         ended = torch.isin(graphed, torch.tensor(stops, device=device))
         lengths = torch.where(ended.any(1), ended.float().argmax(1) + 1, graphed.shape[1])
         results[name] = {
             "graphs_equal_eager_static": bool(torch.equal(graphed, eager)),
-            "token_agreement_with_dynamic": float((graphed == dynamic).float().mean())
-            if graphed.shape == dynamic.shape
+            "token_agreement_with_dynamic": float((graphed == from_dynamic).float().mean())
+            if graphed.shape == from_dynamic.shape
             else None,
-            "shapes": [list(graphed.shape), list(dynamic.shape)],
+            "shapes": [list(graphed.shape), list(from_dynamic.shape)],
             "rows_that_ended": int(ended.any(1).sum()),
             "distinct_lengths": len(set(lengths.tolist())),
         }
@@ -125,10 +128,10 @@ def timing(model_dir, tokenizer, device, rows: int, new_tokens: int) -> dict:
                 lambda: model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
             ),
             "dynamic_loop_ms_per_step": clock(
-                lambda: decoding.sample(model, ids, mask, cache=prefill(model, ids, mask), **kwargs)
+                lambda: dynamic.sample(model, ids, mask, cache=prefill(model, ids, mask), **kwargs)
             ),
             "static_graphs_ms_per_step": clock(
-                lambda: static_decoding.sample(model, ids, mask, graphs=device.type == "cuda", **kwargs)
+                lambda: static.sample(model, ids, mask, graphs=device.type == "cuda", **kwargs)
             ),
         }
     out.update(rows=rows, new_tokens=new_tokens, prompt_length=ids.shape[1])

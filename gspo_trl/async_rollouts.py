@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from .environments import EpisodeRunner
-from .rollout import HFGenerateBackend, RolloutBackend
+from .rollout import EpisodeRunner, HFGenerateBackend, RolloutBackend
 
 logger = logging.get_logger(__name__)
 

@@ -2,8 +2,8 @@
 
 A row's tokens are numbered by counting its attended tokens (mask 1) from 0, so left padding and the gaps of
 `prefix_sharing`'s layouts shift nothing: each token gets the position it has when its row runs alone, unpadded.
-Sampling (`decoding`, `static_decoding`, `prefix_sharing`) and scoring (`logprobs`) must agree on it, or a model
-with learned absolute position embeddings (GPT-2) scores a left-padded row at shifted positions. What it does not
+Sampling (the loops and prefill in `decoding/`) and scoring (`logprobs`) must agree on it, or a model with learned
+absolute position embeddings (GPT-2) scores a left-padded row at shifted positions. What it does not
 own: the packed layout's positions, which restart per completion (`packing`).
 """
 

@@ -37,8 +37,6 @@ from .distributed import (
     weights_for_generation,
 )
 from .entropy_control import EntropyCoefficient
-from .environments import EpisodeRunner
-from .environments.episodes import END_REASONS, end_codes
 from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprob_check import check_first_rollout
 from .logprobs import completion_logprobs
@@ -70,7 +68,8 @@ from .packing import packing_pays_on, padding_free_unsupported_reason
 from .passes import micro_batch_passes, pass_budget, take_pass
 from .precision import check_precision, precision_context, warn_if_fp32_head_is_cast_by_fsdp2
 from .rewards import RewardModelFunction, compute_rewards, load_reward_funcs, resolve_reward_weights
-from .rollout import SampledRollout, create_rollout_backend, is_conversational_prompt, stream_keys
+from .rollout import EpisodeRunner, SampledRollout, create_rollout_backend, is_conversational_prompt, stream_keys
+from .rollout.episodes import END_REASONS, end_codes
 from .rollout_checkpoint import RolloutState, last_complete_checkpoint, load_rollout_state, save_rollout_state
 from .rollout_func import check_rollout_func, sample_with_rollout_func
 from .sampling_correction import sampler_logprobs_as_old, sampling_correction

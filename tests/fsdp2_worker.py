@@ -7,7 +7,7 @@ the whole model on every rank scores both ranks' rows, so the averaged gradient 
 `+reshard` also reshards the root after its forward, so the LM head is projected from a sharded (DTensor)
 weight; `+head` makes the LM head a unit of its own (as accelerate's transformer-based wrapping does); `+bf16`
 computes in bf16 (FSDP2's MixedPrecisionPolicy, gradients reduced in float32) against the whole model under bf16
-autocast. Then `decoding.sample` runs with layout-independent streams inside
+autocast. Then `dynamic.sample` runs with layout-independent streams inside
 `fsdp2_whole_weights`, counting FSDP2's all-gathers. Last, a frozen model (the reference) goes through
 `prepare_frozen_model` with accelerate's FSDP2 plugin and scores without gradients. Writes <out>.rank<R>.json."""
 
@@ -25,10 +25,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-from gspo_trl import decoding, static_decoding
+from gspo_trl.decoding import dynamic, static
+from gspo_trl.decoding.prefix_sharing import prefill
 from gspo_trl.distributed import fsdp2_modules, fsdp2_whole_weights, prepare_frozen_model
 from gspo_trl.logprobs import completion_logprobs
-from gspo_trl.prefix_sharing import prefill
 from gspo_trl.rollout import keyed_uniform, stream_keys
 
 PROMPTS = [["What is 2 + 3?", "Hi there"], ["Solve: 7 - 4", "Say ok"]]  # rank r scores PROMPTS[r]
@@ -108,7 +108,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
     keys = stream_keys(7, rank, torch.arange(len(PROMPTS[rank])))
 
     def sample(model):
-        return decoding.sample(
+        return dynamic.sample(
             model,
             encoded.input_ids,
             encoded.attention_mask,
@@ -136,7 +136,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
             with fsdp2_whole_weights(sharded):
                 once = sample(sharded)
                 # whole weights, yet no CUDA-graph decoding: FSDP2's hooks still run around every forward
-                result["static_refusal"] = static_decoding.unsupported_reason(
+                result["static_refusal"] = static.unsupported_reason(
                     sharded, prefill(sharded, encoded.input_ids, encoded.attention_mask)
                 )
             result["gathers_whole_weights"] = len(gathers)

@@ -81,7 +81,7 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
     at different steps and the last one decodes alone; returns (the call, the encoded prompts)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
-    from gspo_trl.decoding import logits_processors, sample
+    from gspo_trl.decoding.dynamic import logits_processors, sample
     from gspo_trl.rollout import keyed_uniform, stream_keys
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

@@ -22,11 +22,12 @@ from conftest import build_tiny_tokenizer
 from helpers import count_digits, sampler_with_rows_ending_apart, small_config, text_dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from gspo_trl import GSPOConfig, GSPOTrainer, decoding, static_decoding, trainer
+from gspo_trl import GSPOConfig, GSPOTrainer, trainer
+from gspo_trl.decoding import dynamic, static
+from gspo_trl.decoding.prefix_sharing import prefill
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.models import router_aux_loss_coef
 from gspo_trl.packing import padding_free_unsupported_reason
-from gspo_trl.prefix_sharing import prefill
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, stream_keys
 
 DOCS_TABLE = Path(__file__).resolve().parent.parent / "docs" / "architectures.md"
@@ -260,7 +261,7 @@ def test_logprobs_equal_a_plain_forward(family, attention, layout):
 
 
 def static_refusal(model, encoded) -> str | None:
-    return static_decoding.unsupported_reason(model, prefill(model, encoded.input_ids, encoded.attention_mask))
+    return static.unsupported_reason(model, prefill(model, encoded.input_ids, encoded.attention_mask))
 
 
 @pytest.mark.parametrize("family, attention", COMBINATIONS)
@@ -280,16 +281,16 @@ def test_dynamic_loop_records_the_logps_of_a_plain_forward(family, attention):
 def test_static_loop_records_the_logps_of_a_plain_forward(family, attention, monkeypatch):
     # The GPU loop, without CUDA graphs (its steps run eagerly here): windows of 4 positions grow every 4 steps,
     # and the batch is compacted at checks every 2 steps. The helper's sampler (its processors, per-row streams and
-    # temperature) runs it in the place of `decoding.sample`, which the helper imports when it is called.
+    # temperature) runs it in the place of `dynamic.sample`, which the helper imports when it is called.
     model = tiny(family, attention)
     tok = tokenizer()
     calls = []
 
     def static_sample(*args, **kwargs):
         calls.append(kwargs["max_new_tokens"])
-        return static_decoding.sample(*args, graphs=False, window_block=4, check_every=2, **kwargs)
+        return static.sample(*args, graphs=False, window_block=4, check_every=2, **kwargs)
 
-    monkeypatch.setattr(decoding, "sample", static_sample)
+    monkeypatch.setattr(dynamic, "sample", static_sample)
     run, encoded = sampler_with_rows_ending_apart(model, tok, PROMPTS)
     reason = static_refusal(model, encoded)
     if family in SLIDING | ALIBI:
@@ -323,19 +324,17 @@ def test_rollout_records_the_logps_of_a_plain_forward(family, attention, loop, t
     assert backend.use_decode_loop
     refusals, static_calls = [], []
     if loop == "static":
-        dynamic_sample = decoding.sample
+        dynamic_sample = dynamic.sample
 
         def sample_as_on_a_gpu(model, ids, mask, *, cache, timed_forms, **sampling):
-            reason = static_decoding.unsupported_reason(model, cache)
+            reason = static.unsupported_reason(model, cache)
             if reason is not None:
                 refusals.append(reason)
                 return dynamic_sample(model, ids, mask, cache=cache, timed_forms=timed_forms, **sampling)
             static_calls.append(ids.shape)
-            return static_decoding.sample(
-                model, ids, mask, cache=cache, graphs=False, window_block=4, check_every=2, **sampling
-            )
+            return static.sample(model, ids, mask, cache=cache, graphs=False, window_block=4, check_every=2, **sampling)
 
-        monkeypatch.setattr(decoding, "sample", sample_as_on_a_gpu)
+        monkeypatch.setattr(dynamic, "sample", sample_as_on_a_gpu)
     rollout = backend.generate(PROMPTS, stream_keys(3, torch.arange(len(PROMPTS))))
     if loop == "static":
         if family in SLIDING | ALIBI:

@@ -16,8 +16,8 @@ from gspo_trl import decode_forward
 from gspo_trl.decode_attention import packed_gqa_decoding
 from gspo_trl.decode_forward import StepForward
 from gspo_trl.decode_linear import COMPILED, LINEAR, PACKED, TRANSPOSED, fast_decode_linears
-from gspo_trl.decoding import PreallocatedLayer, preallocate
-from gspo_trl.kv_cache import cache_kwargs
+from gspo_trl.decoding.dynamic import PreallocatedLayer, preallocate
+from gspo_trl.decoding.kv_cache import cache_kwargs
 
 FORMS = [LINEAR, TRANSPOSED, PACKED, COMPILED]
 

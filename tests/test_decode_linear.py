@@ -21,7 +21,7 @@ from gspo_trl.decode_linear import (
     fast_decode_linears,
     measure_choices,
 )
-from gspo_trl.decoding import token_logps
+from gspo_trl.decoding.dynamic import token_logps
 
 
 @pytest.fixture()

@@ -2,15 +2,15 @@
 
 import pytest
 import torch
-from test_environments_episodes import ScriptedSampler, episode_args
+from test_rollout_episodes import ScriptedSampler, episode_args
 
-from gspo_trl.environments.episodes import EpisodeRunner
 from gspo_trl.environments.tools import (
     ToolEnvironment,
     environment_reward_functions,
     parse_hermes_tool_calls,
     tool_episode_factory,
 )
+from gspo_trl.rollout.episodes import EpisodeRunner
 
 
 class Calculator:

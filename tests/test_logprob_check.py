@@ -15,7 +15,9 @@ from helpers import count_digits, small_config, text_dataset
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
-from gspo_trl import GSPOConfig, GSPOTrainer, decoding, logprobs, static_decoding
+from gspo_trl import GSPOConfig, GSPOTrainer, logprobs
+from gspo_trl.decoding import dynamic, static
+from gspo_trl.decoding.prefix_sharing import prefill_shared_prompts
 from gspo_trl.logprob_check import (
     FLOAT32,
     HALF_PRECISION,
@@ -25,7 +27,6 @@ from gspo_trl.logprob_check import (
     tolerance_in_use,
 )
 from gspo_trl.precision import cast_lm_head_to_fp32
-from gspo_trl.prefix_sharing import prefill_shared_prompts
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos
 
 PROMPTS = ["What is 2 + 3?"] * 3 + ["Hi"] * 3 + ["Solve: 7 - 4 = 3. Reply with just the number."] * 3
@@ -46,9 +47,9 @@ def rollout_inputs(model, tokenizer, loop: str = "dynamic") -> dict:
     )
     torch.manual_seed(0)
     if loop == "static":
-        decoded = static_decoding.sample(model, ids, mask, graphs=False, window_block=4, **kwargs)
+        decoded = static.sample(model, ids, mask, graphs=False, window_block=4, **kwargs)
     else:
-        decoded = decoding.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask), **kwargs)
+        decoded = dynamic.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask), **kwargs)
     completion_mask, _ = completion_mask_from_eos(decoded.completion_ids, [eos])
     return {
         "input_ids": torch.cat([ids, decoded.completion_ids], dim=1),
@@ -74,14 +75,14 @@ def shift_padded_positions(monkeypatch, by: int = 3):
 
 def old_boolean_mask(monkeypatch):
     """The static loop as it was: a boolean mask, which eager attention adds to its scores as 1s and 0s."""
-    init = static_decoding.StaticDecoder.__init__
+    init = static.StaticDecoder.__init__
 
     def with_boolean_mask(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.mask = self.mask == static_decoding.ATTENDED
+        self.mask = self.mask == static.ATTENDED
 
-    monkeypatch.setattr(static_decoding.StaticDecoder, "__init__", with_boolean_mask)
-    monkeypatch.setattr(static_decoding, "ATTENDED", True)
+    monkeypatch.setattr(static.StaticDecoder, "__init__", with_boolean_mask)
+    monkeypatch.setattr(static, "ATTENDED", True)
 
 
 class RecordingBackend:

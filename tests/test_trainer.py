@@ -269,7 +269,7 @@ def test_report_to_backends_write_the_gspo_metrics_offline(tmp_path, tiny_model_
 def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp_path, tiny_model_dir, monkeypatch):
     from peft import LoraConfig
 
-    import gspo_trl.decoding as decoding
+    from gspo_trl.decoding import dynamic
 
     config = make_config(tmp_path, activation_checkpointing=True, steps_per_generation=1)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -278,7 +278,7 @@ def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp
     )
     model = trainer.accelerator.unwrap_model(trainer.model)
     embed = model.get_base_model().model.embed_tokens
-    rollouts, original_sample = [], decoding.sample
+    rollouts, original_sample = [], dynamic.sample
 
     def spy(sampled_model, *args, **kwargs):
         # generation runs in eval mode, where transformers keeps the KV cache despite checkpointing: after the
@@ -292,7 +292,7 @@ def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp
         rollouts.append((sampled_model.training, lengths))
         return out
 
-    monkeypatch.setattr(decoding, "sample", spy)
+    monkeypatch.setattr(dynamic, "sample", spy)
     before = snapshot(trainer.model)
     trainer.train()
     assert len(rollouts) == 2

@@ -1,5 +1,5 @@
 """GSPOTrainer with env_factory: multi-turn episodes end to end on the tiny model (the loop itself is tested in
-test_environments_episodes.py, the turn-level math in test_loss.py and test_advantages.py)."""
+test_rollout_episodes.py, the turn-level math in test_loss.py and test_advantages.py)."""
 
 from __future__ import annotations
 

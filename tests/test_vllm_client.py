@@ -1,5 +1,5 @@
 """Tests for gspo_trl.vllm.client's failure paths, against a small local HTTP server that answers like a broken or
-misconfigured vLLM server (the happy path runs against a real vLLM server in test_vllm_backend.py)."""
+misconfigured vLLM server (the happy path runs against a real vLLM server in test_rollout_vllm_server.py)."""
 
 import json
 import threading

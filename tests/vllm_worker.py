@@ -1,5 +1,5 @@
-"""Run under `torchrun --nproc_per_node 2` by test_vllm_backend.py: a short GSPO run sampling on a real vLLM server,
-under `ddp` or `zero3` (every parameter partitioned, so the weight sync gathers module by module on both ranks).
+"""Run under `torchrun --nproc_per_node 2` by test_rollout_vllm_server.py: a short GSPO run sampling on a real vLLM
+server, under `ddp` or `zero3` (every parameter partitioned, so the weight sync gathers module by module on both ranks).
 After training, one more sync; then every rank scores a fixed text through the trained (wrapped) model and rank 0
 asks the server for the same log-probs. Each rank writes <out>.rank<R>.json."""
 

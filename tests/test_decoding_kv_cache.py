@@ -4,7 +4,7 @@ import warnings
 import torch
 from transformers import DynamicCache
 
-from gspo_trl.kv_cache import cache_kwargs
+from gspo_trl.decoding.kv_cache import cache_kwargs
 
 
 def test_the_cache_goes_under_the_name_the_installed_forward_declares(tiny_model):

@@ -14,7 +14,7 @@ token, ready for a decoding loop to continue from it:
   prefix is its own previous turn, whose KV cache the decoding loop kept (`decoding.RowState`); only what came
   after (the end of the turn, the environment's reply) runs through the model.
 
-What it does not own: decoding (`decoding.py`), tokenization (`rollout.py`).
+What it does not own: the decoding loops (`dynamic`, `static`), tokenization (`rollout`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from ..positions import positions_from_mask
 from .kv_cache import cache_kwargs
-from .positions import positions_from_mask
 
 # The least share of the prefill positions that sharing must save to be used: it costs a second forward.
 MIN_SAVING = 0.125

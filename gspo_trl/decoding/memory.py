@@ -2,10 +2,10 @@
 
 A rollout's KV cache grows as rows × (prompt + completion) positions × what one position costs (layers × keys
 and values × KV heads × head dim × bytes): for SmolLM2-1.7B in bf16, 64 rows of 4,096 tokens take 52 GB, and
-the static loop (`static_decoding`) allocates it all up front. This module owns that arithmetic and the slices a
+the static loop (`static`) allocates it all up front. This module owns that arithmetic and the slices a
 rollout is decoded in when it does not fit: as even as possible, one after another, each slice's cache freed
 before the next. Pure functions, plus the one query of the device's free memory. What it does not own: the
-decoding itself (`decoding`, `static_decoding`) and the choice to slice (`rollout.HFGenerateBackend`).
+decoding itself (`dynamic`, `static`) and the choice to slice (`rollout.hf.HFGenerateBackend`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""gspo_trl.decoding: the sampler, the logits processors against `generate`'s, and the loop against a
+"""gspo_trl.decoding.dynamic: the sampler, the logits processors against `generate`'s, and the loop against a
 one-row, no-cache reference decoder (finished rows leave the batch; nothing else changes)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
-from gspo_trl import GSPOConfig, decoding
-from gspo_trl.decoding import (
+from gspo_trl import GSPOConfig
+from gspo_trl.decoding import dynamic
+from gspo_trl.decoding.dynamic import (
     PreallocatedLayer,
     drop_rows,
     inverse_cdf_sample,
@@ -20,7 +21,7 @@ from gspo_trl.decoding import (
     token_logps,
     unsupported_settings,
 )
-from gspo_trl.prefix_sharing import prefill_shared_prefixes, prefill_shared_prompts
+from gspo_trl.decoding.prefix_sharing import prefill_shared_prefixes, prefill_shared_prompts
 from gspo_trl.rollout import HFGenerateBackend, keyed_uniform, stream_keys
 
 SETTINGS = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
@@ -213,24 +214,24 @@ def test_loop_samples_what_a_one_row_reference_samples(tiny_model, tiny_tokenize
 
 
 def test_preallocated_layer_holds_what_a_dynamic_layer_holds_and_grows_by_doubling(monkeypatch):
-    monkeypatch.setattr(decoding, "INITIAL_ROOM", 2)
+    monkeypatch.setattr(dynamic, "INITIAL_ROOM", 2)
     torch.manual_seed(0)
     keys, values = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)  # (rows, heads, prompt positions, dim)
-    dynamic, seed = DynamicLayer(), DynamicLayer()
-    dynamic.update(keys, values)
+    reference, seed = DynamicLayer(), DynamicLayer()
+    reference.update(keys, values)
     seed.update(keys, values)
     layer = PreallocatedLayer.from_layer(seed, capacity=20)
     sizes = [layer.key_buffer.shape[-2]]
     for step in range(20):
         new_keys, new_values = torch.randn(len(layer.keys), 2, 1, 4), torch.randn(len(layer.keys), 2, 1, 4)
-        expected, got = dynamic.update(new_keys, new_values), layer.update(new_keys, new_values)
+        expected, got = reference.update(new_keys, new_values), layer.update(new_keys, new_values)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
         sizes.append(layer.key_buffer.shape[-2])
         if step == 8:  # a row finishes and leaves the batch
             kept = torch.tensor([2, 0])
-            dynamic.keys, dynamic.values = dynamic.keys[kept], dynamic.values[kept]
+            reference.keys, reference.values = reference.keys[kept], reference.values[kept]
             layer.reorder_cache(kept)
-            assert torch.equal(layer.keys, dynamic.keys) and torch.equal(layer.values, dynamic.values)
+            assert torch.equal(layer.keys, reference.keys) and torch.equal(layer.values, reference.values)
     assert layer.keys.shape == (2, 2, 25, 4)
     # 5 prompt positions + 2 of room, then doubling up to the capacity of 20, then one at a time past it.
     assert sorted(set(sizes)) == [7, 14, 20, 21, 22, 23, 24, 25]
@@ -282,7 +283,7 @@ def test_loop_samples_the_same_whatever_room_the_cache_starts_with(tiny_model, t
         ).completion_ids
 
     roomy = run()
-    monkeypatch.setattr(decoding, "INITIAL_ROOM", 1)  # a growth at the first step and then at every doubling
+    monkeypatch.setattr(dynamic, "INITIAL_ROOM", 1)  # a growth at the first step and then at every doubling
     assert torch.equal(run(), roomy)
 
 

@@ -24,12 +24,12 @@ from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging
 
-from gspo_trl.decoding import Decoded, RowState, UniformSource, draw, only_scales, random_uniforms
-from gspo_trl.distributed import fsdp2_modules, has_sharded_parameters
-from gspo_trl.kv_cache import cache_kwargs
-from gspo_trl.packing import DENSE_MASKS_NEEDED, attention_mask_dtype, takes_dense_masks, uses_alibi
-from gspo_trl.positions import positions_from_mask
-from gspo_trl.prefix_sharing import prefill
+from ..distributed import fsdp2_modules, has_sharded_parameters
+from ..packing import DENSE_MASKS_NEEDED, attention_mask_dtype, takes_dense_masks, uses_alibi
+from ..positions import positions_from_mask
+from .dynamic import Decoded, RowState, UniformSource, draw, only_scales, random_uniforms
+from .kv_cache import cache_kwargs
+from .prefix_sharing import prefill
 
 logger = logging.get_logger(__name__)
 
@@ -233,7 +233,9 @@ def sample(
     before the completion (default `prompt_ids`), as in `decoding.sample`. With `keep_states`, also the
     `RowState` of each row that ended with an EOS (None for the others), as `decoding.sample` returns them."""
     if cache is None and (cache := prefill(model, prompt_ids, prompt_mask)) is None:
-        raise ValueError("static_decoding.sample needs at least two tokens in every prompt row; use decoding.sample.")
+        raise ValueError(
+            "decoding.static.sample needs at least two tokens in every prompt row; use decoding.dynamic.sample."
+        )
     n, prompt_length = prompt_ids.shape
     device = prompt_ids.device
     decoder = StaticDecoder(model, cache, prompt_mask, prompt_length + max_new_tokens, graphs, window_block)

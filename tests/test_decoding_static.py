@@ -1,4 +1,4 @@
-"""gspo_trl.static_decoding: the static-cache loop samples what `decoding.sample` and a one-row no-cache reference
+"""gspo_trl.decoding.static: the static-cache loop samples what `dynamic.sample` and a one-row no-cache reference
 sample (windows growing, finished rows compacted away), and says when it cannot run. The CUDA-graph replay
 itself needs a GPU: `benchmarks/static_decoding_gpu.py` checks it there (docs/benchmarks.md)."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decoding import SETTINGS, FavourEos, reference_decode
+from test_decoding_dynamic import SETTINGS, FavourEos, reference_decode
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
-from gspo_trl import decoding, static_decoding
 from gspo_trl.decode_attention import NAME as DENSE_MASKED_CUSTOM_ATTENTION
+from gspo_trl.decoding import dynamic, static
+from gspo_trl.decoding.prefix_sharing import prefill, prefill_shared_prompts
 from gspo_trl.logprobs import completion_logprobs
-from gspo_trl.prefix_sharing import prefill, prefill_shared_prompts
 from gspo_trl.rollout import completion_mask_from_eos, keyed_uniform, stream_keys
 
 PROMPTS = ["What is 2 + 3?"] * 4 + ["Hi there"] * 4 + ["Solve: 7 - 4"] * 4
@@ -37,7 +37,7 @@ def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
     ids, mask = encode(tiny_tokenizer)
     keys = stream_keys(3, torch.arange(len(PROMPTS)))
     processors = LogitsProcessorList(
-        [FavourEos(eos), *decoding.logits_processors(GenerationConfig(do_sample=True, **SETTINGS))]
+        [FavourEos(eos), *dynamic.logits_processors(GenerationConfig(do_sample=True, **SETTINGS))]
     )
 
     def uniforms(rows, t):
@@ -46,7 +46,7 @@ def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
     batch_sizes = []
     hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_sizes.append(o.shape[0]))
     try:
-        static = static_decoding.sample(
+        from_static = static.sample(
             tiny_model,
             ids,
             mask,
@@ -62,7 +62,7 @@ def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
         ).completion_ids
     finally:
         hook.remove()
-    dynamic = decoding.sample(
+    from_dynamic = dynamic.sample(
         tiny_model,
         ids,
         mask,
@@ -72,16 +72,16 @@ def test_static_loop_samples_what_the_reference_and_the_dynamic_loop_sample(
         processors=processors,
         uniforms=uniforms,
     ).completion_ids
-    assert torch.equal(static, dynamic)
+    assert torch.equal(from_static, from_dynamic)
     lengths = []
     for row, prompt in enumerate(PROMPTS):
         expected = reference_decode(
             tiny_model, torch.tensor(tiny_tokenizer(prompt).input_ids), processors, keys[row], 12, eos
         )
-        assert static[row, : len(expected)].tolist() == expected, row
-        assert (static[row, len(expected) :] == pad).all()
+        assert from_static[row, : len(expected)].tolist() == expected, row
+        assert (from_static[row, len(expected) :] == pad).all()
         lengths.append(len(expected))
-    assert static.shape[1] == max(lengths) and len(set(lengths)) > 2
+    assert from_static.shape[1] == max(lengths) and len(set(lengths)) > 2
     # The batch shrank once at most half the rows were live, at a check: never before a row had finished.
     steps = batch_sizes[1:]  # after the prefill
     assert steps[0] == len(PROMPTS) and (check_every > 2 or min(steps) < len(PROMPTS))
@@ -104,7 +104,7 @@ def test_static_loop_runs_under_bf16_weights_and_autocast(tiny_model_dir, tiny_t
         uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        static = static_decoding.sample(
+        from_static = static.sample(
             model,
             ids,
             mask,
@@ -114,19 +114,19 @@ def test_static_loop_runs_under_bf16_weights_and_autocast(tiny_model_dir, tiny_t
             check_every=1,
             **kwargs,
         ).completion_ids
-        dynamic = decoding.sample(model, ids, mask, **kwargs).completion_ids
-    assert static.shape == dynamic.shape
+        from_dynamic = dynamic.sample(model, ids, mask, **kwargs).completion_ids
+    assert from_static.shape == from_dynamic.shape
     # bf16 sums over windows of different sizes may round differently: nearly every token agrees.
-    assert (static == dynamic).float().mean() > 0.9
+    assert (from_static == from_dynamic).float().mean() > 0.9
 
 
 def test_unsupported_reason_names_what_the_static_loop_needs(tiny_model, tiny_tokenizer):
     ids, mask = encode(tiny_tokenizer)
     cache = prefill(tiny_model, ids, mask)
-    assert static_decoding.unsupported_reason(tiny_model, cache) is None
+    assert static.unsupported_reason(tiny_model, cache) is None
     short_ids, short_mask = encode(tiny_tokenizer, ["Hi there", "x"])  # a row of one token: nothing to prefill
     with pytest.raises(ValueError, match="at least two tokens"):
-        static_decoding.sample(
+        static.sample(
             tiny_model,
             short_ids,
             short_mask,
@@ -135,13 +135,13 @@ def test_unsupported_reason_names_what_the_static_loop_needs(tiny_model, tiny_to
             pad_token_id=0,
             processors=LogitsProcessorList(),
         )
-    assert "no prefilled prompt cache" in static_decoding.unsupported_reason(tiny_model, None)
-    assert "full attention" in static_decoding.unsupported_reason(tiny_model, DynamicCache(config=tiny_model.config))
+    assert "no prefilled prompt cache" in static.unsupported_reason(tiny_model, None)
+    assert "full attention" in static.unsupported_reason(tiny_model, DynamicCache(config=tiny_model.config))
     tiny_model.config._attn_implementation = DENSE_MASKED_CUSTOM_ATTENTION  # registered with SDPA's dense masks
-    assert static_decoding.unsupported_reason(tiny_model, cache) is None
+    assert static.unsupported_reason(tiny_model, cache) is None
     for attention in ("flex_attention", "flash_attention_2"):  # block masks; 2-D padding masks or none
         tiny_model.config._attn_implementation = attention
-        assert f"attn_implementation={attention!r}" in static_decoding.unsupported_reason(tiny_model, cache)
+        assert f"attn_implementation={attention!r}" in static.unsupported_reason(tiny_model, cache)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -149,7 +149,7 @@ def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenize
     # Later turns of episodes: rows share a prompt, then differ; `prefill_shared_prefixes` lays them out
     # [prefix | gap | tail | last token]. The processors (repetition penalty here) see the left-padded rows.
     tiny_model.set_attn_implementation(attention)
-    from gspo_trl.prefix_sharing import prefill_shared_prefixes
+    from gspo_trl.decoding.prefix_sharing import prefill_shared_prefixes
     from gspo_trl.rollout import left_pad
 
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
@@ -158,7 +158,7 @@ def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenize
     rows = [prompt + [7, 8, 9], prompt + [12], prompt + [14, 15, 16, 17, 18], prompt + [22, 23]]
     keys = stream_keys(11, torch.arange(len(rows)))
     processors = LogitsProcessorList(
-        [FavourEos(eos), *decoding.logits_processors(GenerationConfig(do_sample=True, **SETTINGS))]
+        [FavourEos(eos), *dynamic.logits_processors(GenerationConfig(do_sample=True, **SETTINGS))]
     )
     history, _ = left_pad(rows, pad)
     seen = []
@@ -173,18 +173,18 @@ def test_static_loop_continues_rows_laid_out_with_gaps(tiny_model, tiny_tokenize
     )
     ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
     assert not bool(mask.cumprod(1).eq(mask).all())  # there are gaps after the first token of some row
-    static = static_decoding.sample(
+    from_static = static.sample(
         tiny_model, ids, mask, cache=cache, graphs=False, window_block=4, check_every=100, **kwargs
     ).completion_ids
     assert torch.equal(seen[0], history)  # the processors see the left-padded rows, not the gapped layout
-    assert torch.equal(seen[static.shape[1]], torch.cat([history, static], dim=1))
+    assert torch.equal(seen[from_static.shape[1]], torch.cat([history, from_static], dim=1))
     seen.clear()
     ids, mask, cache = prefill_shared_prefixes(tiny_model, rows, pad)
-    dynamic = decoding.sample(tiny_model, ids, mask, cache=cache, **kwargs).completion_ids
-    assert torch.equal(static, dynamic)
+    from_dynamic = dynamic.sample(tiny_model, ids, mask, cache=cache, **kwargs).completion_ids
+    assert torch.equal(from_static, from_dynamic)
     for row, tokens in enumerate(rows):
         expected = reference_decode(tiny_model, torch.tensor(tokens), processors, keys[row], 10, eos)
-        assert static[row, : len(expected)].tolist() == expected, row
+        assert from_static[row, : len(expected)].tolist() == expected, row
 
 
 @pytest.mark.parametrize("check_every", [1, 3, 100])
@@ -202,21 +202,21 @@ def test_static_loop_keeps_the_states_the_dynamic_loop_keeps(tiny_model, tiny_to
         uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
         keep_states=True,
     )
-    static_result = static_decoding.sample(
+    static_result = static.sample(
         tiny_model, ids, mask, graphs=False, window_block=4, check_every=check_every, **kwargs
     )
-    dynamic_result = decoding.sample(
+    dynamic_result = dynamic.sample(
         tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask), **kwargs
     )
-    static, static_states = static_result.completion_ids, static_result.states
-    dynamic, dynamic_states = dynamic_result.completion_ids, dynamic_result.states
-    assert torch.equal(static, dynamic)
-    ended = [eos in row for row in static.tolist()]
+    from_static, static_states = static_result.completion_ids, static_result.states
+    from_dynamic, dynamic_states = dynamic_result.completion_ids, dynamic_result.states
+    assert torch.equal(from_static, from_dynamic)
+    ended = [eos in row for row in from_static.tolist()]
     assert 0 < sum(ended) < len(PROMPTS)  # some rows ended with an EOS, some were cut at 6 tokens
     for row, (a, b) in enumerate(zip(static_states, dynamic_states)):
         assert (a is None) == (b is None) == (not ended[row]), row
         if a is not None:
-            assert a.length == b.length == int(mask[row].sum()) + static[row].tolist().index(eos)
+            assert a.length == b.length == int(mask[row].sum()) + from_static[row].tolist().index(eos)
             for (keys_a, values_a), (keys_b, values_b) in zip(a.layers, b.layers):
                 torch.testing.assert_close(keys_a, keys_b, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(values_a, values_b, rtol=1e-5, atol=1e-5)
@@ -244,14 +244,14 @@ def test_static_loop_records_the_logps_the_dynamic_loop_records(tiny_model, tiny
         logp_temperature=0.8,
         uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
     )
-    static = static_decoding.sample(tiny_model, ids, mask, graphs=False, window_block=4, check_every=3, **kwargs)
-    dynamic = decoding.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask), **kwargs)
-    assert torch.equal(static.completion_ids, dynamic.completion_ids)
-    ended = torch.isin(static.completion_ids, torch.tensor(ends)).any(1)
+    from_static = static.sample(tiny_model, ids, mask, graphs=False, window_block=4, check_every=3, **kwargs)
+    from_dynamic = dynamic.sample(tiny_model, ids, mask, cache=prefill_shared_prompts(tiny_model, ids, mask), **kwargs)
+    assert torch.equal(from_static.completion_ids, from_dynamic.completion_ids)
+    ended = torch.isin(from_static.completion_ids, torch.tensor(ends)).any(1)
     assert 0 < int(ended.sum()) < len(PROMPTS)
-    completion_mask, _ = completion_mask_from_eos(static.completion_ids, ends)
-    assert (static.logps[completion_mask == 0] == 0).all() and (static.logps[completion_mask == 1] < 0).all()
-    torch.testing.assert_close(static.logps, dynamic.logps, atol=1e-5, rtol=0)
+    completion_mask, _ = completion_mask_from_eos(from_static.completion_ids, ends)
+    assert (from_static.logps[completion_mask == 0] == 0).all() and (from_static.logps[completion_mask == 1] < 0).all()
+    torch.testing.assert_close(from_static.logps, from_dynamic.logps, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -275,16 +275,16 @@ def test_static_loop_records_the_logps_a_scoring_forward_gives(tiny_model, tiny_
         logp_temperature=0.8,
         uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
     )
-    static = static_decoding.sample(model, ids, mask, graphs=False, window_block=4, check_every=3, **kwargs)
-    dynamic = decoding.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask), **kwargs)
-    assert torch.equal(static.completion_ids, dynamic.completion_ids)
-    completion_mask, _ = completion_mask_from_eos(static.completion_ids, [eos])
+    from_static = static.sample(model, ids, mask, graphs=False, window_block=4, check_every=3, **kwargs)
+    from_dynamic = dynamic.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask), **kwargs)
+    assert torch.equal(from_static.completion_ids, from_dynamic.completion_ids)
+    completion_mask, _ = completion_mask_from_eos(from_static.completion_ids, [eos])
     scored = completion_logprobs(
         model,
-        torch.cat([ids, static.completion_ids], dim=1),
+        torch.cat([ids, from_static.completion_ids], dim=1),
         torch.cat([mask, completion_mask], dim=1),
-        static.completion_ids,
+        from_static.completion_ids,
         completion_mask,
         temperature=0.8,
     ).logps
-    torch.testing.assert_close(static.logps, scored, atol=1e-5, rtol=0)
+    torch.testing.assert_close(from_static.logps, scored, atol=1e-5, rtol=0)

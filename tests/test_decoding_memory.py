@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from gspo_trl.decode_memory import free_device_bytes, kv_bytes_per_position, rows_per_slice
+from gspo_trl.decoding.memory import free_device_bytes, kv_bytes_per_position, rows_per_slice
 
 
 def test_kv_bytes_per_position_of_real_architectures():

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from ..rollout import Rollout, RolloutBackend, is_conversational_prompt, stream_keys, tokenize_prompts
-from . import text_env
-from .chat import ObservationEncoder
+from ..environments import text_env
+from ..environments.chat import ObservationEncoder
+from .streams import stream_keys
+from .types import Rollout, RolloutBackend, is_conversational_prompt, tokenize_prompts
 
 # Why an episode ended. "length" and "budget" mean the completion budget ran out: they are the episode's
 # `is_truncated` (what mask_truncated_completions drops).

@@ -5,7 +5,7 @@ processors `generate` would apply for the same sampling settings (HF's own class
 sampling by inverse CDF (one uniform per row instead of `torch.multinomial` over the whole vocabulary),
 and dropping the rows that have emitted EOS from the batch and the cache, so the remaining steps cost what
 the unfinished rows need. What it does not own: prompt rendering and the EOS/truncation masks of the result
-(`rollout.py`), the prefill of shared prefixes (`prefix_sharing.py`), how a step's forward runs on CPU
+(`rollout.hf`), the prefill of shared prefixes (`prefix_sharing`), how a step's forward runs on CPU
 (`decode_forward`, `decode_linear`, `decode_attention`).
 
 The uniforms come from the caller: `torch.rand` for ordinary sampling, or a pure function of each row's key
@@ -31,11 +31,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .decode_attention import packed_gqa_decoding
-from .decode_forward import StepForward
-from .decode_linear import fast_decode_linears
+from ..decode_attention import packed_gqa_decoding
+from ..decode_forward import StepForward
+from ..decode_linear import fast_decode_linears
+from ..positions import positions_from_mask
 from .kv_cache import cache_kwargs
-from .positions import positions_from_mask
 
 # GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram
 # bans, bad words, a minimum length, ...) is `generate`'s job: `supports` says so and the backend falls back.

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from ..distributed import unwrap_model
-from ..rollout import (
+from ..vllm.client import VLLMServerClient, VLLMServerError
+from ..vllm.weight_sync import adapter_sync_unsupported_reason, remove_snapshot, write_adapter, write_snapshot
+from .types import (
     Rollout,
     RolloutBackend,
     completion_mask_from_eos,
@@ -29,8 +31,6 @@ from ..rollout import (
     left_pad,
     tokenize_prompts,
 )
-from .client import VLLMServerClient, VLLMServerError
-from .weight_sync import adapter_sync_unsupported_reason, remove_snapshot, write_adapter, write_snapshot
 
 ADAPTER_NAME = "gspo-trl-policy"  # the name the trained LoRA adapter is served under
 

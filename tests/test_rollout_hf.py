@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gspo_trl import GSPOConfig
-from gspo_trl.prefix_sharing import prefill_shared_prompts
+from gspo_trl.decoding.prefix_sharing import prefill_shared_prompts
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, render_prompts
 
 
@@ -146,10 +146,10 @@ def test_decode_max_rows_decodes_in_slices_that_sample_the_same_completions(
 ):
     # A rollout decoded a few rows at a time (each slice's KV cache gone before the next) samples, with per-row
     # streams, the completions, masks and truncation flags of all rows decoded together.
+    from tests.test_decoding_dynamic import FavourEos
     from transformers import LogitsProcessorList
 
     from gspo_trl.rollout import stream_keys
-    from tests.test_decoding import FavourEos
 
     def backend_with(max_rows):
         args = GSPOConfig(
@@ -191,7 +191,7 @@ def test_on_a_gpu_the_rows_that_fit_the_free_memory_are_decoded_together(
 ):
     # decode_max_rows=None: the KV cache of all rows is measured against the device's free memory (only CUDA has
     # a figure; faked here at the one query). Rows × (prompt + completion) positions × 2·layers·KV heads·head dim.
-    from gspo_trl import decode_memory
+    from gspo_trl.decoding import memory
     from gspo_trl.rollout import stream_keys
 
     args = GSPOConfig(
@@ -208,7 +208,7 @@ def test_on_a_gpu_the_rows_that_fit_the_free_memory_are_decoded_together(
     prompt_length = whole.prompt_ids.shape[1]
     per_row = (prompt_length + 10) * 2 * 2 * 2 * 16 * 4  # 2 layers, 2 KV heads of 16 dims, fp32
     # Room for 5 rows: two even slices of 4.
-    monkeypatch.setattr(decode_memory, "free_device_bytes", lambda device: int(5.5 * per_row / 0.8))
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: int(5.5 * per_row / 0.8))
     batch_rows = []
     hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_rows.append(o.shape[0]))
     try:
@@ -220,7 +220,7 @@ def test_on_a_gpu_the_rows_that_fit_the_free_memory_are_decoded_together(
     assert "decoding in slices of 4 rows" in caplog.text and "decode_max_rows" in caplog.text
     assert torch.equal(sliced.completion_ids, whole.completion_ids)
     # Room for every row: nothing sliced.
-    monkeypatch.setattr(decode_memory, "free_device_bytes", lambda device: int(9 * per_row / 0.8))
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: int(9 * per_row / 0.8))
     batch_rows.clear()
     hook = tiny_model.model.embed_tokens.register_forward_hook(lambda m, i, o: batch_rows.append(o.shape[0]))
     try:

@@ -1,5 +1,5 @@
-"""gspo_trl.prefix_sharing: which rows share which prefix (by hand), and the cache built from shared prefixes
-against a plain forward of every whole row; the loop sampling from it is tested in test_decoding.py."""
+"""gspo_trl.decoding.prefix_sharing: which rows share which prefix (by hand), and the cache built from shared prefixes
+against a plain forward of every whole row; the loop sampling from it is tested in test_decoding_dynamic.py."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from gspo_trl.kv_cache import cache_kwargs
-from gspo_trl.prefix_sharing import prefill, prefill_shared_prefixes, prefill_shared_prompts, shared_prefix_groups
+from gspo_trl.decoding.kv_cache import cache_kwargs
+from gspo_trl.decoding.prefix_sharing import (
+    prefill,
+    prefill_shared_prefixes,
+    prefill_shared_prompts,
+    shared_prefix_groups,
+)
 
 
 def as_sets(groups):
@@ -99,11 +104,11 @@ def test_the_prefixes_run_once(tiny_model):
 def test_rows_continue_from_the_states_the_decoding_loop_kept(tiny_model, tiny_tokenizer):
     # The next turn of an episode: the KV cache the loop kept for each row that ended with an EOS (its prompt and
     # completion but the EOS) continues the row with the environment's reply, as a plain forward of it all would.
+    from tests.test_decoding_dynamic import FavourEos
     from transformers import LogitsProcessorList
 
-    from gspo_trl.decoding import sample
-    from gspo_trl.prefix_sharing import prefill_after_states
-    from tests.test_decoding import FavourEos
+    from gspo_trl.decoding.dynamic import sample
+    from gspo_trl.decoding.prefix_sharing import prefill_after_states
 
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
     encoded = tiny_tokenizer(

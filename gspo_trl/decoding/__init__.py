@@ -1,0 +1,7 @@
+"""Decoding loops on the trained model, used by the HF rollout backend (`gspo_trl.rollout.hf`) only.
+
+`dynamic` is the loop on transformers' own cache (growing buffers, the shared sampler and its random
+sources), `static` the loop on a preallocated cache that CUDA graphs can capture, `prefix_sharing` the
+prefill that runs a prefix shared by several rows once, `kv_cache` how a cache is handed to a model, and
+`memory` how many rows fit the device at once.
+"""

@@ -1,0 +1,56 @@
+"""Rollouts: prompts in, sampled completions out, by whichever engine the config names.
+
+`types` holds the record every backend returns and the interface they implement; `hf` samples on the
+trained model in this process (its decoding loops live in `gspo_trl.decoding`); `vllm_server` asks a
+vLLM server; `episodes` plays multi-turn episodes on any backend; `streams` gives each row its own
+random stream. The trainer asks for completions and hands over new weights; it never learns which
+engine answered.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from .episodes import EpisodeBatch, EpisodeRunner
+from .hf import HFGenerateBackend, records_decode_logprobs
+from .streams import KeyedGumbelSampler, keyed_uniform, stream_keys
+from .types import (
+    Rollout,
+    RolloutBackend,
+    SampledRollout,
+    completion_mask_from_eos,
+    eos_token_ids_of,
+    is_conversational_prompt,
+    left_pad,
+    render_prompts,
+    tokenize_prompts,
+)
+
+__all__ = [
+    "EpisodeBatch",
+    "EpisodeRunner",
+    "HFGenerateBackend",
+    "KeyedGumbelSampler",
+    "Rollout",
+    "RolloutBackend",
+    "SampledRollout",
+    "completion_mask_from_eos",
+    "create_rollout_backend",
+    "eos_token_ids_of",
+    "is_conversational_prompt",
+    "keyed_uniform",
+    "left_pad",
+    "records_decode_logprobs",
+    "render_prompts",
+    "stream_keys",
+    "tokenize_prompts",
+]
+
+
+def create_rollout_backend(args, tokenizer: PreTrainedTokenizerBase, accelerator, model_getter) -> RolloutBackend:
+    """The backend `args` asks for: a vLLM server (`use_vllm`), or the trained model itself."""
+    if args.use_vllm:
+        from .vllm_server import VLLMServerBackend  # the server's client is imported only where one is used
+
+        return VLLMServerBackend(tokenizer, args, accelerator, model_getter())
+    return HFGenerateBackend(model_getter, tokenizer, args)

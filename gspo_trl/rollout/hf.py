@@ -1,0 +1,286 @@
+"""The HF backend: sampling on the trained model itself, in this process.
+
+Owns the choice of decoding loop (gspo-trl's dynamic loop `decoding.dynamic`, the static one with CUDA
+graphs `decoding.static`, or transformers' `generate` for settings the loops do not implement), prefix
+sharing (`decoding.prefix_sharing`), slicing rows to fit the KV cache in memory, and the EOS/truncation
+bookkeeping of the result. What it does not own: the rollout record (`types`), the random streams
+(`streams`), rewards, advantages and training log-probabilities.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
+from transformers.utils import logging
+
+from ..decoding import dynamic, memory, static
+from ..decoding.kv_cache import cache_kwargs
+from ..decoding.prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
+from ..packing import padding_free_unsupported_reason
+from .streams import KeyedGumbelSampler, keyed_uniform
+from .types import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, left_pad, tokenize_prompts
+
+logger = logging.get_logger(__name__)
+
+
+class HFGenerateBackend(RolloutBackend):
+    """Sampling on the training model itself (KV cache on, eval mode), with gspo-trl's decoding loop
+    (`dynamic.sample`) or, for `decode_loop="generate"` and settings the loop does not implement, `model.generate`."""
+
+    def __init__(self, model_getter, tokenizer: PreTrainedTokenizerBase, args):
+        # `model_getter` returns the current, unwrapped policy: weights change between rollouts and
+        # wrappers (DDP, DeepSpeed) can be replaced after construction.
+        self.model_getter = model_getter
+        self.tokenizer = tokenizer
+        self.max_prompt_length = args.max_prompt_length
+        self.chat_template_kwargs = args.chat_template_kwargs
+        model = model_getter()
+        sampling = {
+            "do_sample": True,
+            "max_new_tokens": args.max_completion_length,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+            "cache_implementation": args.cache_implementation,
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": model.generation_config.eos_token_id or tokenizer.eos_token_id,
+            "use_cache": True,
+        }
+        sampling.update(args.generation_kwargs or {})
+        self.generation_config = GenerationConfig(**sampling)
+        self.eos_token_ids = eos_token_ids_of(self.generation_config, tokenizer)
+        # gspo-trl's loop unless the user asked for generate or for something only generate implements.
+        unsupported = dynamic.unsupported_settings(self.generation_config)
+        self.use_decode_loop = args.decode_loop == "gspo" and not unsupported
+        if args.decode_loop == "gspo" and unsupported:
+            logger.warning(
+                f"decode_loop='gspo' does not implement {', '.join(unsupported)} (from generation_kwargs "
+                "or cache_implementation): sampling uses transformers' generate instead, which decodes "
+                "finished completions to the longest one's length."
+            )
+        self.processors = dynamic.logits_processors(self.generation_config)
+        # The loop's log-probs of what it samples, at the temperature training scores with (π_old, where asked).
+        self.logp_temperature = (
+            args.temperature if self.use_decode_loop and records_decode_logprobs(args, model) else None
+        )
+        self.cuda_graphs = args.decode_cuda_graphs
+        self._static_refusal_logged = False
+        self.max_decode_rows = args.decode_max_rows
+        # full_determinism: the same samples on every run, so no product form chosen by timing (decode_linear).
+        self.timed_forms = not args.full_determinism
+        self._slicing_logged = False
+        # Prefill each prefix that rows share once (False: identical rows only), and continue an episode's row from
+        # the KV cache of its previous turn (False: prefill it again); switches for benchmarks/episode_rollout.py.
+        self.share_prefixes = True
+        self.reuse_turn_cache = True
+
+    def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokenize_prompts(prompts, self.tokenizer, self.max_prompt_length, self.chat_template_kwargs)
+
+    def avoid_loop(self, loop: str) -> None:
+        if loop == "static":  # the dynamic loop, on the model's own cache and masks
+            self.cuda_graphs = False
+        elif loop == "dynamic":  # transformers' generate (which records no log-probs: π_old gets its forward pass)
+            self.use_decode_loop, self.logp_temperature = False, None
+
+    def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
+        prompt_ids, prompt_mask = self.tokenize_prompts(prompts)
+        return self._sample(prompt_ids, prompt_mask, stream_keys, self.generation_config.max_new_tokens)
+
+    def generate_from_ids(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        stream_keys: torch.Tensor | None = None,
+        states: list | None = None,
+    ) -> Rollout:
+        ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id)
+        return self._sample(ids, mask, stream_keys, max_new_tokens, states, keep_states=self.reuse_turn_cache)
+
+    @torch.no_grad()
+    def _sample(
+        self, prompt_ids, prompt_mask, stream_keys, max_new_tokens: int, states=None, keep_states: bool = False
+    ) -> Rollout:
+        model = self.model_getter()
+        prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
+        keys = None if stream_keys is None else stream_keys.to(model.device)
+        rows = prompt_ids.shape[0]
+        step = self._rows_per_slice(model, rows, prompt_ids.shape[1] + max_new_tokens)
+        was_training = model.training
+        # Eval mode: with gradient checkpointing in training mode, transformers turns the KV cache off
+        # (about 7x slower sampling).
+        model.eval()
+        try:
+            sliced = [
+                self._sample_rows(
+                    model,
+                    prompt_ids[part],
+                    prompt_mask[part],
+                    None if keys is None else keys[part],
+                    max_new_tokens,
+                    None if states is None else states[part],
+                    keep_states,
+                )
+                for part in (slice(start, start + step) for start in range(0, max(rows, 1), step))
+            ]
+        finally:
+            model.train(was_training)
+        parts, loops = [part for part, _ in sliced], {loop for _, loop in sliced}
+        pad = self.tokenizer.pad_token_id
+        width = max(part.completion_ids.shape[1] for part in parts)
+        completion_ids = torch.cat(
+            [F.pad(part.completion_ids, (0, width - part.completion_ids.shape[1]), value=pad) for part in parts]
+        )
+        logps = None
+        if all(part.logps is not None for part in parts):
+            logps = torch.cat([F.pad(part.logps, (0, width - part.logps.shape[1])) for part in parts])
+        kept = None if any(part.states is None for part in parts) else sum((part.states for part in parts), [])
+        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
+        # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
+        return Rollout(
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            is_truncated,
+            sampling_logps=logps,
+            states=kept if keep_states else None,
+            sampled_by_policy=logps is not None,
+            decoding_loop=None if loops == {None} else "static" if "static" in loops else "dynamic",
+        )
+
+    def _rows_per_slice(self, model, rows: int, positions: int) -> int:
+        """How many rows to decode at once: `decode_max_rows`, or on a GPU as many as the free memory holds."""
+        if self.max_decode_rows is not None:
+            return max(1, min(rows, self.max_decode_rows))
+        free = memory.free_device_bytes(model.device)
+        per_position = memory.kv_bytes_per_position(model.config, model.dtype)
+        if free is None or per_position is None or rows <= 1:
+            return max(rows, 1)
+        per_row = positions * per_position
+        # The turn caches episodes keep between turns are counted through the free memory measured at every turn.
+        step = memory.rows_per_slice(rows, per_row, int(free * memory.KV_CACHE_MEMORY_FRACTION))
+        if step < rows and not self._slicing_logged:
+            logger.warning(
+                f"The KV cache of {rows} rows × {positions} positions ({rows * per_row / 2**30:.1f} GiB) does not "
+                f"fit {memory.KV_CACHE_MEMORY_FRACTION:.0%} of the free device memory ({free / 2**30:.1f} "
+                f"GiB): decoding in slices of {step} rows. Set decode_max_rows to choose."
+            )
+            self._slicing_logged = True
+        return step
+
+    def _sample_rows(
+        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
+    ) -> tuple[dynamic.Decoded, str | None]:
+        """One slice of rows, decoded together, and the decoding loop that sampled them (None: generate)."""
+        if self.use_decode_loop:
+            return self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states)
+        return dynamic.Decoded(self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens)), None
+
+    def _sample_with_loop(
+        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
+    ) -> tuple[dynamic.Decoded, str]:
+        def keyed_uniforms(rows, position):  # one uniform per row and position, from the row's own stream
+            return keyed_uniform(keys[rows], position, 1).squeeze(1)
+
+        uniforms = dynamic.random_uniforms if keys is None else keyed_uniforms
+        shared, pad = None, self.tokenizer.pad_token_id
+        if _takes_gapped_rows(model):  # what rows share with others, or with their own last turn, runs once
+            rows = [
+                [token for token, keep in zip(ids, mask) if keep]  # one device-to-host copy, not one per row
+                for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())
+            ]
+            if self.reuse_turn_cache and states is not None and all(state is not None for state in states):
+                shared = prefill_after_states(model, rows, states, pad)
+            if shared is None and self.share_prefixes:
+                shared = prefill_shared_prefixes(model, rows, pad)
+        else:
+            keep_states = False  # the cache cannot be put back in another layout
+        if shared is None:
+            ids, mask, cache = prompt_ids, prompt_mask, prefill_shared_prompts(model, prompt_ids, prompt_mask)
+        else:
+            ids, mask, cache = shared
+        sampling = dict(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=pad,
+            processors=self.processors,
+            uniforms=uniforms,
+            history=prompt_ids,
+            keep_states=keep_states,
+            logp_temperature=self.logp_temperature,
+        )
+        if self._uses_static_loop(ids.device):
+            if cache is None:
+                cache = prefill(model, ids, mask)
+            reason = static.unsupported_reason(model, cache)
+            if reason is None:
+                graphs = ids.device.type == "cuda"
+                return static.sample(model, ids, mask, cache=cache, graphs=graphs, **sampling), "static"
+            if not self._static_refusal_logged:
+                logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
+                self._static_refusal_logged = True
+        return dynamic.sample(model, ids, mask, cache=cache, timed_forms=self.timed_forms, **sampling), "dynamic"
+
+    def _uses_static_loop(self, device: torch.device) -> bool:
+        # The static loop pays on a GPU only (CUDA graphs); tests run it on CPU by replacing this.
+        return self.cuda_graphs and device.type == "cuda"
+
+    def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
+        generation_config, processors = self.generation_config, None
+        if max_new_tokens != generation_config.max_new_tokens:
+            generation_config = GenerationConfig(**{**generation_config.to_dict(), "max_new_tokens": max_new_tokens})
+        if keys is not None:
+            # Greedy over Gumbel-perturbed, warped scores: an exact sample, drawn from the row's own stream.
+            sampling = generation_config
+            generation_config = GenerationConfig(
+                **{
+                    **sampling.to_dict(),
+                    "do_sample": False,
+                    "temperature": None,
+                    "top_p": None,
+                    "top_k": None,
+                    "min_p": None,
+                }
+            )
+            processors = LogitsProcessorList(
+                [
+                    KeyedGumbelSampler(
+                        keys, prompt_ids.shape[1], sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+                    )
+                ]
+            )
+        cache = None
+        if self.generation_config.cache_implementation is None:
+            cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)
+        sequences = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            **cache_kwargs(model, cache),
+            generation_config=generation_config,
+            logits_processor=processors,
+        )
+        return sequences[:, prompt_ids.shape[1] :]
+
+
+def records_decode_logprobs(args, model) -> bool:
+    """Whether the decoding loop records its log-probs as π_old (`decode_logprobs_as_old`; unset: where sampling
+    runs in full precision, so that they equal a training forward's to float32 rounding: float32 weights, no
+    bf16/fp16 autocast, and no TF32 matrix products on a GPU)."""
+    if args.decode_logprobs_as_old is not None:
+        return args.decode_logprobs_as_old
+    tf32 = getattr(args, "tf32", None) or (model.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    return not (args.bf16 or args.fp16 or tf32) and model.dtype == torch.float32
+
+
+def _takes_gapped_rows(model) -> bool:
+    """Whether `model` reads position ids and a mask with gaps exactly (what packed training needs too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return padding_free_unsupported_reason(base) is None

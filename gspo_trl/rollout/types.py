@@ -1,0 +1,192 @@
+"""The rollout record and the backend interface: what every way of sampling hands the trainer.
+
+Owns `Rollout` (sampled completions aligned with their prompts), `SampledRollout` (a rollout before it is
+scored), the `RolloutBackend` interface the backends implement (`hf`, `vllm_server`; `episodes` plays
+multi-turn episodes on any of them), and the prompt helpers they share: chat-template rendering,
+tokenization with left padding, and the EOS bookkeeping of completions. What it does not own: how
+completions are sampled, rewards, advantages and log-probabilities.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+from trl.data_utils import is_conversational, maybe_apply_chat_template
+
+if TYPE_CHECKING:
+    from .episodes import EpisodeBatch
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled completions, aligned row by row with the prompts that produced them."""
+
+    prompt_ids: torch.Tensor  # (N, P) left-padded
+    prompt_mask: torch.Tensor  # (N, P) 1 on real prompt tokens
+    completion_ids: torch.Tensor  # (N, C) right-padded
+    completion_mask: torch.Tensor  # (N, C) 1 up to and including the first EOS
+    is_truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
+    # (N, C) log-probs of the sampled tokens under the engine that sampled them, where it recorded them; 0 on
+    # padding, NaN where the engine gave none. None otherwise. `sampled_by_policy` says which engine: another one
+    # (a vLLM server: the importance-sampling correction's input), or the trained model's own decoding loop, whose
+    # log-probs are π_old itself (`decode_logprobs_as_old`).
+    sampling_logps: torch.Tensor | None = None
+    # Multi-turn episodes (`episodes`): (N, C) 1 on the tokens the model sampled, 0 on the environment's
+    # (observations between turns), and (N, C) the assistant turn (0, 1, ...) of each sampled token, -1 elsewhere.
+    # None for single-turn rollouts, where every completion token is sampled and there is one turn.
+    env_mask: torch.Tensor | None = None
+    turn_ids: torch.Tensor | None = None
+    # From `generate_from_ids`: per row, what the backend kept to continue the row in its next call (the KV cache
+    # of the decoding loop, `decoding.RowState`), None where nothing was kept; None for backends that keep nothing.
+    states: list | None = None
+    sampled_by_policy: bool = False
+    # The decoding loop that sampled the rows on the trained model (and recorded `sampling_logps`, where it did):
+    # "static" (a static KV cache, `decoding.static`) or "dynamic" (`decoding.dynamic`); None for others (generate,
+    # vLLM).
+    decoding_loop: str | None = None
+
+    @property
+    def sampled_mask(self) -> torch.Tensor:
+        """(N, C) 1 on the tokens the model sampled: the completion without an environment's observations."""
+        return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
+
+    def to(self, device) -> Rollout:
+        return Rollout(
+            **{
+                name: value.to(device) if isinstance(value, torch.Tensor) else value
+                for name, value in vars(self).items()
+            }
+        )
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The log-prob inputs of these completions: prompt + completion ids and attention, the sampled tokens
+        scored."""
+        return {
+            "input_ids": torch.cat([self.prompt_ids, self.completion_ids], dim=1),
+            "attention_mask": torch.cat([self.prompt_mask, self.completion_mask], dim=1),
+            "completion_ids": self.completion_ids,
+            "completion_mask": self.sampled_mask,
+        }
+
+
+@dataclass
+class SampledRollout:
+    """A rollout before it is scored: the completions (or episodes) and the prompts they answer."""
+
+    rollout: Rollout
+    prompts: list
+    episodes: EpisodeBatch | None = None  # multi-turn episodes (`episodes`)
+    behaviour_logps: torch.Tensor | None = None  # (N, C) under the sampling weights, where those will be gone
+    reward_columns: dict[str, list] = field(default_factory=dict)  # extra reward kwargs (`rollout_func`'s keys)
+
+
+class RolloutBackend(ABC):
+    """What the trainer needs from a generator."""
+
+    # True when completions are sampled by the trained model in this process: the trainer then runs generation
+    # under its precision context and, under ZeRO-3, with gathered weights.
+    samples_with_training_model = True
+
+    def update_weights(self, model, global_step: int) -> None:  # noqa: B027 (a no-op by default)
+        """Called before every rollout with the (wrapped) policy: an engine with its own copy of the weights
+        refreshes it when they changed since it last did (`global_step` counts optimizer steps). Every process
+        calls it."""
+
+    def avoid_loop(self, loop: str) -> None:  # noqa: B027 (a no-op by default)
+        """Stop sampling with decoding loop `loop` (a `Rollout.decoding_loop`), whose log-probs the log-prob check
+        found to be other than the model's (`logprob_check`); a backend that has no such loop ignores it."""
+
+    @abstractmethod
+    def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
+        """Sample one completion per prompt (prompts arrive already repeated num_generations times).
+
+        With `stream_keys` ((N,) int64, see `stream_keys`), row i's randomness depends on its key and
+        token position only, so it samples the same completion in any batch, on any number of processes.
+        """
+
+    def generate_from_ids(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        stream_keys: torch.Tensor | None = None,
+        states: list | None = None,
+    ) -> Rollout:
+        """Sample one completion of at most `max_new_tokens` after each token-id prompt: the next assistant turn of
+        a multi-turn episode, whose history is kept as token ids (never re-tokenized). `states`: for each row that
+        continues a row of an earlier call, that call's `Rollout.states` entry (None elsewhere); a backend may
+        use them to skip recomputing what it computed then."""
+        raise NotImplementedError(f"{type(self).__name__} cannot continue token-id prompts (multi-turn episodes).")
+
+
+def render_prompts(
+    prompts: list[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template_kwargs=None,
+    tools: list[list[dict] | None] | None = None,
+) -> list[str]:
+    """Prompt texts: conversational prompts go through the chat template with a generation prompt (and, per
+    prompt, the JSON schemas of the tools the template should present)."""
+    tools = tools or [None] * len(prompts)
+    return [
+        maybe_apply_chat_template(
+            {"prompt": prompt}, tokenizer, tools=prompt_tools or None, **(chat_template_kwargs or {})
+        )["prompt"]
+        for prompt, prompt_tools in zip(prompts, tools)
+    ]
+
+
+def tokenize_prompts(
+    prompts: list[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int | None,
+    chat_template_kwargs=None,
+    tools: list[list[dict] | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt_ids, prompt_mask), (N, P) left-padded, truncated from the left to `max_prompt_length`."""
+    texts = render_prompts(prompts, tokenizer, chat_template_kwargs, tools)
+    # Chat templates already carry the special tokens; plain text prompts get none added either, matching TRL.
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
+    if max_prompt_length is not None and prompt_ids.shape[1] > max_prompt_length:
+        prompt_ids = prompt_ids[:, -max_prompt_length:]
+        prompt_mask = prompt_mask[:, -max_prompt_length:]
+    return prompt_ids, prompt_mask
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), (N, L) left-padded to the longest sequence."""
+    length = max(1, max(len(ids) for ids in sequences))
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        if tokens:
+            ids[row, length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, length - len(tokens) :] = 1
+    return ids, mask
+
+
+def completion_mask_from_eos(
+    completion_ids: torch.Tensor, eos_token_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, is_truncated): the mask keeps tokens up to and including the first EOS of each row."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, C)
+    length = completion_ids.shape[1]
+    first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), length)  # (N,)
+    positions = torch.arange(length, device=completion_ids.device).expand_as(completion_ids)
+    mask = (positions <= first_eos.unsqueeze(1)).long()
+    return mask, ~is_eos.any(dim=1)
+
+
+def eos_token_ids_of(generation_config: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos = generation_config.eos_token_id if generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("The tokenizer and generation config define no eos_token_id: completions could never end.")
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def is_conversational_prompt(prompt: Any) -> bool:
+    return is_conversational({"prompt": prompt})

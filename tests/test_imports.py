@@ -1,0 +1,115 @@
+"""The package's import graph: no module imports, directly or through others, a module that imports it.
+
+Every import counts, those deferred into a function body included (a deferred import hides a cycle, it does not
+remove it); only imports under `if TYPE_CHECKING:` are left out, since they never run. A package's `__init__` is a
+module like any other; importing a submodule is not counted as importing its package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "gspo_trl"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PACKAGE_ROOT.rglob("*.py")}
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree: ast.AST):
+    for node in ast.iter_child_nodes(tree):
+        if _is_type_checking_block(node):
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        yield from _imports(node)
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that module `name` imports."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in _imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            # `from package import submodule` imports the submodule; `from module import name`, the module.
+            targets = [
+                f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source for alias in node.names
+            ]
+        found.update(target for target in targets if target in modules)
+    found.discard(name)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_the_cycle_finder_finds_a_cycle_through_three_modules_and_nothing_in_a_tree():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_relative_and_deferred_imports_are_resolved_and_type_checking_ones_left_out(tmp_path):
+    source = (
+        "from typing import TYPE_CHECKING\nfrom . import b\nfrom .c import thing\n"
+        "if TYPE_CHECKING:\n    from .d import Other\n"
+        "def later():\n    from .sub import leaf\n"
+    )
+    modules = dict.fromkeys(
+        ["gspo_trl.a", "gspo_trl.b", "gspo_trl.c", "gspo_trl.d", "gspo_trl.sub", "gspo_trl.sub.leaf"]
+    )
+    path = tmp_path / "a.py"
+    path.write_text(source)
+    assert imported_modules("gspo_trl.a", path, modules) == {"gspo_trl.b", "gspo_trl.c", "gspo_trl.sub.leaf"}
+
+
+def test_gspo_trl_has_no_import_cycle():
+    modules = package_modules()
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert "gspo_trl.rollout.hf" in graph["gspo_trl.rollout"]  # the walk sees the package's imports
+    assert import_cycles(graph) == []
