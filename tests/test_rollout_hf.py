@@ -1,4 +1,4 @@
-"""The HF generate backend: prompt rendering, left padding, EOS masks and truncation flags."""
+"""The HF backend: sampling on the trained model, left padding, slices of rows, the choice of decoding loop."""
 
 from __future__ import annotations
 
@@ -7,22 +7,7 @@ import torch
 
 from gspo_trl import GSPOConfig
 from gspo_trl.decoding.prefix_sharing import prefill_shared_prompts
-from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, render_prompts
-
-
-def test_completion_mask_keeps_tokens_through_first_eos():
-    ids = torch.tensor([[5, 6, 2, 7, 2], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0]])
-    mask, truncated = completion_mask_from_eos(ids, [2])
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert truncated.tolist() == [False, True, False]
-    mask, truncated = completion_mask_from_eos(ids, [9, 8])  # several EOS ids
-    assert mask[1].tolist() == [1, 1, 1, 1, 0] and truncated.tolist() == [True, False, True]
-
-
-def test_render_prompts_uses_chat_template_for_messages(tiny_tokenizer):
-    texts = render_prompts(["plain text", [{"role": "user", "content": "hi"}]], tiny_tokenizer)
-    assert texts[0] == "plain text"
-    assert texts[1] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos
 
 
 def test_generate_shapes_padding_and_masks(tmp_path, tiny_model, tiny_tokenizer):
@@ -123,33 +108,16 @@ def test_keyed_streams_sample_the_same_completion_in_any_batch(tmp_path, tiny_mo
     assert torch.equal(together.completion_ids, again.completion_ids)
 
 
-def test_keyed_gumbel_sampler_draws_from_the_warped_distribution():
-    from gspo_trl.rollout import KeyedGumbelSampler, stream_keys
-
-    rows = 40000
-    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
-    sampler = KeyedGumbelSampler(stream_keys(1, torch.arange(rows)), 0, None, 0, 1.0, None)
-    picks = sampler(torch.zeros(rows, 0, dtype=torch.long), logits.expand(rows, 5).clone()).argmax(1)
-    frequencies = torch.bincount(picks, minlength=5).double() / rows
-    torch.testing.assert_close(frequencies, logits.exp().double(), atol=0.01, rtol=0)  # ~4 standard errors
-    # temperature 0.5 squares and renormalises the probabilities; top-k 2 keeps the two largest
-    sharp = KeyedGumbelSampler(stream_keys(2, torch.arange(rows)), 0, 0.5, 2, 1.0, None)
-    picks = sharp(torch.zeros(rows, 0, dtype=torch.long), logits.expand(rows, 5).clone()).argmax(1)
-    frequencies = torch.bincount(picks, minlength=5).double() / rows
-    expected = torch.tensor([0.25, 0.04, 0, 0, 0], dtype=torch.float64) / 0.29
-    torch.testing.assert_close(frequencies, expected, atol=0.01, rtol=0)
-
-
 @pytest.mark.parametrize("decode_loop", ["gspo", "generate"])
 def test_decode_max_rows_decodes_in_slices_that_sample_the_same_completions(
     tmp_path, tiny_model, tiny_tokenizer, decode_loop
 ):
     # A rollout decoded a few rows at a time (each slice's KV cache gone before the next) samples, with per-row
     # streams, the completions, masks and truncation flags of all rows decoded together.
-    from tests.test_decoding_dynamic import FavourEos
     from transformers import LogitsProcessorList
 
     from gspo_trl.rollout import stream_keys
+    from tests.test_decoding_dynamic import FavourEos
 
     def backend_with(max_rows):
         args = GSPOConfig(

@@ -66,6 +66,7 @@ def test_no_server_fails_within_the_timeout_naming_the_url():
         VLLMServerClient(url, timeout=1.5).wait_until_ready()
     assert time.monotonic() - started < 10
     assert "vllm-serve" in str(error.value)
+    assert isinstance(error.value, ConnectionError)  # what code written for TRL's client catches
 
 
 def test_server_without_dev_mode_is_named():

@@ -130,6 +130,9 @@ def render_prompts(
 ) -> list[str]:
     """Prompt texts: conversational prompts go through the chat template with a generation prompt (and, per
     prompt, the JSON schemas of the tools the template should present)."""
+    for prompt in prompts:
+        if isinstance(prompt, list):
+            check_messages(prompt)
     tools = tools or [None] * len(prompts)
     return [
         maybe_apply_chat_template(
@@ -137,6 +140,22 @@ def render_prompts(
         )["prompt"]
         for prompt, prompt_tools in zip(prompts, tools)
     ]
+
+
+def check_messages(messages: list) -> None:
+    """A `ValueError` naming the message a chat template would render wrongly without a word: one that is not a
+    dict with a string 'role' and a 'content' (a string, or a list of content parts). An assistant message that
+    carries 'tool_calls' may have no content, as chat templates allow."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"Prompt message {index} must be a dict with a string 'role'; got {message!r:.200}.")
+        content = message.get("content")
+        if isinstance(content, str | list) or (content is None and message.get("tool_calls")):
+            continue
+        raise ValueError(
+            f"Prompt message {index} ({message['role']!r}) has no 'content' (a string, or a list of content parts), "
+            f"so the chat template would render it as empty: {message!r:.200}. Give every message a 'content'."
+        )
 
 
 def tokenize_prompts(

@@ -14,8 +14,11 @@ import requests
 SERVE_HINT = "Start it with `gspo-trl vllm-serve MODEL` (docs/vllm.md)."
 
 
-class VLLMServerError(RuntimeError):
-    """The vLLM server could not be reached, refused a request, or answered something unusable."""
+class VLLMServerError(ConnectionError):
+    """The vLLM server could not be reached, refused a request, or answered something unusable.
+
+    A `ConnectionError` (an `OSError`), as TRL's client raises, so code written to catch a lost server keeps working.
+    """
 
 
 class MissingEndpointError(VLLMServerError):
