@@ -1,8 +1,9 @@
-"""The package's import graph: no module imports, directly or through others, a module that imports it.
+"""The package's shape: every module opens with a docstring, none is longer than a reader holds in mind, and no
+module imports, directly or through others, a module that imports it.
 
-Every import counts, those deferred into a function body included (a deferred import hides a cycle, it does not
-remove it); only imports under `if TYPE_CHECKING:` are left out, since they never run. A package's `__init__` is a
-module like any other; importing a submodule is not counted as importing its package.
+In the import graph every import counts, those deferred into a function body included (a deferred import hides a
+cycle, it does not remove it); only imports under `if TYPE_CHECKING:` are left out, since they never run. A
+package's `__init__` is a module like any other; importing a submodule is not counted as importing its package.
 """
 
 from __future__ import annotations
@@ -113,3 +114,19 @@ def test_gspo_trl_has_no_import_cycle():
     graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
     assert "gspo_trl.rollout.hf" in graph["gspo_trl.rollout"]  # the walk sees the package's imports
     assert import_cycles(graph) == []
+
+
+# The project's limits (CONTRIBUTING.md): a module a reader holds in mind; the trainer orchestrates only.
+MAX_MODULE_LINES = 600
+MAX_TRAINER_LINES = 500
+
+
+def test_every_module_opens_with_a_docstring_saying_what_it_owns():
+    missing = [name for name, path in package_modules().items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert missing == []
+
+
+def test_no_module_is_longer_than_the_limit_and_the_trainer_stays_an_orchestrator():
+    lengths = {name: len(path.read_text().splitlines()) for name, path in package_modules().items()}
+    assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
+    assert lengths["gspo_trl.trainer"] <= MAX_TRAINER_LINES
