@@ -1,46 +1,21 @@
-"""`GSPOConfig`: every knob of a GSPO run, validated once at construction.
+"""`GSPOConfig`: every knob of a GSPO run, as dataclass fields with their help.
 
 Fields shared with TRL's `GRPOConfig` keep TRL's names and meaning, so a TRL user changes only the
 import. Defaults follow the GSPO paper (arXiv 2507.18071), not TRL: sequence-level importance ratios,
 the paper's clipping range (3e-4, 4e-4), no KL term, and four optimizer steps per rollout batch.
 Every field carries `metadata={"help": ...}`: the single source for the CLI, YAML files and
-`docs/config.md`.
+`docs/config.md`. This module owns the fields only; their checks and derived defaults are the
+functions of `config_checks`, which `__post_init__` calls once at construction.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from transformers import TrainingArguments
-from transformers.utils import logging
 
-from .advantages import SCALE_REWARDS_OPTIONS
-from .distributed import launched_processes, needs_cpu_process_group
-from .loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, Objective
-from .sampling_correction import CORRECTION_MODES
-
-# How episode rewards become advantages (see `advantage_granularity`).
-ADVANTAGE_GRANULARITIES = ("trajectory", "turn")
-# How completions are sampled (see `decode_loop`).
-DECODE_LOOPS = ("gspo", "generate")
-# What a disagreement found by the log-prob check does (see `check_logprobs`).
-CHECK_LOGPROBS_OPTIONS = ("raise", "warn", "off")
-
-# Optimizer steps per rollout batch when the user leaves `steps_per_generation` unset (the paper's
-# "each batch of rollouts is split into four minibatches for gradient updates").
-PAPER_MINIBATCHES_PER_ROLLOUT = 4
-# The clipping range the GSPO paper reports, GRPO's customary token-level one (TRL's default), and ScaleRL's
-# recommended cap for CISPO's importance weight.
-PAPER_EPSILON, PAPER_EPSILON_HIGH = 3e-4, 4e-4
-TOKEN_LEVEL_EPSILON = 0.2
-CISPO_EPSILON_MAX = 5.0
-# Loss types that sum per-token losses, so that a sequence-level ratio ends up weighted by the sequence's length.
-TOKEN_SUM_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
-
-logger = logging.get_logger(__name__)
+from . import config_checks as checks
 
 
 @dataclass
@@ -568,298 +543,25 @@ class GSPOConfig(TrainingArguments):
     )
 
     def __post_init__(self):
-        if needs_cpu_process_group(self.use_cpu):
-            # Otherwise accelerate trains each process alone on a full copy of the batch.
-            logger.warning(
-                f"{launched_processes()} processes were launched on a machine without a GPU: training on CPU over a "
-                "gloo process group (use_cpu=True)."
-            )
-            self.use_cpu = True
+        # Set before TrainingArguments' own checks, which read use_cpu and bf16.
+        self.use_cpu = checks.cpu_process_group_default(self.use_cpu)
         if self.bf16 is None:
-            self.bf16 = (
-                not self.fp16 and not self.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-            )
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        if isinstance(self.scale_rewards, str):
-            self.scale_rewards = {"true": "group", "false": "none"}.get(self.scale_rewards.lower(), self.scale_rewards)
-        self._resolve_objective_defaults()
+            self.bf16 = checks.bf16_default(self.fp16, self.use_cpu)
+        self.scale_rewards = checks.scale_rewards_option(self.scale_rewards)
+        self.importance_sampling_level, self.epsilon, self.epsilon_high = checks.objective_defaults(
+            self.loss_type, self.importance_sampling_level, self.epsilon, self.epsilon_high
+        )
         steps_per_generation_was_set = self.steps_per_generation is not None
         super().__post_init__()
-        self._validate_objective()
-        self._validate_sampling()
-        self._validate_vllm()
-        self._validate_liger()
-        self._resolve_batch_sizes(steps_per_generation_was_set)
-        self._validate_async_rollouts()
-
-    def _resolve_objective_defaults(self) -> None:
-        if self.importance_sampling_level is None:
-            token_level = self.loss_type in TOKEN_SUM_LOSS_TYPES or self.loss_type == "vespo"
-            self.importance_sampling_level = "token" if token_level else "sequence"
-        epsilon_was_set = self.epsilon is not None
-        if not epsilon_was_set:
-            self.epsilon = TOKEN_LEVEL_EPSILON if self.importance_sampling_level == "token" else PAPER_EPSILON
-        if self.epsilon_high is None:
-            if self.loss_type == "cispo":
-                self.epsilon_high = CISPO_EPSILON_MAX
-            elif not epsilon_was_set and self.importance_sampling_level != "token":
-                self.epsilon_high = PAPER_EPSILON_HIGH
-            else:
-                self.epsilon_high = self.epsilon
-
-    def _validate_objective(self) -> None:
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
-                f"{self.importance_sampling_level!r}. Use 'sequence' for GSPO."
-            )
-        if not 0 < self.epsilon < 1:
-            raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}. The paper uses 3e-4.")
-        if not self.epsilon_high > 0:
-            raise ValueError(f"epsilon_high must be > 0, got {self.epsilon_high}. The paper uses 4e-4.")
-        if not (self.beta >= 0 and math.isfinite(self.beta)):
-            raise ValueError(f"beta must be a finite number >= 0, got {self.beta}.")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}. 'grpo' is GSPO's.")
-        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError(
-                f"loss_type='vespo' builds its own weight from the product of the token ratios, so "
-                f"importance_sampling_level must be 'token' (or unset), got {self.importance_sampling_level!r}."
-            )
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            logger.warning(
-                "loss_type='luspo' is defined on GSPO's sequence ratio; importance_sampling_level="
-                f"{self.importance_sampling_level!r} departs from the LUSPO paper."
-            )
-        if self.importance_sampling_level == "sequence" and self.loss_type in TOKEN_SUM_LOSS_TYPES:
-            logger.warning(
-                f"loss_type={self.loss_type!r} sums per-token losses, so each sequence's sequence-level term is "
-                "weighted by its length instead of GSPO's per-sequence objective; loss_type='grpo' is the paper's."
-            )
-        if self.loss_type == "cispo" and self.epsilon_high < 1:
-            logger.warning(
-                f"loss_type='cispo' caps every importance weight at epsilon_high={self.epsilon_high} < 1, "
-                f"which shrinks every gradient; ScaleRL recommends {CISPO_EPSILON_MAX}."
-            )
-        if not 0 <= self.top_entropy_quantile <= 1:
-            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
-        if not math.isfinite(self.entropy_coef):
-            raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef}.")
-        if self.use_adaptive_entropy and not (
-            0 <= self.entropy_coef_min <= self.entropy_coef_max and self.entropy_coef_delta >= 0
-        ):
-            raise ValueError(
-                "use_adaptive_entropy needs 0 <= entropy_coef_min <= entropy_coef_max and entropy_coef_delta >= 0, got "
-                f"{self.entropy_coef_min}, {self.entropy_coef_max}, {self.entropy_coef_delta}."
-            )
-        Objective.from_config(self)  # names the field of any other value out of range
-        if self.scale_rewards not in SCALE_REWARDS_OPTIONS:
-            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS_OPTIONS}, got {self.scale_rewards!r}.")
-        if self.reward_weights is not None:
-            if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in self.reward_weights):
-                raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights!r}.")
-        if self.num_iterations < 1:
-            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
-        self._validate_episodes()
-
-    def _validate_episodes(self) -> None:
-        if self.advantage_granularity not in ADVANTAGE_GRANULARITIES:
-            raise ValueError(
-                f"advantage_granularity must be one of {ADVANTAGE_GRANULARITIES}, got {self.advantage_granularity!r}."
-            )
-        if self.advantage_granularity == "turn" and self.importance_sampling_level == "sequence":
-            raise ValueError(
-                "advantage_granularity='turn' gives each turn its own advantage, which one ratio per "
-                "sequence cannot carry: set importance_sampling_level='turn' (one ratio per turn) or "
-                "'sequence_token' (GSPO-token)."
-            )
-        if self.advantage_granularity == "turn" and self.loss_type == "vespo":
-            raise ValueError(
-                "loss_type='vespo' weighs whole sequences and takes one advantage per sequence: use "
-                "advantage_granularity='trajectory' with it."
-            )
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ValueError(
-                f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}."
-            )
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1 or None, got {self.max_turns}.")
-        if not 0 <= self.turn_discount <= 1:
-            raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}.")
-
-    def _validate_liger(self) -> None:
-        # liger-kernel's layer kernels are Triton GPU kernels, which do not run on CPU.
-        on_cpu = self.use_cpu or not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
-        if self.use_liger_kernel and on_cpu:
-            raise ValueError(
-                "use_liger_kernel=True needs a GPU: liger-kernel's RMSNorm, SwiGLU and RoPE kernels are Triton GPU "
-                "kernels, and this run trains on CPU. Set use_liger_kernel=False here; keep it on GPU machines."
-            )
-
-    def _validate_sampling(self) -> None:
-        if self.num_generations is None or self.num_generations < 2:
-            raise ValueError(
-                f"num_generations must be >= 2 (advantages are relative within a group), got {self.num_generations}."
-            )
-        if self.max_completion_length is None or self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}. Sampling needs a positive temperature.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
-        if self.decode_loop not in DECODE_LOOPS:
-            raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {self.decode_loop!r}.")
-        if self.decode_max_rows is not None and self.decode_max_rows < 1:
-            raise ValueError(f"decode_max_rows must be >= 1 or None (automatic), got {self.decode_max_rows}.")
-        if self.decode_logprobs_as_old and (self.decode_loop != "gspo" or self.use_vllm):
-            raise ValueError(
-                "decode_logprobs_as_old=True needs decode_loop='gspo' and use_vllm=False (the log-probs "
-                "come from gspo-trl's decoding loop); with use_vllm=True, vllm_logprobs_as_old=True takes "
-                "the server's."
-            )
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}.")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.max_tokens_per_pass is not None and self.max_tokens_per_pass < 0:
-            raise ValueError(f"max_tokens_per_pass must be >= 0 (0: no limit) or None, got {self.max_tokens_per_pass}.")
-        if self.check_logprobs not in CHECK_LOGPROBS_OPTIONS:
-            raise ValueError(f"check_logprobs must be one of {CHECK_LOGPROBS_OPTIONS}, got {self.check_logprobs!r}.")
-        if self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
-        if isinstance(self.logprob_kept_logits_mb, bool) or not isinstance(self.logprob_kept_logits_mb, (int, float)):
-            raise TypeError(f"logprob_kept_logits_mb must be a number of MiB, got {self.logprob_kept_logits_mb!r}.")
-        if not self.logprob_kept_logits_mb >= 0:
-            raise ValueError(
-                f"logprob_kept_logits_mb must be >= 0 (MiB; 0 recomputes every chunk), got "
-                f"{self.logprob_kept_logits_mb}."
-            )
-        if not isinstance(self.activation_checkpointing_keep_attention, bool):
-            raise TypeError(
-                f"activation_checkpointing_keep_attention must be True or False, got "
-                f"{self.activation_checkpointing_keep_attention!r}."
-            )
-        if self.eval_strategy != "no" and self.per_device_eval_batch_size * self.world_size % self.num_generations:
-            raise ValueError(
-                f"per_device_eval_batch_size × num_processes ({self.per_device_eval_batch_size} × {self.world_size}) "
-                f"must be a multiple of num_generations ({self.num_generations}) so eval groups are whole."
-            )
-        if self.auto_find_batch_size:
-            raise ValueError(
-                "auto_find_batch_size is not supported: shrinking the batch would split a prompt's group of "
-                "num_generations completions. Lower per_device_train_batch_size instead."
-            )
-
-    def _validate_vllm(self) -> None:
-        if self.vllm_importance_sampling_cap is not None:
+        checks.check_objective(self)
+        checks.check_episodes(self)
+        checks.check_sampling(self)
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name for the same bound
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        if self.vllm_importance_sampling_mode not in CORRECTION_MODES:
-            raise ValueError(
-                f"vllm_importance_sampling_mode must be one of {CORRECTION_MODES}, got "
-                f"{self.vllm_importance_sampling_mode!r}."
-            )
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if (
-            (low is not None and low < 0)
-            or (high is not None and high <= 0)
-            or (low is not None and high is not None and low > high)
-        ):
-            raise ValueError(
-                f"vllm_importance_sampling_clip_min/max must satisfy 0 <= min <= max and max > 0, got {low} and {high}."
-            )
-        if not self.use_vllm:
-            if self.vllm_logprobs_as_old:
-                raise ValueError("vllm_logprobs_as_old=True needs use_vllm=True (the log-probs come from the server).")
-            return
-        if self.vllm_mode == "colocate":
-            raise ValueError(
-                "vllm_mode='colocate' is not available in gspo-trl yet. Start a server with `gspo-trl vllm-serve "
-                "MODEL` and set vllm_mode='server' (docs/vllm.md); use_vllm=False samples on the trained model."
-            )
-        if self.vllm_mode != "server":
-            raise ValueError(f"vllm_mode must be 'server' (or 'colocate', not available yet), got {self.vllm_mode!r}.")
-        if (
-            self.loss_type == "vespo"
-            and self.vllm_importance_sampling_correction
-            and self.vllm_importance_sampling_mode.startswith("sequence")
-        ):
-            raise ValueError(
-                "loss_type='vespo' takes the sampling correction into its own sequence weight, token by "
-                "token: set vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (as TRL)."
-            )
-        if self.layout_independent_sampling:
-            raise ValueError(
-                "layout_independent_sampling=True is not available with use_vllm=True: the vLLM server "
-                "samples with its own random state (start it with --seed for reproducible runs)."
-            )
-        if self.decode_loop != "gspo" or self.cache_implementation is not None:
-            logger.warning(
-                "decode_loop and cache_implementation apply to sampling on the trained model; with "
-                "use_vllm=True the vLLM server samples."
-            )
-
-    def _resolve_batch_sizes(self, steps_per_generation_was_set: bool) -> None:
-        global_batch = self.per_device_train_batch_size * self.world_size
-        if steps_per_generation_was_set and self.generation_batch_size is not None:
-            raise ValueError("Set generation_batch_size or steps_per_generation, not both.")
-        if self.generation_batch_size is not None:
-            if self.generation_batch_size % global_batch != 0:
-                raise ValueError(
-                    f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
-                    f"per_device_train_batch_size × num_processes ({global_batch})."
-                )
-            self.steps_per_generation = self.generation_batch_size // global_batch
-        else:
-            if self.steps_per_generation is None:
-                self.steps_per_generation = PAPER_MINIBATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
-            if self.steps_per_generation < 1:
-                raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation}.")
-            self.generation_batch_size = global_batch * self.steps_per_generation
-        step_batch = global_batch * self.gradient_accumulation_steps
-        if step_batch % self.num_generations != 0:
-            raise ValueError(
-                "An optimizer step trains on per_device_train_batch_size × num_processes × "
-                f"gradient_accumulation_steps "
-                f"= {self.per_device_train_batch_size} × {self.world_size} × {self.gradient_accumulation_steps} = "
-                f"{step_batch} completions, not a multiple of num_generations ({self.num_generations}): a prompt's "
-                "group would be split across optimizer steps. Adjust per_device_train_batch_size or "
-                "gradient_accumulation_steps (with more processes, the product changes too)."
-            )
-        if self.generation_batch_size % self.num_generations != 0:
-            raise ValueError(
-                f"generation_batch_size ({self.generation_batch_size} = per_device_train_batch_size × num_processes "
-                f"× steps_per_generation) must be a multiple of num_generations ({self.num_generations}) so every "
-                "prompt's group is generated whole. Adjust per_device_train_batch_size or steps_per_generation."
-            )
-
-    def _validate_async_rollouts(self) -> None:
-        if not self.async_rollouts:
-            if self.max_staleness is not None:
-                raise ValueError(
-                    f"max_staleness={self.max_staleness} only applies with async_rollouts=True; set "
-                    "async_rollouts=True to sample rollouts ahead, or leave max_staleness unset."
-                )
-            return
-        if self.steps_per_generation * self.num_iterations % self.gradient_accumulation_steps:
-            raise ValueError(
-                f"async_rollouts=True needs every rollout to start on an optimizer step: steps_per_generation × "
-                f"num_iterations ({self.steps_per_generation} × {self.num_iterations}) must be a multiple of "
-                f"gradient_accumulation_steps ({self.gradient_accumulation_steps})."
-            )
-        if self.max_staleness is None:
-            self.max_staleness = self.optimizer_steps_per_rollout
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}.")
-        if self.use_vllm and self.max_staleness > 0 and not self.vllm_logprobs_as_old:
-            raise ValueError(
-                "async_rollouts=True with use_vllm=True and max_staleness > 0 trains on rollouts sampled by weights "
-                "that only the vLLM server still has, so π_old must be the server's log-probs: set "
-                "vllm_logprobs_as_old=True (or max_staleness=0)."
-            )
+        checks.check_vllm(self)
+        checks.check_liger(self)
+        self.steps_per_generation, self.generation_batch_size = checks.batch_sizes(self, steps_per_generation_was_set)
+        self.max_staleness = checks.max_staleness(self)
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

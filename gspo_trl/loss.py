@@ -73,19 +73,21 @@ class Objective:
     max_completion_length: int | None = None  # dr_grpo's constant denominator
 
     def __post_init__(self):
+        # The single check of the loss fields: `GSPOConfig` builds an Objective to run it (config_checks).
         if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}. 'grpo' is GSPO's.")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(
-                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                f"got {self.importance_sampling_level!r}"
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
+                f"{self.importance_sampling_level!r}. Use 'sequence' for GSPO."
             )
-        if self.epsilon < 0:
-            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
-        if self.epsilon >= 1:
-            raise ValueError(f"epsilon must be < 1 (the lower clip bound is 1 - epsilon), got {self.epsilon}")
-        if self.epsilon_high < 0:
-            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
+        # The clip range [1 - epsilon, 1 + epsilon_high] must hold 1, the ratio of every on-policy sample, strictly
+        # inside: epsilon = 0 or epsilon_high = 0 clips one side at 1 itself (no gradient past pi_old on that side;
+        # for cispo, a weight cap of 0 zeroes the whole loss), and epsilon >= 1 leaves no lower bound above 0.
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}. The paper uses 3e-4.")
+        if not self.epsilon_high > 0:
+            raise ValueError(f"epsilon_high must be > 0, got {self.epsilon_high}. The paper uses 4e-4.")
         if self.delta is not None and not self.delta > 1:
             raise ValueError(
                 f"delta caps the importance ratio and must be > 1 (e.g. 1 + 2 * epsilon_high), got {self.delta}"
@@ -97,7 +99,7 @@ class Objective:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.beta >= 0 and math.isfinite(self.beta)):
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
+            raise ValueError(f"beta must be a finite number >= 0, got {self.beta}.")
         if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
             raise ValueError(f"off_policy_mask_threshold must be >= 0 or None, got {self.off_policy_mask_threshold}")
         if self.loss_type == "dr_grpo" and not (self.max_completion_length or 0) >= 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gspo_trl import GSPOConfig
+from gspo_trl.loss import Objective
 
 
 def make(tmp_path, **kwargs):
@@ -102,6 +103,40 @@ def test_invalid_values_name_the_field(tmp_path, kwargs, field_name):
     kwargs.setdefault("per_device_train_batch_size", 8)
     with pytest.raises(ValueError, match=field_name):
         make(tmp_path, **kwargs)
+
+
+# The loss fields' bounds are `Objective`'s: a config refuses exactly what an Objective built directly refuses.
+@pytest.mark.parametrize(
+    "bad, field_name",
+    [
+        ({"epsilon": 0.0}, "epsilon"),
+        ({"epsilon": -0.1}, "epsilon"),
+        ({"epsilon": 1.0}, "epsilon"),
+        ({"epsilon": float("nan")}, "epsilon"),
+        ({"epsilon_high": 0.0}, "epsilon_high"),
+        ({"epsilon_high": -1.0}, "epsilon_high"),
+        ({"epsilon_high": float("nan")}, "epsilon_high"),
+        ({"delta": 1.0}, "delta"),
+        ({"beta": float("inf")}, "beta"),
+        ({"sapo_temperature_neg": 0.0}, "sapo_temperature_neg"),
+        ({"vespo_k_neg": -1.0}, "vespo_k_neg"),
+        ({"off_policy_mask_threshold": -1.0}, "off_policy_mask_threshold"),
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
+    ],
+)
+def test_config_and_objective_refuse_the_same_loss_values_with_the_same_message(tmp_path, bad, field_name):
+    with pytest.raises(ValueError, match=field_name) as direct:
+        Objective(**bad)
+    with pytest.raises(ValueError, match=field_name) as configured:
+        make(tmp_path, per_device_train_batch_size=8, **bad)
+    assert str(configured.value) == str(direct.value)
+
+
+def test_config_and_objective_accept_the_same_edge_values(tmp_path):
+    edges = dict(epsilon=1e-6, epsilon_high=10.0, delta=1.0 + 1e-6, beta=0.0, off_policy_mask_threshold=0.0)
+    config = make(tmp_path, per_device_train_batch_size=8, **edges)
+    assert Objective.from_config(config) == Objective(**edges, max_completion_length=config.max_completion_length)
 
 
 @pytest.mark.parametrize(

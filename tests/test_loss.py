@@ -346,9 +346,12 @@ def test_token_level_matches_grpo_reference():
         (dict(ref_per_token_logps=torch.zeros(2, 2)), "ref_per_token_logps"),
         (dict(advantages=torch.zeros(3)), "advantages"),
         (dict(advantages=torch.zeros(2, 3)), "sequence_token"),
-        (dict(epsilon=-0.1), "epsilon must be >= 0"),
-        (dict(epsilon=1.0), "epsilon must be < 1"),
-        (dict(epsilon_high=-0.1), "epsilon_high"),
+        (dict(epsilon=-0.1), r"epsilon must be in \(0, 1\)"),
+        (dict(epsilon=0.0), r"epsilon must be in \(0, 1\)"),  # the lower clip bound would be 1 itself
+        (dict(epsilon=float("nan")), r"epsilon must be in \(0, 1\)"),
+        (dict(epsilon=1.0), r"epsilon must be in \(0, 1\)"),
+        (dict(epsilon_high=-0.1), "epsilon_high must be > 0"),
+        (dict(epsilon_high=0.0), "epsilon_high must be > 0"),  # for cispo, a cap of 0 zeroes the loss
         (dict(beta=-1.0), "beta"),
         (dict(beta=0.1), "ref_per_token_logps"),
     ],

@@ -1,0 +1,74 @@
+"""config_checks: the derived defaults and checks called one by one, without building a `GSPOConfig`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from gspo_trl import config_checks
+
+
+@pytest.mark.parametrize(
+    "loss_type, level, epsilon, epsilon_high, expected",
+    [
+        ("grpo", None, None, None, ("sequence", 3e-4, 4e-4)),  # the paper's
+        ("grpo", None, 1e-3, None, ("sequence", 1e-3, 1e-3)),  # epsilon alone: symmetric (TRL's meaning)
+        ("grpo", "token", None, None, ("token", 0.2, 0.2)),
+        ("cispo", None, None, None, ("token", 0.2, 5.0)),
+        ("cispo", None, None, 2.0, ("token", 0.2, 2.0)),
+        ("vespo", None, None, None, ("token", 0.2, 0.2)),
+        ("dapo", "sequence", None, None, ("sequence", 3e-4, 4e-4)),
+        ("sapo", "turn", None, None, ("turn", 3e-4, 4e-4)),
+    ],
+)
+def test_objective_defaults(loss_type, level, epsilon, epsilon_high, expected):
+    assert config_checks.objective_defaults(loss_type, level, epsilon, epsilon_high) == expected
+
+
+@pytest.mark.parametrize(
+    "given, expected", [(True, "group"), (False, "none"), ("True", "group"), ("false", "none"), ("batch", "batch")]
+)
+def test_scale_rewards_spellings(given, expected):
+    assert config_checks.scale_rewards_option(given) == expected
+
+
+def batch_config(**overrides):
+    values = dict(
+        per_device_train_batch_size=8,
+        world_size=2,
+        gradient_accumulation_steps=2,
+        num_generations=8,
+        steps_per_generation=None,
+        generation_batch_size=None,
+    )
+    return SimpleNamespace(**{**values, **overrides})
+
+
+def test_batch_sizes_from_either_field():
+    assert config_checks.batch_sizes(batch_config(), False) == (8, 128)  # 4 × GA, the paper's four steps
+    assert config_checks.batch_sizes(batch_config(steps_per_generation=3), True) == (3, 48)
+    assert config_checks.batch_sizes(batch_config(generation_batch_size=64), False) == (4, 64)
+    with pytest.raises(ValueError, match="not both"):
+        config_checks.batch_sizes(batch_config(steps_per_generation=4, generation_batch_size=64), True)
+    with pytest.raises(ValueError, match="split across optimizer steps"):
+        config_checks.batch_sizes(batch_config(per_device_train_batch_size=3), False)
+
+
+def test_max_staleness_defaults_to_the_optimizer_steps_per_rollout():
+    config = SimpleNamespace(
+        async_rollouts=True,
+        max_staleness=None,
+        steps_per_generation=8,
+        num_iterations=1,
+        gradient_accumulation_steps=2,
+        optimizer_steps_per_rollout=4,
+        use_vllm=False,
+        vllm_logprobs_as_old=False,
+    )
+    assert config_checks.max_staleness(config) == 4
+    config.max_staleness = 0
+    assert config_checks.max_staleness(config) == 0
+    config.async_rollouts = False
+    with pytest.raises(ValueError, match="only applies with async_rollouts=True"):
+        config_checks.max_staleness(config)
