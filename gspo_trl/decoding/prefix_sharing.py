@@ -11,7 +11,7 @@ token, ready for a decoding loop to continue from it:
   its rows, then each row's own tail on top. The rows are laid out as [prefix | gap | tail | last token]: the
   gap is masked out and position ids follow the attention mask, so each row is its own sequence, contiguous.
 - `prefill_after_states`: rows that continue an earlier call's rows (the next turn of episodes): each row's
-  prefix is its own previous turn, whose KV cache the decoding loop kept (`decoding.RowState`); only what came
+  prefix is its own previous turn, whose KV cache the decoding loop kept (`dynamic.RowState`); only what came
   after (the end of the turn, the environment's reply) runs through the model.
 
 What it does not own: the decoding loops (`dynamic`, `static`), tokenization (`rollout`).
@@ -135,7 +135,7 @@ def prefill_shared_prefixes(model, rows: list[list[int]], pad_token_id: int):
 
 @torch.no_grad()
 def prefill_after_states(model, rows: list[list[int]], states: list, pad_token_id: int):
-    """(prompt_ids, prompt_mask, cache) for rows that continue earlier ones: `states[i]` (`decoding.RowState`) holds
+    """(prompt_ids, prompt_mask, cache) for rows that continue earlier ones: `states[i]` (`dynamic.RowState`) holds
     the KV cache of the first `states[i].length` tokens of row i (its previous turn, as the decoding loop left
     it), so only the rest of each row runs through the model. Same layout as `prefill_shared_prefixes`, the
     states in the prefix part; None when a state does not leave its row a token to decode from."""

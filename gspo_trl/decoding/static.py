@@ -1,7 +1,7 @@
 """The decoding loop on a static KV cache, each model step replayed as a CUDA graph on a GPU.
 
 On a GPU the per-step Python and kernel launches of a model's forward, not its arithmetic, set the speed of
-decoding: on an H100, 64 rows of a 1.7B model, HF `generate` takes 20 ms per step and `decoding.sample` 25 ms
+decoding: on an H100, 64 rows of a 1.7B model, HF `generate` takes 20 ms per step and `dynamic.sample` 25 ms
 where this loop's replayed graph takes 6 ms (docs/benchmarks.md, "GPU"). This module owns the static variant of the
 loop: every row's keys and values live in buffers sized for the whole rollout (`StaticKVLayer`), attention reads a
 window of them through a 4-D additive mask (0 where attended, the dtype's minimum elsewhere: what eager attention adds
@@ -10,11 +10,11 @@ the forward of one step is captured once per window size (a multiple of `WINDOW_
 then replayed (`StaticDecoder`). Sampling and the logits
 processors are `decoding`'s, run between replays. A finished row stays in the batch, its tokens discarded,
 until at most half the rows are live; then the batch is compacted and the graphs are captured again. With
-`keep_states`, the cache of each row that ended with an EOS is copied out as its `decoding.RowState` (for the
+`keep_states`, the cache of each row that ended with an EOS is copied out as its `dynamic.RowState` (for the
 next turn of an episode) before compaction drops the row.
 
 Without graphs (a CPU, or `graphs=False`) the same static steps run eagerly: that is what the CPU tests compare
-with `decoding.sample`, token for token.
+with `dynamic.sample`, token for token.
 """
 
 from __future__ import annotations
@@ -225,13 +225,13 @@ def sample(
     keep_states: bool = False,
     logp_temperature: float | None = None,
 ) -> Decoded:
-    """`decoding.sample` on a static cache: (N, C) completion ids after each left-padded prompt row, the
+    """`dynamic.sample` on a static cache: (N, C) completion ids after each left-padded prompt row, the
     `pad_token_id` after a row's first EOS, C the longest completion (and with `logp_temperature` their
-    log-probs, as `decoding.sample` records them). `cache` holds every prompt token but the
+    log-probs, as `dynamic.sample` records them). `cache` holds every prompt token but the
     last (`prefix_sharing`; prefilled here when None) and becomes the static cache. The prompt rows
     may have gaps (mask 0): position ids follow the mask. `history`: the token ids the logits processors see
-    before the completion (default `prompt_ids`), as in `decoding.sample`. With `keep_states`, also the
-    `RowState` of each row that ended with an EOS (None for the others), as `decoding.sample` returns them."""
+    before the completion (default `prompt_ids`), as in `dynamic.sample`. With `keep_states`, also the
+    `RowState` of each row that ended with an EOS (None for the others), as `dynamic.sample` returns them."""
     if cache is None and (cache := prefill(model, prompt_ids, prompt_mask)) is None:
         raise ValueError(
             "decoding.static.sample needs at least two tokens in every prompt row; use decoding.dynamic.sample."
