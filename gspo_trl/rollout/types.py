@@ -41,7 +41,8 @@ class Rollout:
     env_mask: torch.Tensor | None = None
     turn_ids: torch.Tensor | None = None
     # From `generate_from_ids`: per row, what the backend kept to continue the row in its next call (the KV cache
-    # of the decoding loop, `decoding.dynamic.RowState`), None where nothing was kept; None for backends that keep nothing.
+    # of the decoding loop, `decoding.dynamic.RowState`), None where nothing was kept; None for backends that keep
+    # nothing.
     states: list | None = None
     sampled_by_policy: bool = False
     # The decoding loop that sampled the rows on the trained model (and recorded `sampling_logps`, where it did):
