@@ -211,6 +211,7 @@ def check_sampling(config) -> None:
             f"activation_checkpointing_keep_attention must be True or False, got "
             f"{config.activation_checkpointing_keep_attention!r}."
         )
+    check_generation_kwargs(config.generation_kwargs)
     if config.eval_strategy != "no" and config.per_device_eval_batch_size * config.world_size % config.num_generations:
         raise ValueError(
             f"per_device_eval_batch_size × num_processes ({config.per_device_eval_batch_size} × {config.world_size}) "
@@ -220,6 +221,32 @@ def check_sampling(config) -> None:
         raise ValueError(
             "auto_find_batch_size is not supported: shrinking the batch would split a prompt's group of "
             "num_generations completions. Lower per_device_train_batch_size instead."
+        )
+
+
+def check_generation_kwargs(generation_kwargs) -> None:
+    """Refuse the `GenerationConfig` settings that do not sample one completion per prompt row from the policy:
+    beam search and contrastive search keep the likeliest continuations (not draws from π, which the importance
+    ratio assumes), and several sequences per row break the row-per-completion layout of a group."""
+    if generation_kwargs is None:
+        return
+    if not isinstance(generation_kwargs, dict):
+        raise TypeError(f"generation_kwargs must be a dict of GenerationConfig fields, got {generation_kwargs!r}.")
+    for name, what in (
+        ("num_beams", "beam search keeps the likeliest sequences instead of sampling them"),
+        ("num_beam_groups", "beam search keeps the likeliest sequences instead of sampling them"),
+        ("num_return_sequences", "each prompt row already gets one completion; num_generations sets the group size"),
+    ):
+        value = generation_kwargs.get(name)
+        if value is not None and value != 1:
+            raise ValueError(
+                f"generation_kwargs[{name!r}]={value!r} is not supported: {what}, so the completions would not be "
+                "samples of the policy that GSPO's importance ratio compares. Remove it."
+            )
+    if generation_kwargs.get("penalty_alpha"):
+        raise ValueError(
+            "generation_kwargs['penalty_alpha'] (contrastive search) is not supported: it picks tokens "
+            "deterministically, so the completions would not be samples of the policy. Remove it."
         )
 
 

@@ -72,3 +72,22 @@ def test_max_staleness_defaults_to_the_optimizer_steps_per_rollout():
     config.async_rollouts = False
     with pytest.raises(ValueError, match="only applies with async_rollouts=True"):
         config_checks.max_staleness(config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_beams": 2, "length_penalty": -0.1}, r"\['num_beams'\]=2 is not supported: beam search"),
+        ({"num_return_sequences": 4}, "num_generations sets the group size"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive search"),
+    ],
+)
+def test_generation_kwargs_that_do_not_sample_the_policy_are_refused_at_construction(tmp_path, kwargs, match):
+    from gspo_trl import GSPOConfig
+
+    with pytest.raises(ValueError, match=match):
+        GSPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs=kwargs)
+    # What a sampler does take passes, and one beam is no beam search.
+    GSPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"num_beams": 1, "top_k": 50, "do_sample": True}
+    )
