@@ -25,6 +25,9 @@ import torch
 
 ZERO_STD_TOLERANCE = 1e-6
 SCALE_REWARDS_OPTIONS = ("group", "batch", "none")
+# How several reward functions combine (TRL's `multi_objective_aggregation`): sum the weighted rewards, then take
+# group-relative advantages; or normalise each function within its group first (GDPO), then sum and scale.
+AGGREGATION_OPTIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def aggregate_rewards(
@@ -54,6 +57,46 @@ def aggregate_rewards(
     valid = ~torch.isnan(rewards_per_func).all(dim=1)  # (N,)
     rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)  # (N,)
     return rewards, valid
+
+
+def decoupled_rewards(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO's reward (arXiv 2601.05242): each function's rewards normalised within the prompt's group, then summed.
+
+    For function f and group g, ``z_f = (r_f - mean_g(r_f)) / std_g(r_f)`` over the rows where f gave a number;
+    the reward is ``sum_f weight_f * z_f``. A function that is constant within a group (std below
+    ``ZERO_STD_TOLERANCE``) or gave no number for a row adds 0 there, so one function's scale cannot drown another's.
+
+    Args:
+        rewards_per_func: (N, F) float, NaN where a function returned None; groups of ``num_generations`` rows.
+        reward_weights: (F,) weight of each function.
+
+    Returns:
+        rewards: (N,) the weighted sum of the normalised rewards (0 on rows without any reward).
+        valid: (N,) bool, True where at least one function gave a number.
+    """
+    _, valid = aggregate_rewards(rewards_per_func, reward_weights)  # the shape checks; (N,)
+    _check_group_inputs(valid.float(), num_generations, None)
+    table = rewards_per_func.float()
+    weights = torch.as_tensor(reward_weights).to(device=table.device, dtype=table.dtype)
+    grouped = table.view(-1, num_generations, table.shape[1])  # (groups, G, F)
+    present = ~torch.isnan(grouped)  # (groups, G, F)
+    mean, std, _ = _masked_mean_and_std(grouped, present, dim=1)  # (groups, F) each
+    constant = std < ZERO_STD_TOLERANCE  # (groups, F)
+    normalized = (grouped - mean.unsqueeze(1)) / torch.where(constant, torch.ones_like(std), std).unsqueeze(1)
+    normalized = torch.where(present & ~constant.unsqueeze(1), normalized, torch.zeros_like(normalized))
+    return (normalized * weights).sum(dim=2).reshape(-1), valid
+
+
+def batch_advantages(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(N,) ``(r - mean) / std`` over the valid rows of the whole batch (GDPO's last step); 0 on invalid rows, and
+    everywhere when the batch's std is below ``ZERO_STD_TOLERANCE``."""
+    mean, std, _ = _masked_mean_and_std(rewards.float(), valid, dim=None)  # (1,) each
+    if float(std) < ZERO_STD_TOLERANCE:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    advantages = (rewards.float() - mean) / std
+    return torch.where(valid, advantages, torch.zeros_like(advantages))
 
 
 def normalize_scale_rewards(scale_rewards: str | bool) -> str:

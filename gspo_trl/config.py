@@ -444,6 +444,14 @@ class GSPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "One weight per reward function; None weights every function 1.0."},
     )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "'sum_then_normalize': weighted sum of the rewards, then advantages per scale_rewards; "
+            "'normalize_then_sum' (GDPO): each function normalised within its group, summed, then scaled by the "
+            "batch std (scale_rewards unused). See docs/migrating-from-trl.md#reward-functions-same-convention."
+        },
+    )
     mask_truncated_completions: bool = field(
         default=False,
         metadata={

@@ -14,7 +14,7 @@ import math
 import torch
 from transformers.utils import logging
 
-from .advantages import SCALE_REWARDS_OPTIONS
+from .advantages import AGGREGATION_OPTIONS, SCALE_REWARDS_OPTIONS
 from .distributed import launched_processes, needs_cpu_process_group
 from .loss import Objective
 from .sampling_correction import CORRECTION_MODES
@@ -127,6 +127,11 @@ def check_objective(config) -> None:
         )
     if config.scale_rewards not in SCALE_REWARDS_OPTIONS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS_OPTIONS}, got {config.scale_rewards!r}.")
+    if config.multi_objective_aggregation not in AGGREGATION_OPTIONS:
+        raise ValueError(
+            f"multi_objective_aggregation must be one of {AGGREGATION_OPTIONS}, got "
+            f"{config.multi_objective_aggregation!r}."
+        )
     if config.reward_weights is not None:
         if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in config.reward_weights):
             raise ValueError(f"reward_weights must be finite numbers, got {config.reward_weights!r}.")

@@ -8,12 +8,15 @@ Owns which rows and tokens get which advantage and the reward statistics that go
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .advantages import (
     aggregate_rewards,
+    batch_advantages,
+    decoupled_rewards,
     discounted_returns,
     episode_advantages,
     group_advantages,
@@ -30,17 +33,41 @@ class RolloutScores:
 
 
 def score_rollout(
-    local_rewards: torch.Tensor, reward_weights: torch.Tensor, args, accelerator, episodes=None
+    local_rewards: torch.Tensor,
+    reward_weights: torch.Tensor,
+    args,
+    accelerator,
+    episodes=None,
+    function_names: Sequence[str] = (),
 ) -> RolloutScores:
-    """Advantages of this process's rows from its (n, F) reward-function table (`episodes`: its `EpisodeBatch`)."""
+    """Advantages of this process's rows from its (n, F) reward-function table (`episodes`: its `EpisodeBatch`).
+
+    A rollout without episodes in which no reward function gave a number for any completion raises a `ValueError`
+    naming the functions (on every process alike: the table is gathered first): it would train on zero advantages.
+    """
     device = local_rewards.device
     n = local_rewards.shape[0]
     local = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
     function_table = accelerator.gather(local_rewards)  # (N, F)
     rewards, valid = aggregate_rewards(function_table, reward_weights.to(device))  # (N,), NaN-free
+    aggregation = getattr(args, "multi_objective_aggregation", "sum_then_normalize")
     if episodes is None:
+        if not valid.any():
+            names = ", ".join(function_names) or f"all {function_table.shape[1]}"
+            raise ValueError(
+                f"Every reward function ({names}) returned None for every completion of this rollout, so it has no "
+                "signal to train on. Return a number for the completions a function applies to."
+            )
         advantages, stats = group_advantages(rewards, args.num_generations, args.scale_rewards, valid)
+        if aggregation == "normalize_then_sum":  # GDPO; the statistics stay those of the summed reward
+            decoupled, _ = decoupled_rewards(function_table, reward_weights.to(device), args.num_generations)
+            advantages = batch_advantages(decoupled, valid)
         return RolloutScores(advantages[local], stats, function_table, rewards)
+    if aggregation != "sum_then_normalize":
+        raise ValueError(
+            f"multi_objective_aggregation={aggregation!r} is for single-turn rollouts; multi-turn episodes "
+            "(env_factory, tools) take 'sum_then_normalize'."
+        )
 
     def gathered(tensor):  # episodes on different processes may have played different numbers of turns
         return accelerator.gather(accelerator.pad_across_processes(tensor.to(device), dim=1))

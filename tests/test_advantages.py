@@ -7,6 +7,8 @@ import torch
 
 from gspo_trl.advantages import (
     aggregate_rewards,
+    batch_advantages,
+    decoupled_rewards,
     discounted_returns,
     group_advantages,
     token_advantages,
@@ -230,3 +232,58 @@ def test_token_advantages_gather_each_tokens_turn():
     torch.testing.assert_close(
         token_advantages(per_turn, turn_ids), torch.tensor([[1.0, 1.0, 1.0, -2.0], [0.5, 0.0, 0.0, 0.0]])
     )
+
+
+# --- GDPO: normalise each reward function within its group, then sum (multi_objective_aggregation) ---------------
+
+
+def test_decoupled_rewards_normalise_each_function_within_its_group_before_the_weighted_sum():
+    # Group 1: f1 = [1, 0, 0] has mean 1/3 and (Bessel) std 1/sqrt(3), so z1 = [2, -1, -1] / sqrt(3); f2 = [10, 10,
+    # 40] has mean 20 and std 10 sqrt(3), so z2 = [-1, -1, 2] / sqrt(3). Group 2: f1 is constant (adds 0), f2 = [1, 2,
+    # 3] gives z2 = [-1, 0, 1]. Summed with weights (1, 1), f2's larger scale no longer drowns f1.
+    table = torch.tensor([[1.0, 10.0], [0.0, 10.0], [0.0, 40.0], [5.0, 1.0], [5.0, 2.0], [5.0, 3.0]])
+    rewards, valid = decoupled_rewards(table, torch.ones(2), num_generations=3)
+    root3 = 3**0.5
+    expected = torch.tensor([1 / root3, -2 / root3, 1 / root3, -1.0, 0.0, 1.0])
+    torch.testing.assert_close(rewards, expected)  # float32 rounding of O(1) values: the default rtol 1.3e-6
+    assert valid.all()
+    # GDPO's last step: the batch's own mean (0 here) and Bessel std: sum of squares 4 over 5, std 2/sqrt(5).
+    torch.testing.assert_close(batch_advantages(rewards, valid), expected * 5**0.5 / 2)
+
+
+def test_decoupled_rewards_skip_a_function_where_it_gave_none_and_rows_with_no_reward_are_invalid():
+    nan = float("nan")
+    table = torch.tensor([[1.0, nan], [3.0, 2.0], [nan, 4.0], [nan, nan]])  # groups of 2
+    rewards, valid = decoupled_rewards(table, torch.tensor([1.0, 2.0]), num_generations=2)
+    # Group 1: f1 = [1, 3] gives [-1, 1] / sqrt(2); f2 has one number (no spread) and adds 0. Group 2: f1 one number,
+    # f2 one number: nothing to compare, 0.
+    torch.testing.assert_close(rewards, torch.tensor([-(0.5**0.5), 0.5**0.5, 0.0, 0.0]))
+    assert valid.tolist() == [True, True, True, False]
+    advantages = batch_advantages(rewards, valid)
+    assert advantages[3] == 0
+
+
+def test_decoupled_advantages_equal_trls_normalize_then_sum_up_to_its_epsilon():
+    # TRL 1.16 (GRPOTrainer, multi_objective_aggregation="normalize_then_sum") divides by std + 1e-4 twice; gspo-trl
+    # divides by the std. Each normalised reward z = d / s then shrinks by a relative 1e-4 / s, so a row's summed
+    # reward moves by at most e_i = sum_k |w_k z_k| 1e-4 / s_k, the batch std by at most the std of those moves
+    # (|std(r) - std(r')| <= std(r - r') <= sqrt(sum e_i^2 / (N - 1))), and TRL adds 1e-4 to it: a row's advantage
+    # then moves by at most (e_i + |A_i| (sqrt(sum e^2 / (N - 1)) + 1e-4)) / std, the bound each row is held to (and
+    # float32 rounding, 1e-5).
+    generator = torch.Generator().manual_seed(0)
+    groups, size, functions = 16, 8, 3
+    table = torch.randn(groups * size, functions, generator=generator) * torch.tensor([1.0, 10.0, 0.1])
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    grouped = table.view(groups, size, functions)
+    mean_k, std_k = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, keepdim=True)
+    z = (grouped - mean_k) / std_k  # (groups, G, F)
+    trl_rewards = (((grouped - mean_k) / (std_k + 1e-4)).view(-1, functions) * weights).sum(dim=1)
+    trl_std = trl_rewards.std()
+    trl_advantages = (trl_rewards - trl_rewards.mean()) / (trl_std + 1e-4)
+    rewards, valid = decoupled_rewards(table, weights, size)
+    ours = batch_advantages(rewards, valid)
+    reward_shift = ((z.abs() * weights * 1e-4 / std_k).sum(dim=2)).view(-1)  # (N,)
+    std_shift = (reward_shift.square().sum() / (reward_shift.numel() - 1)).sqrt()
+    bound = (reward_shift + trl_advantages.abs() * (std_shift + 1e-4)) / trl_std
+    assert ((ours - trl_advantages).abs() <= 1.01 * bound + 1e-5).all()
+    assert (ours - trl_advantages).abs().max() > 1e-5  # the epsilon is visible: the comparison is not vacuous

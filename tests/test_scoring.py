@@ -51,3 +51,25 @@ def test_episodes_put_the_environment_return_first_and_add_the_functions_to_the_
     per_turn = score_rollout(functions, torch.ones(1), args(advantage_granularity="turn"), OneProcess, episodes)
     expected = turn_advantages(torch.tensor([[0.0, 3.0], [1.0, 0.0]]), episodes.reached, 2, "none")  # (2, 2)
     torch.testing.assert_close(per_turn.advantages, expected.gather(1, rollout.turn_ids.clamp(min=0)))
+
+
+def test_a_rollout_without_any_reward_raises_naming_the_functions():
+    import pytest
+
+    table = torch.full((4, 2), float("nan"))
+    with pytest.raises(ValueError, match=r"Every reward function \(accuracy, format\) returned None"):
+        score_rollout(table, torch.ones(2), args(), OneProcess, function_names=["accuracy", "format"])
+    table[1, 0] = 1.0  # one number anywhere in the rollout: the other rows are left out, as before
+    assert score_rollout(table, torch.ones(2), args(), OneProcess).stats["num_invalid"] == 3
+
+
+def test_normalize_then_sum_takes_gdpo_advantages_and_logs_the_summed_reward():
+    from gspo_trl.advantages import batch_advantages, decoupled_rewards
+
+    table = torch.tensor([[1.0, 10.0], [0.0, 30.0], [1.0, 1.0], [0.0, 2.0]])
+    weights = torch.tensor([1.0, 0.5])
+    scores = score_rollout(table, weights, args(multi_objective_aggregation="normalize_then_sum"), OneProcess)
+    expected = batch_advantages(*decoupled_rewards(table, weights, 2))
+    torch.testing.assert_close(scores.advantages, expected)
+    torch.testing.assert_close(scores.rewards, torch.tensor([6.0, 15.0, 1.5, 1.0]))  # the weighted sum, as logged
+    assert not torch.allclose(expected, score_rollout(table, weights, args(), OneProcess).advantages)
