@@ -98,9 +98,10 @@ def main(argv=None) -> None:
     from distributed import cpu_model  # benchmarks/, on the path when this script runs
     from transformers import AutoModelForCausalLM
 
-    from gspo_trl import decode_kernel, decode_linear
-    from gspo_trl.decode_attention import packed_gqa_decoding
-    from gspo_trl.decode_forward import StepForward
+    from gspo_trl.decoding.cpu import kernel as decode_kernel
+    from gspo_trl.decoding.cpu import linear as decode_linear
+    from gspo_trl.decoding.cpu.attention import packed_gqa_decoding
+    from gspo_trl.decoding.cpu.forward import StepForward
     from gspo_trl.default_model import default_model_path
 
     model = AutoModelForCausalLM.from_pretrained(args.model or default_model_path(), dtype=torch.float32).eval()

@@ -73,8 +73,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo_trl import GSPOConfig, decode_forward, decode_kernel, decode_linear
+    from gspo_trl import GSPOConfig
     from gspo_trl.decoding import dynamic
+    from gspo_trl.decoding.cpu import forward as decode_forward
+    from gspo_trl.decoding.cpu import kernel as decode_kernel
+    from gspo_trl.decoding.cpu import linear as decode_linear
     from gspo_trl.default_model import default_model_path
     from gspo_trl.rollout import HFGenerateBackend, stream_keys
     from gspo_trl.tasks import default_task_dataset

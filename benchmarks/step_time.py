@@ -576,7 +576,7 @@ def describe_trainer(impl: str, trainer) -> dict:
 
 
 def _decode_kernel_available() -> bool:
-    from gspo_trl import decode_kernel
+    from gspo_trl.decoding.cpu import kernel as decode_kernel
 
     return decode_kernel.available()
 

@@ -111,7 +111,8 @@ def scripted_rollout(prompts, trainer):
 def force_linears(form: str) -> list:
     """Every linear layer of every model decodes in decode_linear's `form` ("transposed", or "compiled" up to its 8
     rows) at every row count; returns the list that each product computed in that form appends its row count to."""
-    from gspo_trl import decode_kernel, decode_linear
+    from gspo_trl.decoding.cpu import kernel as decode_kernel
+    from gspo_trl.decoding.cpu import linear as decode_linear
 
     calls = []
     decode_linear.MIN_WEIGHT_BYTES = 0

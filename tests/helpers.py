@@ -116,8 +116,9 @@ def force_choices(monkeypatch, form: str, calls: list | None = None):
     every row count up to MAX_ROWS, whatever this machine would measure (a tiny model's weights stay in cache, where
     the measurement means nothing). The compiled form computes up to `decode_kernel.MAX_LINEAR_ROWS` rows; more
     rows in it take `F.linear`."""
-    from gspo_trl import decode_kernel, decode_linear
-    from gspo_trl.decode_linear import MAX_ROWS
+    from gspo_trl.decoding.cpu import kernel as decode_kernel
+    from gspo_trl.decoding.cpu import linear as decode_linear
+    from gspo_trl.decoding.cpu.linear import MAX_ROWS
 
     assert form in (decode_linear.LINEAR, decode_linear.TRANSPOSED, decode_linear.PACKED, decode_linear.COMPILED), form
     # The pinned CPU torch runs oneDNN, and CI's machine has a C compiler: a test of the packed or compiled form must

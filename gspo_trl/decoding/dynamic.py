@@ -31,10 +31,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from ..decode_attention import packed_gqa_decoding
-from ..decode_forward import StepForward
-from ..decode_linear import fast_decode_linears
 from ..positions import positions_from_mask
+from .cpu.attention import packed_gqa_decoding
+from .cpu.forward import StepForward
+from .cpu.linear import fast_decode_linears
 from .kv_cache import cache_kwargs
 
 # GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram

@@ -9,8 +9,10 @@ import torch
 from helpers import count_digits, force_choices, sampler_with_rows_ending_apart, small_config, text_dataset
 from torch import nn
 
-from gspo_trl import GSPOTrainer, decode_kernel, decode_linear
-from gspo_trl.decode_linear import (
+from gspo_trl import GSPOTrainer
+from gspo_trl.decoding.cpu import kernel as decode_kernel
+from gspo_trl.decoding.cpu import linear as decode_linear
+from gspo_trl.decoding.cpu.linear import (
     COMPILED,
     LINEAR,
     MAX_ROWS,

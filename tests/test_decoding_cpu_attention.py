@@ -9,8 +9,9 @@ import torch
 from helpers import sampler_with_rows_ending_apart
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from gspo_trl import decode_attention, decode_kernel
-from gspo_trl.decode_attention import NAME, packed_gqa_attention, packed_gqa_decoding
+from gspo_trl.decoding.cpu import attention as decode_attention
+from gspo_trl.decoding.cpu import kernel as decode_kernel
+from gspo_trl.decoding.cpu.attention import NAME, packed_gqa_attention, packed_gqa_decoding
 
 
 class Attention(torch.nn.Module):

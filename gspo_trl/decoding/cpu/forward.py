@@ -31,7 +31,9 @@ import sys
 import torch
 from torch import nn
 
-from gspo_trl import decode_attention, decode_kernel, decode_linear
+from gspo_trl.decoding.cpu import attention as decode_attention
+from gspo_trl.decoding.cpu import kernel as decode_kernel
+from gspo_trl.decoding.cpu import linear as decode_linear
 
 # Switched off by benchmarks that time transformers' forward (A/B in one process).
 enabled = True

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from .default_model import cache_root
+from ...default_model import cache_root
 
 logger = logging.get_logger(__name__)
 

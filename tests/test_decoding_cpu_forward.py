@@ -12,10 +12,10 @@ import torch
 from helpers import force_choices, sampler_with_rows_ending_apart
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from gspo_trl import decode_forward
-from gspo_trl.decode_attention import packed_gqa_decoding
-from gspo_trl.decode_forward import StepForward
-from gspo_trl.decode_linear import COMPILED, LINEAR, PACKED, TRANSPOSED, fast_decode_linears
+from gspo_trl.decoding.cpu import forward as decode_forward
+from gspo_trl.decoding.cpu.attention import packed_gqa_decoding
+from gspo_trl.decoding.cpu.forward import StepForward
+from gspo_trl.decoding.cpu.linear import COMPILED, LINEAR, PACKED, TRANSPOSED, fast_decode_linears
 from gspo_trl.decoding.dynamic import PreallocatedLayer, preallocate
 from gspo_trl.decoding.kv_cache import cache_kwargs
 

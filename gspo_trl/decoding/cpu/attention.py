@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from . import decode_kernel
+from . import kernel as decode_kernel
 
 NAME = "gspo_trl_decode_sdpa"
 

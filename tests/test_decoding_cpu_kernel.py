@@ -16,7 +16,8 @@ import pytest
 import torch
 import transformers
 
-from gspo_trl import decode_attention, decode_kernel
+from gspo_trl.decoding.cpu import attention as decode_attention
+from gspo_trl.decoding.cpu import kernel as decode_kernel
 
 
 @pytest.fixture()
@@ -255,7 +256,7 @@ def test_without_a_working_compiler_steps_use_sdpa_after_one_warning(fresh_kerne
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = transformers.utils.logging.get_logger("gspo_trl.decode_kernel")
+    logger = transformers.utils.logging.get_logger("gspo_trl.decoding.cpu.kernel")
     logger.addHandler(handler)
     try:
         query, keys, values = step_inputs(1, 3, 3, 64, 50)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from . import decode_kernel
+from . import kernel as decode_kernel
 
 logger = logging.get_logger(__name__)
 

@@ -1,0 +1,1 @@
+"""gspo-trl's accelerations of one-token decoding steps on CPU: `linear`, `attention`, `forward`, `kernel`."""
