@@ -104,11 +104,11 @@ def test_the_prefixes_run_once(tiny_model):
 def test_rows_continue_from_the_states_the_decoding_loop_kept(tiny_model, tiny_tokenizer):
     # The next turn of an episode: the KV cache the loop kept for each row that ended with an EOS (its prompt and
     # completion but the EOS) continues the row with the environment's reply, as a plain forward of it all would.
-    from tests.test_decoding_dynamic import FavourEos
     from transformers import LogitsProcessorList
 
     from gspo_trl.decoding.dynamic import sample
     from gspo_trl.decoding.prefix_sharing import prefill_after_states
+    from tests.test_decoding_dynamic import FavourEos
 
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
     encoded = tiny_tokenizer(

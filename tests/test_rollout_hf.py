@@ -146,10 +146,10 @@ def test_decode_max_rows_decodes_in_slices_that_sample_the_same_completions(
 ):
     # A rollout decoded a few rows at a time (each slice's KV cache gone before the next) samples, with per-row
     # streams, the completions, masks and truncation flags of all rows decoded together.
-    from tests.test_decoding_dynamic import FavourEos
     from transformers import LogitsProcessorList
 
     from gspo_trl.rollout import stream_keys
+    from tests.test_decoding_dynamic import FavourEos
 
     def backend_with(max_rows):
         args = GSPOConfig(
