@@ -213,6 +213,14 @@ class GSPOConfig(TrainingArguments):
             "docs/performance-options.md#decoding."
         },
     )
+    cpu_decoding_kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "gspo-trl's CPU decoding accelerations (timed product forms, packed attention, compiled C "
+            "kernels): 'auto' uses them where the policy samples on CPU, 'on' always, 'off' never. See "
+            "docs/performance-options.md#decoding."
+        },
+    )
     decode_logprobs_as_old: bool | None = field(
         default=None,
         metadata={
@@ -715,6 +723,8 @@ class GSPOConfig(TrainingArguments):
             raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {self.decode_loop!r}.")
         if self.decode_max_rows is not None and self.decode_max_rows < 1:
             raise ValueError(f"decode_max_rows must be >= 1 or None (automatic), got {self.decode_max_rows}.")
+        if self.cpu_decoding_kernels not in ("auto", "on", "off"):
+            raise ValueError(f"cpu_decoding_kernels must be 'auto', 'on' or 'off', got {self.cpu_decoding_kernels!r}.")
         if self.decode_logprobs_as_old and (self.decode_loop != "gspo" or self.use_vllm):
             raise ValueError(
                 "decode_logprobs_as_old=True needs decode_loop='gspo' and use_vllm=False (the log-probs "
