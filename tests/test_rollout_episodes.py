@@ -31,6 +31,7 @@ def episode_args(**overrides):
         bf16=False,
         fp16=False,
         decode_max_rows=None,
+        cpu_decoding_kernels="auto",
         full_determinism=False,
     )
     values.update(overrides)
