@@ -85,3 +85,24 @@ def test_accelerate_enters_the_parts_asked_for_and_restores_the_model(tiny_model
             assert (step_forward.attend.kernel_choice is not None) == kernels.compiled
     assert config._attn_implementation == "sdpa" and not forms(projection)
     assert all("forward" not in module.__dict__ for module in tiny_model.modules())
+
+
+def test_the_old_environment_variable_is_said_to_be_ignored(monkeypatch):
+    import logging
+
+    import transformers
+
+    monkeypatch.setenv("GSPO_TRL_DECODE_KERNEL", "0")
+    cpu._environment_variable_ignored.cache_clear()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = transformers.utils.logging.get_logger("gspo_trl.decoding.cpu")
+    logger.addHandler(handler)
+    try:
+        assert for_setting("auto", "cpu") == ALL and for_setting("auto", "cpu") == ALL  # no switch: the field decides
+    finally:
+        logger.removeHandler(handler)
+        cpu._environment_variable_ignored.cache_clear()
+    warnings = [record.getMessage() for record in records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cpu_decoding_kernels" in warnings[0]

@@ -17,14 +17,19 @@ What it does not own: the loop itself, the sampling, the cache.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from .attention import packed_gqa_decoding
 from .forward import StepForward
 from .linear import fast_decode_linears
+
+logger = logging.get_logger(__name__)
 
 SETTINGS = ("auto", "on", "off")  # GSPOConfig.cpu_decoding_kernels
 
@@ -53,9 +58,18 @@ def for_setting(setting: str, device: torch.device | str, full_determinism: bool
     `full_determinism`, no choice by timing (`CPUKernels.timed`)."""
     if setting not in SETTINGS:
         raise ValueError(f"cpu_decoding_kernels must be one of {SETTINGS}, got {setting!r}.")
+    if "GSPO_TRL_DECODE_KERNEL" in os.environ:
+        _environment_variable_ignored()
     if setting == "off" or (setting == "auto" and torch.device(device).type != "cpu"):
         return None
     return CPUKernels(timed=False) if full_determinism else ALL
+
+
+@functools.cache
+def _environment_variable_ignored() -> None:
+    logger.warning(
+        "GSPO_TRL_DECODE_KERNEL is no longer read: set GSPOConfig.cpu_decoding_kernels ('auto', 'on' or 'off') instead."
+    )
 
 
 @contextlib.contextmanager
