@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """One decoding step's time by rows and context length, in four forms: `F.linear` with transformers' SDPA attention,
-`decode_linear`'s measured linear forms, those with `decode_attention`'s packed query heads (transformers' forward,
-as the loop ran every step before 2026-11-26), and that computation in `decode_forward`'s step (the loop's now).
+`cpu.linear`'s measured linear forms, those with `cpu.attention`'s packed query heads (transformers' forward, as the
+loop ran every step before 2026-11-26), and that computation in `cpu.forward`'s step (the loop's now): the levers of
+`gspo_trl.decoding.cpu.CPUKernels`, switched on one after the other.
 
 A step is one forward of one new token per row over a KV cache of `--contexts` positions (random keys and values,
 held at that length), as the decoding loop runs it: SmolLM2-135M-Instruct fp32 on
@@ -10,16 +11,18 @@ other, the median of `--repeats` steps each after two untimed ones, in one proce
 
     python benchmarks/decode_step.py                                  # rows 1,2,4,8,16 x contexts 128,2048
     python benchmarks/decode_step.py --rows 1,2,3,4 --contexts 1024,4000
-    python benchmarks/decode_step.py --rows 4,16,64 --contexts 128 --unpacked   # decode_linear without packed weights
+    python benchmarks/decode_step.py --rows 4,16,64 --contexts 128 --unpacked   # cpu.linear without packed weights
+    python benchmarks/decode_step.py --no_compiled   # without the compiled kernels (SDPA, no compiled products)
 
-Prints a table and writes `--out` (JSON). The choices `decode_linear` measured for the model are recorded too. The
-last two forms attend through `decode_kernel`'s compiled loop where it is built; `GSPO_TRL_DECODE_KERNEL=0` times
-them with SDPA (the record says which).
+Prints a table and writes `--out` (JSON). The choices `cpu.linear` measured for the model are recorded too. The
+last two forms attend through `cpu.kernel`'s compiled loop where it was timed faster than SDPA, unless
+`--no_compiled` (the record says which).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -42,8 +45,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--unpacked",
         action="store_true",
-        help="decode_linear's F.linear and transposed forms only, without packed weights",
+        help="cpu.linear's F.linear and transposed forms only, without packed weights",
     )
+    parser.add_argument("--no_compiled", action="store_true", help="without the compiled kernels (cpu.kernel)")
     parser.add_argument("--out", default=str(HERE / "results" / "decode_step.json"))
     return parser.parse_args(argv)
 
@@ -67,7 +71,7 @@ def filled_cache(model, rows: int, context: int):
 
 @torch.no_grad()
 def step_ms(model, cache, rows: int, context: int, repeats: int, step_forward=None) -> float:
-    """The median milliseconds of `model`'s forward, or of `step_forward` (a `decode_forward.StepForward`)."""
+    """The median milliseconds of `model`'s forward, or of `step_forward` (a `cpu.forward.StepForward`)."""
     from gspo_trl.decoding.kv_cache import cache_kwargs
 
     vocab = model.config.vocab_size
@@ -98,28 +102,23 @@ def main(argv=None) -> None:
     from distributed import cpu_model  # benchmarks/, on the path when this script runs
     from transformers import AutoModelForCausalLM
 
-    from gspo_trl import decode_kernel, decode_linear
-    from gspo_trl.decode_attention import packed_gqa_decoding
-    from gspo_trl.decode_forward import StepForward
+    from gspo_trl.decoding import cpu
+    from gspo_trl.decoding.cpu import kernel, linear
     from gspo_trl.default_model import default_model_path
 
     model = AutoModelForCausalLM.from_pretrained(args.model or default_model_path(), dtype=torch.float32).eval()
-    decode_linear.packing = not args.unpacked
+    kernels = cpu.CPUKernels(packing=not args.unpacked, compiled=not args.no_compiled)
+    linears_only = dataclasses.replace(kernels, packed_attention=False, step_forward=False)
     results = []
     for context in (int(c) for c in args.contexts.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             cache = filled_cache(model, rows, context)
             plain = step_ms(model, cache, rows, context, args.repeats)
-            with decode_linear.fast_decode_linears(model):
+            with torch.no_grad(), cpu.accelerate(model, linears_only):
                 fast = step_ms(model, cache, rows, context, args.repeats)
-                with packed_gqa_decoding(model), torch.no_grad():
-                    packed = step_ms(model, cache, rows, context, args.repeats)
-                    step_forward = StepForward.of(model)
-                    own = (
-                        None
-                        if step_forward is None
-                        else step_ms(model, cache, rows, context, args.repeats, step_forward)
-                    )
+            with torch.no_grad(), cpu.accelerate(model, kernels) as step_forward:
+                packed = step_ms(model, cache, rows, context, args.repeats)
+                own = None if step_forward is None else step_ms(model, cache, rows, context, args.repeats, step_forward)
             results.append(
                 {
                     "rows": rows,
@@ -131,20 +130,20 @@ def main(argv=None) -> None:
                 }
             )
             print(
-                f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, decode_linear {fast:.1f} ms, "
-                f"with packed GQA heads {packed:.1f} ms, decode_forward's step "
+                f"[decode_step] rows {rows} context {context}: F.linear {plain:.1f} ms, cpu.linear {fast:.1f} ms, "
+                f"with packed GQA heads {packed:.1f} ms, cpu.forward's step "
                 + ("(does not apply)" if own is None else f"{own:.1f} ms"),
                 flush=True,
             )
     choices = {
-        f"{out}x{inp}": decode_linear.describe_forms(by_rows)
-        for (out, inp), by_rows in next(iter(decode_linear._choices.values()), {}).items()
+        f"{out}x{inp}": linear.describe_forms(by_rows)
+        for (out, inp), by_rows in next(iter(linear._choices.values()), {}).items()
     }
     record = {
         "date": _dt.date.today().isoformat(),
         "cpus": os.cpu_count(),
         "processor": cpu_model(),
-        "decode_kernel": decode_kernel.available(),
+        "decode_kernel": not args.no_compiled and kernel.available(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "args": vars(args),

@@ -10,7 +10,7 @@ loops alternate, `--repeats` times each after one untimed warm-up each, in one p
     python benchmarks/decoding.py --max_completion_length 256 --layout_independent_sampling
     python benchmarks/decoding.py --loops gspo,gspo_full_buffers --layout_independent_sampling  # KV buffers A/B
     python benchmarks/decoding.py --loops gspo,gspo_plain_linears --layout_independent_sampling  # linear forms A/B
-    python benchmarks/decoding.py --loops gspo,gspo_module_forward --layout_independent_sampling  # decode_forward A/B
+    python benchmarks/decoding.py --loops gspo,gspo_module_forward --layout_independent_sampling  # step forward A/B
     python benchmarks/decoding.py --loops gspo,gspo_unpacked --layout_independent_sampling  # packed weights A/B
     python benchmarks/decoding.py --loops gspo,gspo_sdpa --layout_independent_sampling  # attention kernel A/B
 
@@ -37,15 +37,15 @@ LOOPS = ("gspo", "generate")
 # The gspo loop with its KV buffers sized for the longest possible row at the first step (as before 2026-11-24)
 # instead of growing: an A/B of the buffers alone (same tokens with --layout_independent_sampling).
 FULL_BUFFERS = "gspo_full_buffers"
-# The gspo loop with every linear layer in `F.linear`'s form (as before 2026-11-25): an A/B of `decode_linear`.
+# The gspo loop with every linear layer in `F.linear`'s form (as before 2026-11-25): an A/B of `cpu.linear`.
 PLAIN_LINEARS = "gspo_plain_linears"
-# The gspo loop with transformers' forward at every step instead of `decode_forward`'s (as before 2026-11-26).
+# The gspo loop with transformers' forward at every step instead of `cpu.forward`'s (as before 2026-11-26).
 MODULE_FORWARD = "gspo_module_forward"
-# The gspo loop with `decode_linear` choosing between `F.linear` and the transposed form only, still measured up to
+# The gspo loop with `cpu.linear` choosing between `F.linear` and the transposed form only, still measured up to
 # 64 rows: an A/B of the packed form.
 UNPACKED = "gspo_unpacked"
-# The gspo loop with SDPA's attention at every step instead of `decode_kernel`'s compiled loop (as before
-# 2026-11-26): an A/B of the kernel.
+# The gspo loop without the compiled kernels (`cpu.kernel`: SDPA's attention at every step, no compiled products or
+# rotation; as before 2026-11-26): an A/B of the kernels.
 SDPA_ATTENTION = "gspo_sdpa"
 
 
@@ -73,8 +73,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo_trl import GSPOConfig, decode_forward, decode_kernel, decode_linear
-    from gspo_trl.decoding import dynamic
+    from gspo_trl import GSPOConfig
+    from gspo_trl.decoding import cpu, dynamic
+    from gspo_trl.decoding.cpu import kernel
     from gspo_trl.default_model import default_model_path
     from gspo_trl.rollout import HFGenerateBackend, stream_keys
     from gspo_trl.tasks import default_task_dataset
@@ -102,8 +103,15 @@ def main(argv=None) -> None:
         )
         backends[loop] = HFGenerateBackend(lambda: model, tokenizer, config)
         assert backends[loop].use_decode_loop == (loop != "generate")
+        if args.device == "cpu":  # each A/B loop with one lever of the CPU kernels off
+            backends[loop].cpu_kernels = cpu.CPUKernels(
+                linear_forms=loop != PLAIN_LINEARS,
+                step_forward=loop != MODULE_FORWARD,
+                packing=loop != UNPACKED,
+                compiled=loop != SDPA_ATTENTION,
+            )
     growing_room = dynamic.INITIAL_ROOM
-    kernel_built = args.device == "cpu" and decode_kernel.available()
+    kernel_built = args.device == "cpu" and kernel.available()
 
     def once(loop: str, repeat: int) -> dict:
         torch.manual_seed(args.seed + repeat)
@@ -111,10 +119,6 @@ def main(argv=None) -> None:
         if args.device == "cuda":
             torch.cuda.synchronize()
         dynamic.INITIAL_ROOM = 1 << 40 if loop == FULL_BUFFERS else growing_room  # room capped at the longest row
-        decode_linear.enabled = loop != PLAIN_LINEARS
-        decode_forward.enabled = loop != MODULE_FORWARD
-        decode_linear.packing = loop != UNPACKED
-        decode_kernel.enabled = loop != SDPA_ATTENTION
         start = time.perf_counter()
         rollout = backends[loop].generate(prompts, keys)
         if args.device == "cuda":

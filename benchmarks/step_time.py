@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="gspo-trl only: GSPOConfig's "
         "max_tokens_per_pass (0: one training pass per micro-batch). Default: the library's.",
     )
+    work.add_argument(
+        "--cpu_decoding_kernels",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="gspo-trl only: GSPOConfig's cpu_decoding_kernels (CPU decoding accelerations). Default: the library's.",
+    )
     work.add_argument("--lora", action="store_true", help="Train a LoRA adapter (r, alpha below, all-linear) in both.")
     work.add_argument("--lora_r", type=int, default=16)
     work.add_argument("--lora_alpha", type=int, default=32)
@@ -494,6 +500,8 @@ def build_trainer(impl: str, args, model_path: str, dataset, reward, output_dir:
     ours_only = {"decode_logprobs_as_old": False} if impl == "ours_recompute" else {}
     if args.max_tokens_per_pass is not None:
         ours_only["max_tokens_per_pass"] = args.max_tokens_per_pass
+    if args.cpu_decoding_kernels is not None:
+        ours_only["cpu_decoding_kernels"] = args.cpu_decoding_kernels
     config = GSPOConfig(**kwargs, **ours_only)
     return GSPOTrainer(
         model_path,
@@ -543,6 +551,7 @@ RESOLVED_FIELDS = [
     "shuffle_dataset",
     "use_vllm",
     "use_transformers_continuous_batching",
+    "cpu_decoding_kernels",
 ]
 
 
@@ -572,13 +581,15 @@ def describe_trainer(impl: str, trainer) -> dict:
         "torch_threads": torch.get_num_threads(),
         "max_tokens_per_pass": getattr(trainer, "max_tokens_per_pass", None),  # gspo-trl's, as it applies
         "decode_kernel": None if impl == "trl" else _decode_kernel_available(),  # gspo-trl's CPU decoding attention
+        # the CPU decoding accelerations the rollouts used (`CPUKernels`; None: none)
+        "cpu_kernels": None if impl == "trl" else _plain(getattr(trainer.rollout_backend, "cpu_kernels", None)),
     }
 
 
 def _decode_kernel_available() -> bool:
-    from gspo_trl import decode_kernel
+    from gspo_trl.decoding.cpu import kernel
 
-    return decode_kernel.available()
+    return kernel.available()
 
 
 def checkpointing_state(model) -> bool | None:

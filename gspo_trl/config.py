@@ -188,6 +188,14 @@ class GSPOConfig(TrainingArguments):
             "docs/performance-options.md#decoding."
         },
     )
+    cpu_decoding_kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "gspo-trl's CPU decoding accelerations (timed product forms, packed attention, compiled C "
+            "kernels): 'auto' uses them where the policy samples on CPU, 'on' always, 'off' never. See "
+            "docs/performance-options.md#decoding."
+        },
+    )
     decode_logprobs_as_old: bool | None = field(
         default=None,
         metadata={

@@ -23,6 +23,7 @@ from .sampling_correction import CORRECTION_MODES
 ADVANTAGE_GRANULARITIES = ("trajectory", "turn")
 # How completions are sampled (see `decode_loop`).
 DECODE_LOOPS = ("gspo", "generate")
+CPU_DECODING_KERNELS = ("auto", "on", "off")
 # What a disagreement found by the log-prob check does (see `check_logprobs`).
 CHECK_LOGPROBS_OPTIONS = ("raise", "warn", "off")
 
@@ -188,6 +189,8 @@ def check_sampling(config) -> None:
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {config.top_k}.")
     if config.decode_loop not in DECODE_LOOPS:
         raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {config.decode_loop!r}.")
+    if config.cpu_decoding_kernels not in CPU_DECODING_KERNELS:
+        raise ValueError(f"cpu_decoding_kernels must be 'auto', 'on' or 'off', got {config.cpu_decoding_kernels!r}.")
     if config.decode_max_rows is not None and config.decode_max_rows < 1:
         raise ValueError(f"decode_max_rows must be >= 1 or None (automatic), got {config.decode_max_rows}.")
     if config.decode_logprobs_as_old and (config.decode_loop != "gspo" or config.use_vllm):

@@ -11,8 +11,8 @@ completions per micro-step over however many processes run, `+family` trains DAP
 the top-half-entropy tokens with an entropy bonus (quantities that span every process), `+episodes` plays
 two-turn episodes of a text environment with turn-level ratios and advantages, `+async` samples the second
 rollout in the background during the first one's training (async_rollouts), `+linears` decodes with
-`decode_linear`'s transposed products at every row count (the tiny model is too small to qualify by itself),
-`+compiled` with its compiled (`decode_kernel`) products at every row count up to 8,
+`cpu.linear`'s transposed products at every row count (the tiny model is too small to qualify by itself),
+`+compiled` with its compiled (`cpu.kernel`) products at every row count up to 8,
 `+passes` trains each micro-batch in passes of at most 2 rows (max_tokens_per_pass), `+scripted` gets its completions
 from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
@@ -109,13 +109,14 @@ def scripted_rollout(prompts, trainer):
 
 
 def force_linears(form: str) -> list:
-    """Every linear layer of every model decodes in decode_linear's `form` ("transposed", or "compiled" up to its 8
+    """Every linear layer of every model decodes in `cpu.linear`'s `form` ("transposed", or "compiled" up to its 8
     rows) at every row count; returns the list that each product computed in that form appends its row count to."""
-    from gspo_trl import decode_kernel, decode_linear
+    from gspo_trl.decoding.cpu import kernel as decode_kernel
+    from gspo_trl.decoding.cpu import linear as decode_linear
 
     calls = []
     decode_linear.MIN_WEIGHT_BYTES = 0
-    decode_linear.measure_choices = lambda weights: {
+    decode_linear.measure_choices = lambda weights, **offered: {
         tuple(weight.shape): dict.fromkeys(range(1, decode_linear.MAX_ROWS + 1), form) for weight in weights
     }
     if form == decode_linear.COMPILED:

@@ -81,6 +81,7 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
     at different steps and the last one decodes alone; returns (the call, the encoded prompts)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
+    from gspo_trl.decoding import cpu
     from gspo_trl.decoding.dynamic import logits_processors, sample
     from gspo_trl.rollout import keyed_uniform, stream_keys
 
@@ -95,7 +96,7 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
         [favour_eos, *logits_processors(GenerationConfig(do_sample=True, temperature=0.8))]
     )
 
-    def run():
+    def run(cpu_kernels=cpu.ALL):
         return sample(
             model,
             encoded.input_ids,
@@ -106,6 +107,7 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
             processors=processors,
             logp_temperature=0.8,
             uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+            cpu_kernels=cpu_kernels,
         )
 
     return run, encoded
@@ -114,10 +116,11 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
 def force_choices(monkeypatch, form: str, calls: list | None = None):
     """Every model qualifies, and every weight shape takes `form` ("linear", "transposed", "packed" or "compiled") at
     every row count up to MAX_ROWS, whatever this machine would measure (a tiny model's weights stay in cache, where
-    the measurement means nothing). The compiled form computes up to `decode_kernel.MAX_LINEAR_ROWS` rows; more
-    rows in it take `F.linear`."""
-    from gspo_trl import decode_kernel, decode_linear
-    from gspo_trl.decode_linear import MAX_ROWS
+    the measurement means nothing). The compiled form computes up to `kernel.MAX_LINEAR_ROWS` rows; more rows in it
+    take `F.linear`."""
+    from gspo_trl.decoding.cpu import kernel as decode_kernel
+    from gspo_trl.decoding.cpu import linear as decode_linear
+    from gspo_trl.decoding.cpu.linear import MAX_ROWS
 
     assert form in (decode_linear.LINEAR, decode_linear.TRANSPOSED, decode_linear.PACKED, decode_linear.COMPILED), form
     # The pinned CPU torch runs oneDNN, and CI's machine has a C compiler: a test of the packed or compiled form must
@@ -125,7 +128,7 @@ def force_choices(monkeypatch, form: str, calls: list | None = None):
     assert form != decode_linear.PACKED or decode_linear.packing_available()
     assert form != decode_linear.COMPILED or decode_kernel.available()
 
-    def measure(weights):
+    def measure(weights, **offered):
         if calls is not None:
             calls.append([tuple(weight.shape) for weight in weights])
         return {tuple(weight.shape): dict.fromkeys(range(1, MAX_ROWS + 1), form) for weight in weights}
@@ -133,3 +136,14 @@ def force_choices(monkeypatch, form: str, calls: list | None = None):
     monkeypatch.setattr(decode_linear, "MIN_WEIGHT_BYTES", 0)
     monkeypatch.setattr(decode_linear, "_choices", {})
     monkeypatch.setattr(decode_linear, "measure_choices", measure)
+
+
+def force_attention_kernel(monkeypatch):
+    """The packed attention of every decoding loop in the compiled kernel wherever it takes the tensors, whatever this
+    machine would time (CI's machine has a C compiler: a test of the kernel must not pass by quietly running SDPA)."""
+    from gspo_trl.decoding.cpu import attention, kernel
+
+    assert kernel.available()
+    monkeypatch.setattr(attention, "_choices", {})
+    everywhere = attention.KernelChoice.everywhere()
+    monkeypatch.setattr(attention, "measure_kernel_choice", lambda *shape, **kwargs: everywhere)

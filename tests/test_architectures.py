@@ -286,7 +286,7 @@ def test_static_loop_records_the_logps_of_a_plain_forward(family, attention, mon
     tok = tokenizer()
     calls = []
 
-    def static_sample(*args, **kwargs):
+    def static_sample(*args, cpu_kernels=None, **kwargs):  # the static loop runs no CPU kernels
         calls.append(kwargs["max_new_tokens"])
         return static.sample(*args, graphs=False, window_block=4, check_every=2, **kwargs)
 
@@ -326,11 +326,11 @@ def test_rollout_records_the_logps_of_a_plain_forward(family, attention, loop, t
     if loop == "static":
         dynamic_sample = dynamic.sample
 
-        def sample_as_on_a_gpu(model, ids, mask, *, cache, timed_forms, **sampling):
+        def sample_as_on_a_gpu(model, ids, mask, *, cache, cpu_kernels, **sampling):
             reason = static.unsupported_reason(model, cache)
             if reason is not None:
                 refusals.append(reason)
-                return dynamic_sample(model, ids, mask, cache=cache, timed_forms=timed_forms, **sampling)
+                return dynamic_sample(model, ids, mask, cache=cache, cpu_kernels=cpu_kernels, **sampling)
             static_calls.append(ids.shape)
             return static.sample(model, ids, mask, cache=cache, graphs=False, window_block=4, check_every=2, **sampling)
 

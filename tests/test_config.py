@@ -85,6 +85,7 @@ def test_scale_rewards_booleans(tmp_path):
         ({"logprob_chunk_size": 0}, "logprob_chunk_size"),
         ({"logprob_kept_logits_mb": -1}, "logprob_kept_logits_mb"),
         ({"decode_max_rows": 0}, "decode_max_rows"),
+        ({"cpu_decoding_kernels": "yes"}, "cpu_decoding_kernels"),
         ({"reward_weights": [1.0, float("nan")]}, "reward_weights"),
         ({"per_device_train_batch_size": 3}, "num_generations"),  # 12 completions cannot hold groups of 8
         ({"generation_batch_size": 20}, "generation_batch_size"),

@@ -10,8 +10,8 @@ from test_decoding_dynamic import SETTINGS, FavourEos, reference_decode
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
-from gspo_trl.decode_attention import NAME as DENSE_MASKED_CUSTOM_ATTENTION
 from gspo_trl.decoding import dynamic, static
+from gspo_trl.decoding.cpu.attention import NAME as DENSE_MASKED_CUSTOM_ATTENTION
 from gspo_trl.decoding.prefix_sharing import prefill, prefill_shared_prompts
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.rollout import completion_mask_from_eos, keyed_uniform, stream_keys

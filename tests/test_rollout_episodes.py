@@ -31,6 +31,7 @@ def episode_args(**overrides):
         bf16=False,
         fp16=False,
         decode_max_rows=None,
+        cpu_decoding_kernels="auto",
         full_determinism=False,
     )
     values.update(overrides)
@@ -238,10 +239,10 @@ def test_later_turns_reuse_the_turn_cache_or_shared_prefixes_and_play_the_same_e
     # reply. Continuing from the KV cache the decoding loop kept (`Rollout.states`) prefills only the new tokens;
     # without it, the group's shared prompt is prefilled once (prefix_sharing). With the same sampling streams,
     # both play the episodes of a backend that prefills every row whole.
-    from tests.test_decoding_dynamic import FavourEos
     from transformers import LogitsProcessorList
 
     from gspo_trl.rollout import stream_keys
+    from tests.test_decoding_dynamic import FavourEos
 
     tok = tiny_tokenizer
     args = episode_args(max_completion_length=60, max_turns=3)
@@ -301,10 +302,10 @@ def test_later_turns_reuse_the_turn_cache_or_shared_prefixes_and_play_the_same_e
 @pytest.mark.parametrize("precision", ["bf16 weights", "bf16 autocast"])
 def test_the_turn_cache_in_bf16(tiny_model, tiny_tokenizer, precision):
     # The GPU recipes: bf16 weights, or fp32 weights under bf16 autocast (the cache then holds bf16 keys/values).
-    from tests.test_decoding_dynamic import FavourEos
     from transformers import LogitsProcessorList
 
     from gspo_trl.rollout import stream_keys
+    from tests.test_decoding_dynamic import FavourEos
 
     tok = tiny_tokenizer
     model = tiny_model.to(torch.bfloat16) if precision == "bf16 weights" else tiny_model

@@ -5,8 +5,7 @@ processors `generate` would apply for the same sampling settings (HF's own class
 sampling by inverse CDF (one uniform per row instead of `torch.multinomial` over the whole vocabulary),
 and dropping the rows that have emitted EOS from the batch and the cache, so the remaining steps cost what
 the unfinished rows need. What it does not own: prompt rendering and the EOS/truncation masks of the result
-(`rollout.hf`), the prefill of shared prefixes (`prefix_sharing`), how a step's forward runs on CPU
-(`decode_forward`, `decode_linear`, `decode_attention`).
+(`rollout.hf`), the prefill of shared prefixes (`prefix_sharing`), how a step's forward runs on CPU (`cpu`).
 
 The uniforms come from the caller: `torch.rand` for ordinary sampling, or a pure function of each row's key
 and position (`rollout.keyed_uniform`) for sampling that does not depend on the batch layout. On request the
@@ -16,7 +15,6 @@ loop also records each sampled token's log-prob under the model, temperature-sca
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,10 +29,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from ..decode_attention import packed_gqa_decoding
-from ..decode_forward import StepForward
-from ..decode_linear import fast_decode_linears
 from ..positions import positions_from_mask
+from . import cpu
 from .kv_cache import cache_kwargs
 
 # GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram
@@ -181,7 +177,7 @@ class PreallocatedLayer(DynamicLayer):
 
     def advance(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`positions` more positions exposed (grown into if the buffers are full), not yet written: the caller
-        writes them (`keys[:, :, -positions:]`, as `decode_forward`'s steps do) before anything reads them. Returns
+        writes them (`keys[:, :, -positions:]`, as `cpu.forward`'s steps do) before anything reads them. Returns
         `keys`, `values`."""
         end = self.length + positions
         if end > self.key_buffer.shape[-2]:  # beyond `capacity` too if asked: grow like DynamicLayer would
@@ -300,7 +296,7 @@ def sample(
     history: torch.Tensor | None = None,
     keep_states: bool = False,
     logp_temperature: float | None = None,
-    timed_forms: bool = True,
+    cpu_kernels: cpu.CPUKernels | None = cpu.ALL,
 ) -> Decoded:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt row; returns the (N, C) completion ids,
     `pad_token_id` after a row's first EOS, C the longest completion, and with `logp_temperature` each sampled
@@ -313,8 +309,7 @@ def sample(
     that samples an EOS leaves the batch, its KV cache rows with it. With `keep_states`, the cache of each row
     that ended with an EOS is kept as its `RowState` (its prompt and completion, the EOS excepted: the EOS is
     sampled, never run through the model) and returned with the completions, None for rows without an EOS.
-    `timed_forms=False` keeps `F.linear` for every product instead of the form `decode_linear` timed fastest on this
-    machine (the two differ in the last bits, so timings that vary between runs could vary the samples).
+    `cpu_kernels`: the accelerations of the steps on CPU (`cpu.CPUKernels`; None: PyTorch's operators throughout).
     """
     n, prompt_length = prompt_ids.shape
     device = prompt_ids.device
@@ -332,9 +327,7 @@ def sample(
     logps = None if logp_temperature is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
     length = 0
-    linears = fast_decode_linears(model) if timed_forms else contextlib.nullcontext()
-    with linears, packed_gqa_decoding(model):
-        step_forward = StepForward.of(model, timed_forms)  # None: every step runs the model's own forward
+    with cpu.accelerate(model, cpu_kernels) as step_forward:  # None: every step runs the model's own forward
         for t in range(max_new_tokens):
             if t and step_forward is not None:
                 logits = step_forward(step_ids, attention, step_positions, cache)  # (n, V)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from ..decoding import dynamic, memory, static
+from ..decoding import cpu, dynamic, memory, static
 from ..decoding.kv_cache import cache_kwargs
 from ..decoding.prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
 from ..packing import padding_free_unsupported_reason
@@ -72,8 +72,9 @@ class HFGenerateBackend(RolloutBackend):
         self.cuda_graphs = args.decode_cuda_graphs
         self._static_refusal_logged = False
         self.max_decode_rows = args.decode_max_rows
-        # full_determinism: the same samples on every run, so no product form chosen by timing (decode_linear).
-        self.timed_forms = not args.full_determinism
+        # The dynamic loop's CPU accelerations (`cpu_decoding_kernels`, for the device the policy is on; None: none);
+        # full_determinism: the same samples on every run, so no choice by timing. Benchmarks set their own.
+        self.cpu_kernels = cpu.for_setting(args.cpu_decoding_kernels, model.device, args.full_determinism)
         self._slicing_logged = False
         # Prefill each prefix that rows share once (False: identical rows only), and continue an episode's row from
         # the KV cache of its previous turn (False: prefill it again); switches for benchmarks/episode_rollout.py.
@@ -227,7 +228,7 @@ class HFGenerateBackend(RolloutBackend):
             if not self._static_refusal_logged:
                 logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
                 self._static_refusal_logged = True
-        return dynamic.sample(model, ids, mask, cache=cache, timed_forms=self.timed_forms, **sampling), "dynamic"
+        return dynamic.sample(model, ids, mask, cache=cache, cpu_kernels=self.cpu_kernels, **sampling), "dynamic"
 
     def _uses_static_loop(self, device: torch.device) -> bool:
         # The static loop pays on a GPU only (CUDA graphs); tests run it on CPU by replacing this.

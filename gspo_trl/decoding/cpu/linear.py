@@ -14,7 +14,7 @@ for four, where a plain sum over as many bytes takes 12). Three forms of the sam
   (`PackedWeight`). With 4 to 64 rows, the steps most of a rollout takes, MKL's GEMM reads weights that are not in
   the CPU caches at 40-75% of the matmul peak; over SmolLM2-135M's layers the packed form took 29-35 ms for 16
   rows where `F.linear` took 59-79, and 81-93 for 64 rows against 124-162 (2-core EPYC, 2026-11-26).
-- `compiled`: `decode_kernel`'s C loop for one to eight rows, each weight row read once at about the memory
+- `compiled`: `kernel`'s C loop for one to eight rows, each weight row read once at about the memory
   bandwidth (the 30 blocks for one or two rows: 11-12 ms, against 16 transposed; where no C compiler is found, the
   other forms).
 
@@ -24,14 +24,14 @@ guessed: the first decoding loop of a model times the forms for each weight shap
 two measured ones takes the larger one's choice). All forms are IEEE fp32 products of the same numbers; they differ
 in summation order, by about 1e-6 relative, as `F.linear` itself differs between row counts. A timing can come out
 differently from one run to the next, so the trainer turns this off under `full_determinism`
-(`decoding.sample(timed_forms=False)`).
+(`CPUKernels.timed`).
 
 Owns `fast_decode_linears(model)`, the context the decoding loop runs its steps in, the per-process table of
 measured choices, and the products themselves (`transposed_linear`, with `OneRow` buffers for a caller that keeps
-them across steps, as `decode_forward` does; `PackedWeight`; `compiled_linear`). Applies only where it was measured
+them across steps, as `forward` does; `PackedWeight`; `compiled_linear`). Applies only where it was measured
 to matter: plain `nn.Linear` layers with fp32 weights on CPU, without autograd or autocast, up to `MAX_ROWS` rows.
-What it does not own: the decoding loop (`decoding.py`), the step's forward around the products
-(`decode_forward.py`), the compiled loop itself and its build (`decode_kernel.py`).
+What it does not own: the decoding loop (`decoding.dynamic`), the step's forward around the products
+(`forward.py`), the compiled loop itself and its build (`kernel.py`), which forms are on offer (`CPUKernels`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from . import decode_kernel
+from . import kernel
 
 logger = logging.get_logger(__name__)
 
@@ -60,13 +60,6 @@ MIN_WEIGHT_BYTES = 24 * 2**20
 MIN_SPEEDUP = 1.1
 # The row count oneDNN lays a packed weight out for (any count runs on it; this one is the largest measured).
 PACK_ROWS = MAX_ROWS
-
-# Switched off by benchmarks that time the plain form (A/B in one process).
-enabled = True
-# Switched off by benchmarks that time the two forms before the packed one (A/B in one process).
-packing = True
-# Switched off by benchmarks that time the forms before the compiled one (A/B in one process).
-compiling = True
 
 Choices = dict[tuple[int, int], dict[int, str]]  # weight shape (out, in) -> row count (1..MAX_ROWS) -> form
 
@@ -108,10 +101,13 @@ def packing_available() -> bool:
 
 
 @torch.no_grad()
-def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
+def measure_choices(
+    weights: list[torch.Tensor], repeats: int = 2, packing: bool = True, compiled: bool = True
+) -> Choices:
     """For each weight shape among `weights` and each row count from 1 to `MAX_ROWS`, the form to compute it in:
-    the fastest of `transposed`, `packed` (when oneDNN runs here) and `compiled` (up to its `MAX_LINEAR_ROWS`, when
-    `decode_kernel` is built here) if it is at least `MIN_SPEEDUP` times faster than `F.linear`, else `linear`.
+    the fastest of `transposed`, `packed` (with `packing`, when oneDNN runs here) and `compiled` (with `compiled`, up
+    to its `MAX_LINEAR_ROWS`, when `kernel` is built here) if it is at least `MIN_SPEEDUP` times faster than
+    `F.linear`, else `linear`.
     Timed at the row counts of `MEASURED_ROWS` on the weights themselves, in their order, as a decoding step reads
     them (from memory, not from cache): per row count, passes over all of them alternate between the forms, one
     untimed pass each, then the least of `repeats` timed passes per shape (about 5 s for SmolLM2-135M on 2 cores)."""
@@ -122,16 +118,14 @@ def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
     if packing and packing_available():
         packed = [PackedWeight(weight) for weight in weights]
         products[PACKED] = lambda index, x: packed[index].linear(x, None)
-    if compiling and decode_kernel.available():
-        products[COMPILED] = lambda index, x: decode_kernel.linear(x, weights[index], None)
+    if compiled and kernel.available():
+        products[COMPILED] = lambda index, x: kernel.linear(x, weights[index], None)
     shapes = {tuple(weight.shape) for weight in weights}
     measured: dict[tuple[int, int], dict[int, str]] = {shape: {} for shape in shapes}
     for rows in MEASURED_ROWS:
         inputs = {in_features: torch.full((rows, in_features), 0.5) for _, in_features in shapes}
         timed = {
-            form: product
-            for form, product in products.items()
-            if form != COMPILED or rows <= decode_kernel.MAX_LINEAR_ROWS
+            form: product for form, product in products.items() if form != COMPILED or rows <= kernel.MAX_LINEAR_ROWS
         }
         best = {form: dict.fromkeys(shapes, float("inf")) for form in timed}
         for repeat in range(repeats + 1):
@@ -153,8 +147,8 @@ def measure_choices(weights: list[torch.Tensor], repeats: int = 2) -> Choices:
     }
 
 
-# The choices measured in this process, by `packing` and the shapes of a model's linear layers in order (a snapshot
-# of the model shares those of the original).
+# The choices measured in this process, by the forms on offer and the shapes of a model's linear layers in order (a
+# snapshot of the model shares those of the original).
 _choices: dict[tuple, Choices] = {}
 _choices_lock = threading.Lock()
 
@@ -192,9 +186,8 @@ def transposed_linear(
 
 def compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x (rows, in) in the compiled form (x made contiguous: e.g. the last position
-    of a prefill); `F.linear` itself where the kernel does not take these tensors (the kernel switched off since the
-    choice was made, more rows than it computes)."""
-    out = decode_kernel.linear(x.contiguous(), weight, bias)
+    of a prefill); `F.linear` itself where the kernel does not take these tensors (more rows than it computes)."""
+    out = kernel.linear(x.contiguous(), weight, bias)
     return nn.functional.linear(x, weight, bias) if out is None else out
 
 
@@ -252,25 +245,27 @@ def _forward(layer: nn.Linear, by_rows: dict[int, str], packed: PackedWeight | N
 
 
 @contextlib.contextmanager
-def fast_decode_linears(model: nn.Module):
+def fast_decode_linears(model: nn.Module, packing: bool = True, compiled: bool = True):
     """While active, the fp32 CPU `nn.Linear` layers of `model` compute products of up to `MAX_ROWS` rows without
-    autograd in whichever form was measured fastest for that row count. Their forwards are restored, and the packed
+    autograd in whichever form was measured fastest for that row count, among `F.linear`, the transposed form, the
+    packed one (with `packing`) and the compiled one (with `compiled`). Their forwards are restored, and the packed
     copies of their weights dropped, on exit. Entered under CPU autocast (`bf16=True` on CPU), where every product is
     autocast's own, it leaves the layers alone: no measurement, no packed copies."""
     autocast = torch.is_autocast_enabled("cpu")
-    layers = [layer for layer in model.modules() if _applies(layer)] if enabled and not autocast else []
+    layers = [layer for layer in model.modules() if _applies(layer)] if not autocast else []
     if not layers or sum(layer.weight.numel() * 4 for layer in layers) < MIN_WEIGHT_BYTES:
         yield
         return
-    # The forms on offer are part of the key: a benchmark that switches the compiled one off (`compiling`, or
-    # `decode_kernel.enabled`) gets choices measured without it.
-    key = (packing, compiling and decode_kernel.available(), *(tuple(layer.weight.shape) for layer in layers))
+    # The forms on offer are part of the key: a loop without the compiled one (`CPUKernels.compiled`) gets choices
+    # measured without it.
+    compiled = compiled and kernel.available()
+    key = (packing, compiled, *(tuple(layer.weight.shape) for layer in layers))
     with _choices_lock:
         if key not in _choices:
             start = time.perf_counter()
-            _choices[key] = measure_choices([layer.weight for layer in layers])
+            _choices[key] = measure_choices([layer.weight for layer in layers], packing=packing, compiled=compiled)
             logger.info(
-                f"decode_linear: measured in {time.perf_counter() - start:.1f} s; the form of each row "
+                f"cpu.linear: measured in {time.perf_counter() - start:.1f} s; the form of each row "
                 "count, by weight shape: "
                 + "; ".join(f"{out}x{inp}: {describe_forms(by_rows)}" for (out, inp), by_rows in _choices[key].items())
             )

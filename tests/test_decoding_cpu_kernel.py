@@ -1,8 +1,9 @@
-"""gspo_trl.decode_kernel: the compiled attention of one-token decoding steps equals SDPA's within float rounding
+"""gspo_trl.decoding.cpu.kernel: the compiled attention of one-token decoding steps equals SDPA's within float rounding
 (shapes, strided cache views, masks, scores far apart), the compiled few-row product `F.linear`'s (row counts, widths,
 bias, one thread), and the rotary loop transformers' rotation bit for bit, written into the cache's slot; each leaves
-every other input to PyTorch; the library is built once per source and CPU,
-and where it cannot be built both fall back with a warning."""
+every other input to PyTorch; the library is built once per source and CPU into the user's cache, never loaded from
+a folder others can write, its threads PyTorch's OpenMP runtime as PyTorch and the compiler report it (one thread,
+said once, elsewhere); and where it cannot be built both fall back with a warning."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import os
 import shlex
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from gspo_trl import decode_attention, decode_kernel
+from gspo_trl.decoding.cpu import kernel as decode_kernel
+from gspo_trl.decoding.cpu.attention import SDPA, Attend, KernelChoice
 
 
 @pytest.fixture()
@@ -127,7 +130,7 @@ def test_products_are_the_same_on_any_thread_count_and_row_slot():
 
 @pytest.mark.parametrize(
     "case",
-    ["nine rows", "no rows", "bf16", "autograd", "row view", "weight view", "bias shape", "width mismatch", "disabled"],
+    ["nine rows", "no rows", "bf16", "autograd", "row view", "weight view", "bias shape", "width mismatch"],
 )
 def test_other_products_are_left_to_pytorch(case, monkeypatch):
     rows = {"nine rows": 9, "no rows": 0}.get(case, 2)
@@ -142,8 +145,6 @@ def test_other_products_are_left_to_pytorch(case, monkeypatch):
         bias = torch.randn(1, 24)
     if case == "width mismatch":
         x = torch.randn(2, 17)
-    if case == "disabled":
-        monkeypatch.setattr(decode_kernel, "enabled", False)
     with torch.set_grad_enabled(case == "autograd"):
         assert decode_kernel.linear(x, weight, bias) is None
         if case == "nine rows":  # also where the caller vouched for the tensors: the kernel writes nothing
@@ -174,7 +175,7 @@ def test_rotary_is_transformers_rotation_bit_for_bit_into_the_cache(rows, heads,
     assert not keys[:, :, :7].any() and not keys[:, :, 8:].any() and not values[:, :, 8:].any()  # only the slot
 
 
-@pytest.mark.parametrize("case", ["odd head_dim", "bf16", "autograd", "query view", "slot mismatch", "disabled"])
+@pytest.mark.parametrize("case", ["odd head_dim", "bf16", "autograd", "query view", "slot mismatch"])
 def test_other_rotary_inputs_are_left_to_pytorch(case, monkeypatch):
     query, key, value, cos, sin = rotary_inputs(2, 4, 2, 7 if case == "odd head_dim" else 8)
     keys = torch.zeros(2, 2, 5, query.shape[-1])
@@ -183,8 +184,6 @@ def test_other_rotary_inputs_are_left_to_pytorch(case, monkeypatch):
         query = query.to(torch.bfloat16)
     if case == "query view":
         query = torch.randn(2, 8, 4).transpose(1, 2)
-    if case == "disabled":
-        monkeypatch.setattr(decode_kernel, "enabled", False)
     with torch.set_grad_enabled(case == "autograd"):
         assert not decode_kernel.rotary(
             query, key, value, cos, sin, torch.empty(query.shape), keys[:, :, 1], values[:, :, 1]
@@ -193,7 +192,7 @@ def test_other_rotary_inputs_are_left_to_pytorch(case, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "case", ["bf16", "autograd", "query view", "float mask", "per-head mask", "head_dim 512", "group 32", "disabled"]
+    "case", ["bf16", "autograd", "query view", "float mask", "per-head mask", "head_dim 512", "group 32", "not chosen"]
 )
 def test_other_inputs_are_left_to_sdpa(case, monkeypatch):
     group, head_dim = (32 if case == "group 32" else 3), (512 if case == "head_dim 512" else 64)
@@ -207,11 +206,19 @@ def test_other_inputs_are_left_to_sdpa(case, monkeypatch):
         mask = torch.zeros(2, 1, 1, 20)
     if case == "per-head mask":
         mask = torch.ones(2, 2, 1, 20, dtype=torch.bool)
-    if case == "disabled":
-        monkeypatch.setattr(decode_kernel, "enabled", False)
+    attend = Attend(KernelChoice.everywhere())
+    if case == "not chosen":  # tensors the kernel takes, where SDPA was timed faster or the kernels are off
+        calls = []
+        monkeypatch.setattr(decode_kernel, "attention", lambda *args: calls.append(args))
+        attend = Attend(KernelChoice({(rows, positions): False for rows in (1, 8) for positions in (256, 2048)}))
+        for other in (attend, SDPA):
+            with torch.no_grad():
+                assert torch.equal(other(query, keys, values, mask, 0.125), sdpa(query, keys, values, mask, 0.125))
+        assert not calls
+        return
     with torch.set_grad_enabled(case == "autograd"):
         assert decode_kernel.attention(query, keys, values, mask, 0.125) is None
-        out = decode_attention.attend(query, keys, values, mask, 0.125)  # SDPA's own result
+        out = attend(query, keys, values, mask, 0.125)  # SDPA's own result
         assert torch.equal(out, sdpa(query, keys, values, mask, 0.125))
 
 
@@ -255,20 +262,20 @@ def test_without_a_working_compiler_steps_use_sdpa_after_one_warning(fresh_kerne
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = transformers.utils.logging.get_logger("gspo_trl.decode_kernel")
+    logger = transformers.utils.logging.get_logger("gspo_trl.decoding.cpu.kernel")
     logger.addHandler(handler)
     try:
         query, keys, values = step_inputs(1, 3, 3, 64, 50)
         with torch.no_grad():
             assert decode_kernel.attention(query, keys, values, None, 0.125) is None
             assert decode_kernel.attention(query, keys, values, None, 0.125) is None
-            out = decode_attention.attend(query, keys, values, None, 0.125)
+            out = Attend(KernelChoice.everywhere())(query, keys, values, None, 0.125)
             assert decode_kernel.linear(torch.randn(1, 8), torch.randn(4, 8), None) is None
     finally:
         logger.removeHandler(handler)
     assert torch.equal(out, sdpa(query, keys, values, None, 0.125))
     warnings = [record.getMessage() for record in records if record.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "SDPA" in warnings[0] and "GSPO_TRL_DECODE_KERNEL=0" in warnings[0]
+    assert len(warnings) == 1 and "SDPA" in warnings[0] and "cpu_decoding_kernels='off'" in warnings[0]
     assert ("no C compiler" in warnings[0]) == (compiler != "false")
 
 
@@ -315,3 +322,67 @@ def test_a_cache_others_can_write_to_is_not_loaded_from(fresh_kernel, tmp_path, 
     with pytest.raises(RuntimeError, match="writable by other users"):
         decode_kernel._build()
     assert not decode_kernel.available()  # the kernels stay off; the caller falls back to PyTorch's operators
+
+
+def test_openmp_is_pytorchs_runtime_as_pytorch_and_the_compiler_report_it():
+    """This PyTorch reports OpenMP, and the runtime the kernels link is the one it loaded (a path among the files
+    the process maps, whatever its name or folder), linked by that path and found there at load time."""
+    assert torch.backends.openmp.is_available()
+    runtime, reason = decode_kernel.openmp_runtime()
+    assert reason is None and runtime.exists()
+    maps = open("/proc/self/maps").read()
+    assert str(runtime) in maps
+    assert decode_kernel.compiler_takes_openmp(tuple(shlex.split(os.environ.get("CC", "cc"))))
+    *compiles, link = decode_kernel.compile_commands(Path("build"), Path("lib.so"))
+    assert all("-fopenmp" in command for command in compiles)
+    assert str(runtime) in link and f"-Wl,-rpath,{runtime.parent}" in link and "-fopenmp" not in link
+
+
+@pytest.mark.parametrize("missing", ["pytorch", "backend", "compiler"])
+def test_without_openmp_the_kernels_run_on_one_thread_said_once(fresh_kernel, monkeypatch, missing):
+    """Where PyTorch reports no OpenMP (or another parallel backend), or the compiler takes no -fopenmp, the kernels
+    are built without threads (-fopenmp-simd, no runtime linked) and a warning says so once; they still compute."""
+    decode_kernel._openmp.cache_clear()
+    if missing == "pytorch":
+        monkeypatch.setattr(torch.backends.openmp, "is_available", lambda: False)
+    elif missing == "backend":
+        monkeypatch.setattr(torch.__config__, "parallel_info", lambda: "ATen parallel backend: native thread pool")
+    else:
+        monkeypatch.setattr(decode_kernel, "compiler_takes_openmp", lambda compiler: False)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = transformers.utils.logging.get_logger("gspo_trl.decoding.cpu.kernel")
+    logger.addHandler(handler)
+    try:
+        *compiles, link = decode_kernel.compile_commands(Path("build"), Path("lib.so"))
+        assert all("-fopenmp-simd" in command and "-fopenmp" not in command for command in compiles)
+        assert not any("omp" in word for word in link)
+        assert decode_kernel.available() and decode_kernel.available()
+        query, keys, values = step_inputs(2, 3, 3, 64, 300)
+        with torch.no_grad():
+            got = decode_kernel.attention(query, keys, values, None, 0.125)
+        torch.testing.assert_close(got, sdpa(query, keys, values, None, 0.125), rtol=1e-5, atol=2e-6)
+    finally:
+        logger.removeHandler(handler)
+        decode_kernel._openmp.cache_clear()
+    warnings = [record.getMessage() for record in records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "one thread" in warnings[0]
+    assert ("compiler" in warnings[0]) == (missing == "compiler")
+
+
+def test_the_build_is_named_by_a_hash_of_sources_flags_and_cpu(fresh_kernel, tmp_path, monkeypatch):
+    """Each user's cache (GSPO_TRL_CACHE, else ~/.cache/gspo-trl) holds one build per content hash: other flags (here:
+    no OpenMP) get another library, the folder is the user's own and closed to others."""
+    assert decode_kernel.available()
+    folder = tmp_path / "kernels"
+    assert folder.stat().st_uid == os.getuid() and not folder.stat().st_mode & 0o077
+    first = {path.name for path in folder.glob("decode_kernels-*.so")}
+    decode_kernel._openmp.cache_clear()
+    monkeypatch.setattr(decode_kernel, "compiler_takes_openmp", lambda compiler: False)
+    try:
+        decode_kernel._build()
+    finally:
+        decode_kernel._openmp.cache_clear()
+    second = {path.name for path in folder.glob("decode_kernels-*.so")}
+    assert len(first) == 1 and len(second) == 2 and first < second

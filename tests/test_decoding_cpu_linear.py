@@ -1,6 +1,6 @@
-"""gspo_trl.decode_linear: the transposed, packed and compiled products equal `F.linear`, the measured choice, and the
-context that swaps the forwards of a model's linear layers in and out (also around a whole decoding loop, and its
-opt-out under `full_determinism`)."""
+"""gspo_trl.decoding.cpu.linear: the transposed, packed and compiled products equal `F.linear`, the measured choice,
+and the context that swaps the forwards of a model's linear layers in and out (also around a whole decoding loop,
+and its opt-out under `full_determinism`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import torch
 from helpers import count_digits, force_choices, sampler_with_rows_ending_apart, small_config, text_dataset
 from torch import nn
 
-from gspo_trl import GSPOTrainer, decode_kernel, decode_linear
-from gspo_trl.decode_linear import (
+from gspo_trl import GSPOTrainer
+from gspo_trl.decoding.cpu import attention as decode_attention
+from gspo_trl.decoding.cpu import kernel as decode_kernel
+from gspo_trl.decoding.cpu import linear as decode_linear
+from gspo_trl.decoding.cpu.attention import KernelChoice
+from gspo_trl.decoding.cpu.linear import (
     COMPILED,
     LINEAR,
     MAX_ROWS,
@@ -186,17 +190,18 @@ def test_choices_are_measured_once_per_model_shape(monkeypatch):
 
 
 def test_choices_without_the_compiled_form_are_measured_apart(monkeypatch):
-    """A benchmark that switches the kernels off (`decode_kernel.enabled`, as `decoding.py --loops gspo_sdpa` does)
+    """A loop without the compiled kernels (`CPUKernels(compiled=False)`, as `decoding.py --loops gspo_sdpa` runs)
     must not reuse choices that name the compiled form: they are measured again without it."""
     calls = []
     force_choices(monkeypatch, TRANSPOSED, calls)
     layer = nn.Linear(8, 4)
     with fast_decode_linears(layer):
         pass
-    monkeypatch.setattr(decode_kernel, "enabled", False)
-    with fast_decode_linears(layer):
+    with fast_decode_linears(layer, compiled=False):
         pass
-    assert calls == [[(4, 8)], [(4, 8)]]
+    with fast_decode_linears(layer, packing=False, compiled=False):  # and without the packed one
+        pass
+    assert calls == [[(4, 8)], [(4, 8)], [(4, 8)]]
 
 
 @pytest.mark.parametrize("form", [TRANSPOSED, PACKED, COMPILED])
@@ -253,11 +258,20 @@ def test_full_determinism_keeps_f_linear_in_the_rollouts(
     tmp_path, tiny_model_dir, monkeypatch, full_determinism, determinism_flags_restored
 ):
     """The forms are chosen by timing, which can differ between runs and flip the last bits of a logit, hence a
-    sample: with `full_determinism` the trainer's rollouts take `F.linear` throughout (and still train)."""
+    sample: with `full_determinism` the trainer's rollouts take `F.linear` throughout (and still train), and the
+    attention kernel is not timed against SDPA either."""
     force_choices(monkeypatch, PACKED)
     calls = counting(monkeypatch, PACKED)
+    timed_attention = []
+    monkeypatch.setattr(decode_attention, "_choices", {})
+    monkeypatch.setattr(
+        decode_attention,
+        "measure_kernel_choice",
+        lambda *shape, **kwargs: timed_attention.append(shape) or KernelChoice.everywhere(),
+    )
     config = small_config(tmp_path, max_steps=1, steps_per_generation=1, full_determinism=full_determinism)  # 4 rows
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.train()
     assert trainer.state.global_step == 1
     assert bool(calls) is not full_determinism
+    assert bool(timed_attention) is not full_determinism

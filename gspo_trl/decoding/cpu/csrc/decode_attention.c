@@ -1,5 +1,5 @@
 /* Attention of one decoding step on CPU: one query token per row over its KV cache, the query heads of each
- * key/value head together, in fp32. Built and called by gspo_trl/decode_kernel.py.
+ * key/value head together, in fp32. Built and called by gspo_trl/decoding/cpu/kernel.py.
  *
  * A step near the end of a long rollout is a few rows over thousands of cached positions. PyTorch's CPU SDPA reads
  * such a cache at 10-16 GB/s on a 2-core EPYC; this loop reads it at 25-28 GB/s, near the memory bandwidth. Work is

@@ -1,5 +1,5 @@
 /* The product x @ weightᵀ (+ bias) of a decoding step on CPU for one to eight rows, in fp32. Built and called by
- * gspo_trl/decode_kernel.py; decode_linear.py measures it against its other forms and takes it where it is faster.
+ * gspo_trl/decoding/cpu/kernel.py; linear.py measures it against its other forms and takes it where it is faster.
  *
  * At the end of a rollout a step multiplies every weight matrix by one to a few rows, so it should run at the
  * memory bandwidth. On a 2-core EPYC MKL reads such a product's weights at a third of it (F.linear) or two thirds

@@ -1,5 +1,5 @@
-"""gspo_trl.decode_forward: a decoding step's logits equal transformers' forward bit for bit (Llama, Mistral, Qwen2,
-Qwen3; with and without padding, each of `decode_linear`'s product forms, one to nine rows, and the real SmolLM2 with
+"""gspo_trl.decoding.cpu.forward: a decoding step's logits equal transformers' forward bit for bit (Llama, Mistral,
+Qwen2, Qwen3; with and without padding, each of `linear`'s product forms, one to nine rows, and the real SmolLM2 with
 the forms measured here); the decoding loop runs its steps with it and samples what it samples without; the models
 and settings it leaves to their own forward."""
 
@@ -12,10 +12,11 @@ import torch
 from helpers import force_choices, sampler_with_rows_ending_apart
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from gspo_trl import decode_forward
-from gspo_trl.decode_attention import packed_gqa_decoding
-from gspo_trl.decode_forward import StepForward
-from gspo_trl.decode_linear import COMPILED, LINEAR, PACKED, TRANSPOSED, fast_decode_linears
+from gspo_trl.decoding import cpu
+from gspo_trl.decoding.cpu import CPUKernels
+from gspo_trl.decoding.cpu.attention import SDPA
+from gspo_trl.decoding.cpu.forward import StepForward
+from gspo_trl.decoding.cpu.linear import COMPILED, LINEAR, PACKED, TRANSPOSED
 from gspo_trl.decoding.dynamic import PreallocatedLayer, preallocate
 from gspo_trl.decoding.kv_cache import cache_kwargs
 
@@ -62,9 +63,8 @@ def both_steps(model, rows: int, length: int, padded: bool):
     the loop's contexts; and the two caches after the step."""
     cache, token, mask, positions = prefilled(model, rows, length, padded)
     theirs, ours = cache, copy.deepcopy(cache)
-    with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
-        step = StepForward.of(model)
-        assert step is not None and step.fused_rotary  # the rotary embedding and cache write in decode_kernel
+    with torch.no_grad(), cpu.accelerate(model, cpu.ALL) as step:
+        assert step is not None and step.fused_rotary  # the rotary embedding and cache write in the compiled kernel
         expected = model(
             input_ids=token,
             attention_mask=mask,
@@ -82,7 +82,7 @@ def both_steps(model, rows: int, length: int, padded: bool):
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rows,padded", [(1, False), (2, True), (5, True), (9, False)])
 def test_a_step_equals_transformers_forward_bit_for_bit(architecture, form, rows, padded, monkeypatch):
-    force_choices(monkeypatch, form)  # every product in one of `decode_linear`'s forms
+    force_choices(monkeypatch, form)  # every product in one of `linear`'s forms
     model = tiny(architecture)
     expected, got, theirs, ours = both_steps(model, rows, 23, padded)
     assert got.shape == (rows, model.config.vocab_size)
@@ -100,8 +100,7 @@ def test_repeated_one_row_steps_keep_each_layers_output(monkeypatch, form):
     model = tiny("llama")
     cache, token, mask, positions = prefilled(model, 1, 9, False, room=1)
     theirs, ours = cache, copy.deepcopy(cache)
-    with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
-        step = StepForward.of(model)
+    with torch.no_grad(), cpu.accelerate(model, cpu.ALL) as step:
         for _ in range(3):
             expected = model(
                 input_ids=token,
@@ -121,7 +120,7 @@ def test_repeated_one_row_steps_keep_each_layers_output(monkeypatch, form):
 
 
 def test_another_rotary_embedding_is_left_to_the_models_function(monkeypatch):
-    """`decode_kernel.rotary` is the plain rotation of every dimension; a model module whose `apply_rotary_pos_emb`
+    """`kernel.rotary` is the plain rotation of every dimension; a model module whose `apply_rotary_pos_emb`
     computes something else (here: only the first half of each head rotated) keeps its own function, bit for bit."""
     import transformers.models.llama.modeling_llama as llama
 
@@ -139,8 +138,7 @@ def test_another_rotary_embedding_is_left_to_the_models_function(monkeypatch):
     model = tiny("llama")
     cache, token, mask, positions = prefilled(model, 2, 9, True)
     theirs, ours = cache, copy.deepcopy(cache)
-    with torch.no_grad(), fast_decode_linears(model), packed_gqa_decoding(model):
-        step = StepForward.of(model)
+    with torch.no_grad(), cpu.accelerate(model, cpu.ALL) as step:
         assert not step.fused_rotary
         expected = model(
             input_ids=token,
@@ -168,9 +166,8 @@ def test_the_loop_steps_with_it_and_samples_what_it_samples_without(tiny_model, 
     )
     ours = run()
     assert min(rows_per_step) == 1 and max(rows_per_step) >= 3  # after the prefill step: several rows, then one
-    monkeypatch.setattr(decode_forward, "enabled", False)
     calls = len(rows_per_step)
-    theirs = run()
+    theirs = run(CPUKernels(step_forward=False))
     assert len(rows_per_step) == calls  # transformers' forward throughout
     assert torch.equal(ours.completion_ids, theirs.completion_ids)
     assert torch.equal(ours.logps, theirs.logps)
@@ -178,7 +175,7 @@ def test_the_loop_steps_with_it_and_samples_what_it_samples_without(tiny_model, 
 
 @pytest.mark.slow  # the real SmolLM2
 def test_the_real_model_with_the_forms_measured_on_this_machine():
-    """SmolLM2-135M-Instruct, whose 425 MB of weights `decode_linear` times on this machine: 1 to 32 rows over a
+    """SmolLM2-135M-Instruct, whose 425 MB of weights `linear` times on this machine: 1 to 32 rows over a
     40-position cache."""
     from gspo_trl.default_model import default_model_path
 
@@ -200,7 +197,7 @@ def lora(model):
 @pytest.mark.parametrize("wrapped", [True, False])  # the PEFT model, or the transformers model holding its layers
 @pytest.mark.parametrize("form", FORMS)
 def test_a_lora_model_steps_like_its_own_forward(wrapped, form, monkeypatch):
-    """The step calls the LoRA layers themselves (their base layers in `decode_linear`'s form): the same logits as
+    """The step calls the LoRA layers themselves (their base layers in `linear`'s form): the same logits as
     the PEFT model's forward, bit for bit, and not the base model's."""
     force_choices(monkeypatch, form)
     model = lora(tiny("llama"))
@@ -242,9 +239,7 @@ def test_models_and_settings_it_leaves_to_their_own_forward(case, monkeypatch):
         "mistral's window": dict(sliding_window=16),
     }
     model = tiny(architecture, **overrides.get(case, {}))
-    if case == "disabled":
-        monkeypatch.setattr(decode_forward, "enabled", False)
-    elif case == "lora's hook":
+    if case == "lora's hook":
         model = lora(model)
         model.base_model.model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda module, args: None)
     elif case == "bf16":
@@ -258,9 +253,9 @@ def test_models_and_settings_it_leaves_to_their_own_forward(case, monkeypatch):
         layer.forward = layer.forward
     grad = torch.enable_grad() if case == "autograd" else torch.no_grad()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast")
-    attention = packed_gqa_decoding(model) if case != "no packed heads" else torch.no_grad()
-    with grad, autocast, attention:
-        assert StepForward.of(model) is None
+    kernels = {"disabled": CPUKernels(step_forward=False), "no packed heads": CPUKernels(packed_attention=False)}
+    with grad, autocast, cpu.accelerate(model, kernels.get(case, cpu.ALL)) as step:
+        assert step is None
 
 
 def test_gradient_checkpointings_hook_on_the_embeddings_runs_as_in_transformers_forward(monkeypatch):
@@ -281,6 +276,6 @@ def test_a_plain_model_qualifies():
     """The counterpart of the cases above: the same tiny models, as the loop runs them."""
     for architecture in ("llama", "mistral", "qwen2", "qwen3"):
         model = tiny(architecture)
-        with torch.no_grad(), packed_gqa_decoding(model):
-            assert StepForward.of(model) is not None
-        assert StepForward.of(model) is None  # outside the loop's no-autograd, packed-heads context
+        with torch.no_grad(), cpu.accelerate(model, cpu.ALL) as step:
+            assert step is not None
+        assert StepForward.of(model, SDPA) is None  # outside the loop's no-autograd, packed-heads context

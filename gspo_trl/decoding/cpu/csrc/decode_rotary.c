@@ -1,5 +1,5 @@
 /* The rotary position embedding of one decoding step on CPU and the step's write into the KV cache, in fp32. Built
- * and called by gspo_trl/decode_kernel.py for decode_forward's steps.
+ * and called by gspo_trl/decoding/cpu/kernel.py for forward.py's steps.
  *
  * transformers' apply_rotary_pos_emb computes q * cos + rotate_half(q) * sin for the query and the key: about 16
  * small PyTorch operators per layer, then two copies into the cache, a tenth of a one-row step on a 2-core EPYC.

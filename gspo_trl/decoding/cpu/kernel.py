@@ -5,23 +5,25 @@ product of a weight with one to eight rows (`csrc/decode_linear.c`), and the rot
 PyTorch's CPU SDPA reads a decoding step's KV cache at 10-16 GB/s on the 2-core EPYC, where its memory gives about
 30, and MKL reads the weights of a one- or two-row product at two thirds of that at best: at the end of a long
 rollout, where a few rows decode alone, both are far from the hardware. The C loops read near the memory bandwidth
-(docs/design/performance.md); the
-rotary loop replaces some 18 small operators per layer with one call. They are compiled once per machine with the
-C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`), into one library in gspo-trl's cache
-folder (builds no process has loaded for `UNUSED_DAYS` are removed when a new one is built), and loaded with ctypes;
-their threads are PyTorch's own OpenMP threads where PyTorch ships its OpenMP
-runtime. Without a compiler, or where the build fails, `attention()`, `linear()` and
-`rotary()` return None (False) once a warning has said why, and the caller keeps PyTorch's operators.
-`GSPO_TRL_DECODE_KERNEL=0` switches them off.
+(docs/design/performance.md); the rotary loop replaces some 18 small operators per layer with one call. They are
+compiled once per machine with the C compiler that is there (`$CC`, else `cc`), for that CPU (`-march=native`), into
+one library in the user's gspo-trl cache folder, named by a hash of the sources, the compiler calls and the CPU
+(builds no process has loaded for `UNUSED_DAYS` are removed when a new one is built), and loaded with ctypes, never
+from a folder or file another user can write. Their threads are PyTorch's own OpenMP threads: the library links the
+OpenMP runtime PyTorch loaded, where PyTorch reports OpenMP and the compiler takes `-fopenmp`; elsewhere they run on
+one thread, which a warning says once. Without a compiler, or where the build fails, `available()` is False once a
+warning has said why, and the callers keep PyTorch's operators.
 
-Owns building, loading and calling the kernels. What it does not own: when a step may use them (`decode_attention`
-for the attention; `decode_linear`, which measures the product against its other forms; `decode_forward`, which
-checks the rotary loop against the model's own function before it uses it).
+Owns building, loading and calling the kernels. What it does not own: whether a decoding loop uses them
+(`CPUKernels.compiled`, from `GSPOConfig.cpu_decoding_kernels`) and when a step may (`attention`, which times the
+kernel against SDPA; `linear`, which times the product against its other forms; `forward`, which checks the rotary
+loop against the model's own function before it uses it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from .default_model import cache_root
+from ...default_model import cache_root
 
 logger = logging.get_logger(__name__)
 
@@ -50,9 +52,6 @@ MAX_LINEAR_ROWS = 8  # decode_linear.c's row counts: 1 to 8
 SOURCE_FLAGS = {"decode_attention.c": ["-fassociative-math"], "decode_rotary.c": ["-ffp-contract=off"]}
 CHUNK = 256  # positions per work item: one row of 4,000 positions is 16 items per key/value head
 
-# Switched off by benchmarks that time SDPA (A/B in one process) and by GSPO_TRL_DECODE_KERNEL=0.
-enabled = os.environ.get("GSPO_TRL_DECODE_KERNEL", "1") != "0"
-
 _library: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
@@ -65,7 +64,7 @@ def attention(
     positions, head_dim), with `mask` None or a boolean (rows, 1, 1, positions) where True attends: SDPA's result
     within float rounding. None where the kernel is not built or the tensors are not what it reads (fp32 on CPU,
     contiguous heads), and the caller computes it."""
-    if not enabled or not applies(query, keys, values, mask):
+    if not applies(query, keys, values, mask):
         return None
     library = _load()
     if library is None:
@@ -142,7 +141,7 @@ def linear(
     kernel is built (a decoding step's own rows and weights, about 4 µs of checks less per product)."""
     library = _library if checked else None
     if library is None:
-        if not enabled or not linear_applies(x, weight, bias):
+        if not linear_applies(x, weight, bias):
             return None
         library = _load()
         if library is None:
@@ -196,8 +195,7 @@ def rotary(
     kv_heads = key.shape[1]
     tensors = (query, key, value, cos, sin, query_out, key_slot, value_slot)
     if (
-        not enabled
-        or head_dim % 2
+        head_dim % 2
         or key.shape != (rows, kv_heads, head_dim)
         or value.shape != key.shape
         or cos.shape != (rows, head_dim)
@@ -223,7 +221,7 @@ def rotary(
 
 def available() -> bool:
     """Whether the kernel is built and loaded here (building it on the first call)."""
-    return enabled and _load() is not None
+    return _load() is not None
 
 
 def _load() -> ctypes.CDLL | None:
@@ -238,8 +236,12 @@ def _load() -> ctypes.CDLL | None:
                 logger.warning(
                     f"gspo-trl's decoding kernels are not available ({error}); decoding steps use "
                     "PyTorch's SDPA and products. Install a C compiler (e.g. gcc) for them, or set "
-                    "GSPO_TRL_DECODE_KERNEL=0 to silence this."
+                    "cpu_decoding_kernels='off' to silence this."
                 )
+            else:
+                one_thread = _openmp(tuple(_compiler()))[1]
+                if one_thread is not None:
+                    logger.warning(f"gspo-trl's decoding kernels run on one thread: {one_thread}.")
             _tried = True
     return _library
 
@@ -274,33 +276,90 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC", "cc"))
+
+
 def compile_commands(folder: Path, target: Path) -> list[list[str]]:
     """The compiler calls: each source into an object in `folder`, then the objects into the library `target`.
     `-march=native` (this CPU's vector units); the attention's sums reassociated into vector lanes (1.4x the speed
     of in-order sums here), the product's kept in its lanes' order (as fast, and a row's result then does not depend
     on the rows beside it), the rotary embedding's without fused multiply-adds (PyTorch's rounding); OpenMP threads
-    from PyTorch's own runtime where it ships one (a second OpenMP runtime in the process would spin threads against
-    PyTorch's), else one thread."""
-    compiler = shlex.split(os.environ.get("CC", "cc"))
+    from the runtime PyTorch loaded, linked by its path (a second OpenMP runtime in the process would spin threads
+    against PyTorch's), else one thread (`openmp_runtime`)."""
+    compiler = _compiler()
     # Not -ffast-math: its startup code would set flush-to-zero for the whole process.
     flags = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fPIC"]
-    torch_lib = Path(torch.__file__).parent / "lib"
-    openmp = (torch_lib / "libgomp.so.1").exists()
-    flags.append("-fopenmp" if openmp else "-fopenmp-simd")
+    runtime, _ = _openmp(tuple(compiler))
+    flags.append("-fopenmp" if runtime is not None else "-fopenmp-simd")
     objects = [folder / f"{source.stem}.o" for source in SOURCES]
     commands = [
         [*compiler, *flags, *SOURCE_FLAGS.get(source.name, []), "-c", str(source), "-o", str(built)]
         for source, built in zip(SOURCES, objects)
     ]
     link = [*compiler, "-shared", *map(str, objects), "-o", str(target)]
-    if openmp:
-        link += ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lgomp"]
+    if runtime is not None:  # not -fopenmp here: the compiler would add its own runtime
+        link += [str(runtime), f"-Wl,-rpath,{runtime.parent}"]
     return [*commands, link]
+
+
+OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")  # GNU's, Intel's, LLVM's (the last two take GNU's calls too)
+
+
+def openmp_runtime() -> tuple[Path | None, str | None]:
+    """The OpenMP runtime PyTorch runs its own threads on, as a path to link the kernels against, and None or why
+    there is none: PyTorch must report OpenMP (`torch.backends.openmp.is_available()` and "parallel backend: OpenMP"
+    in `torch.__config__.parallel_info()`), and the runtime it loaded is the one among the files this process maps
+    (`/proc/self/maps`, Linux)."""
+    if not torch.backends.openmp.is_available():
+        return None, "this PyTorch build has no OpenMP"
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None, "PyTorch's parallel backend is not OpenMP"
+    try:
+        with open("/proc/self/maps") as maps:
+            mapped = {line.split(maxsplit=5)[5].strip() for line in maps if len(line.split(maxsplit=5)) == 6}
+    except OSError:
+        return None, "the OpenMP runtime PyTorch loaded is not found (no /proc/self/maps)"
+    runtimes = sorted(Path(name) for name in mapped if Path(name).name.split(".so")[0].split("-")[0] in OPENMP_RUNTIMES)
+    if len(runtimes) > 1:  # another library brought its own: PyTorch's is the one shipped beside it, if any
+        torch_folder = Path(torch.__file__).parent.parent
+        runtimes = [runtime for runtime in runtimes if runtime.is_relative_to(torch_folder)]
+    if len(runtimes) != 1:
+        return None, f"not one OpenMP runtime PyTorch loaded among this process's libraries: {runtimes}"
+    return runtimes[0], None
+
+
+def compiler_takes_openmp(compiler: tuple[str, ...]) -> bool:
+    """Whether `compiler` compiles an OpenMP loop with `-fopenmp` (Apple's clang, for one, does not)."""
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "probe.c"
+        source.write_text(
+            "int probe(int n) {\n    int sum = 0;\n#pragma omp parallel for reduction(+ : sum)\n"
+            "    for (int i = 0; i < n; i++) sum += i;\n    return sum;\n}\n"
+        )
+        try:
+            completed = subprocess.run(
+                [*compiler, "-fopenmp", "-fPIC", "-c", str(source), "-o", str(source.with_suffix(".o"))],
+                capture_output=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return completed.returncode == 0
+
+
+@functools.cache
+def _openmp(compiler: tuple[str, ...]) -> tuple[Path | None, str | None]:
+    """`openmp_runtime()` where `compiler` takes `-fopenmp`, else None and why (checked once per compiler)."""
+    runtime, reason = openmp_runtime()
+    if runtime is not None and not compiler_takes_openmp(compiler):
+        return None, f"the C compiler {' '.join(compiler)!r} does not compile OpenMP (-fopenmp)"
+    return runtime, reason
 
 
 def _build() -> Path:
     """The compiled library in the cache, built if these sources, compiler calls and CPU have none yet."""
-    compiler = shlex.split(os.environ.get("CC", "cc"))[0]
+    compiler = _compiler()[0]
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     sources = b"".join(source.read_bytes() for source in SOURCES)

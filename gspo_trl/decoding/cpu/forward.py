@@ -4,24 +4,24 @@ transformers' per-module glue.
 Near the end of a rollout a few rows decode alone for thousands of steps. A step of SmolLM2-135M reads 540 MB of
 weights in its 211 products, about 17 ms at the memory bandwidth of the 2-core EPYC, and transformers' forward
 spent another 8 ms or so in the small operators and Python around them: module calls, the attention interface's
-dispatch, the mask built again each step, `decode_linear`'s checks and allocations per product. `StepForward`
+dispatch, the mask built again each step, `linear`'s checks and allocations per product. `StepForward`
 runs the same computation with the model's own modules and weights (embedding, norms, rotary embedding,
-activation), `decode_attention`'s packed attention call and the product form `decode_linear` chose for each weight
+activation), `attention`'s packed attention call and the product form `linear` chose for each weight
 and row count, in the same order, so its logits equal transformers' forward bit for bit
-(`tests/test_decode_forward.py`: with and without padding, one to nine rows, each product form, and the real
+(`tests/test_decoding_cpu_forward.py`: with and without padding, one to nine rows, each product form, and the real
 SmolLM2 with the forms measured on the machine running the tests). The rotation of the query and key and their
 write into the cache, about 18 small operators per layer in the model's `apply_rotary_pos_emb` and the cache's
-`update`, are one call of `decode_kernel.rotary`, the same arithmetic rounded the same way; it is checked against
-the model's own function, bit for bit, when a `StepForward` is built, and where it differs (or is not built) the
-step calls the model's function and the cache's `update`.
+`update`, are one call of `kernel.rotary` (with the compiled kernels on), the same arithmetic rounded the same way;
+it is checked against the model's own function, bit for bit, when a `StepForward` is built, and where it differs
+(or is not built) the step calls the model's function and the cache's `update`.
 
 Applies only where that equality was checked: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` and
 `Qwen3ForCausalLM` built from transformers' own modules, full attention in every layer (no sliding window), fp32
 weights on CPU, plain `nn.Linear` projections or PEFT's LoRA layers over them (the step calls those, so their own
 forward runs), no hooks or replaced forwards on the modules the step does not call (accelerate's offloading,
-ZeRO-3), `decode_attention`'s packed attention in effect, no autograd or autocast, and the loop's preallocated
-cache. Anything else takes the model's own forward. Owns `StepForward`; the decoding loop (`decoding.py`) decides
-when to call it.
+ZeRO-3), `attention`'s packed attention in effect, no autograd or autocast, and the loop's preallocated
+cache. Anything else takes the model's own forward. Owns `StepForward`; the decoding loop (`decoding.dynamic`)
+decides when to call it, and `CPUKernels.step_forward` whether it may.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ import sys
 import torch
 from torch import nn
 
-from gspo_trl import decode_attention, decode_kernel, decode_linear
-
-# Switched off by benchmarks that time transformers' forward (A/B in one process).
-enabled = True
+from . import attention as packed_attention
+from . import kernel, linear
 
 _ARCHITECTURES = {  # model class -> its decoder layer, attention and MLP classes, all by name
     name: tuple(f"{family}{part}" for part in ("DecoderLayer", "Attention", "MLP"))
@@ -44,46 +42,46 @@ _ARCHITECTURES = {  # model class -> its decoder layer, attention and MLP classe
 
 
 class Product:
-    """One linear layer's product in a decoding step, in the form `decode_linear` gives it in the loop."""
+    """One linear layer's product in a decoding step, in the form `linear` gives it in the loop."""
 
     def __init__(self, layer: nn.Linear, timed_forms: bool):
         self.weight, self.bias = layer.weight, layer.bias
-        self.forms = decode_linear.forms(layer) if timed_forms else {}  # row count -> form
-        self.packed = decode_linear.packed_weight(layer)
-        self.one_row: decode_linear.OneRow | None = None
+        self.forms = linear.forms(layer) if timed_forms else {}  # row count -> form
+        self.packed = linear.packed_weight(layer)
+        self.one_row: linear.OneRow | None = None
         # The compiled form reads this weight as it is: its checks done once, not per product (x, this step's own
         # rows, is contiguous, and the form was chosen only for row counts the kernel computes).
         self.checked = (
-            decode_linear.COMPILED in self.forms.values()
-            and decode_kernel.linear_applies(self.weight.new_zeros(1, self.weight.shape[1]), self.weight, self.bias)
-            and decode_kernel.available()
+            linear.COMPILED in self.forms.values()
+            and kernel.linear_applies(self.weight.new_zeros(1, self.weight.shape[1]), self.weight, self.bias)
+            and kernel.available()
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`layer(x)` for x (rows, in)."""
         rows = x.shape[0]
-        form = self.forms.get(rows, decode_linear.LINEAR)
-        if form == decode_linear.PACKED:
+        form = self.forms.get(rows, linear.LINEAR)
+        if form == linear.PACKED:
             return self.packed.linear(x, self.bias)
-        if form == decode_linear.LINEAR:
+        if form == linear.LINEAR:
             return nn.functional.linear(x, self.weight, self.bias)
-        if form == decode_linear.COMPILED:
+        if form == linear.COMPILED:
             out = (
-                decode_kernel.linear(x, self.weight, self.bias, checked=True)
-                if (self.checked and x.is_contiguous())
-                else None
+                kernel.linear(x, self.weight, self.bias, checked=True) if (self.checked and x.is_contiguous()) else None
             )
-            return decode_linear.compiled_linear(x, self.weight, self.bias) if out is None else out
+            return linear.compiled_linear(x, self.weight, self.bias) if out is None else out
         if rows == 1 and self.one_row is None:
-            self.one_row = decode_linear.OneRow(self.weight)
-        return decode_linear.transposed_linear(self.weight, self.bias, x, self.one_row if rows == 1 else None)
+            self.one_row = linear.OneRow(self.weight)
+        return linear.transposed_linear(self.weight, self.bias, x, self.one_row if rows == 1 else None)
 
 
 class StepForward:
     """One-token steps of `model`'s forward, built inside the decoding loop's `fast_decode_linears` and
-    `packed_gqa_decoding` contexts. `StepForward.of(model, timed_forms)` is None where it does not apply."""
+    `packed_gqa_decoding` contexts: the products in the forms `fast_decode_linears` gave the layers (with
+    `timed_forms`; `F.linear` without), the attention by `attend` (the one `packed_gqa_decoding` yielded), the
+    rotation in the compiled kernel with `compiled`. `StepForward.of(...)` is None where it does not apply."""
 
-    def __init__(self, model: nn.Module, timed_forms: bool):
+    def __init__(self, model: nn.Module, attend: packed_attention.Attend, timed_forms: bool, compiled: bool):
         model = _unwrapped(model)
         base = model.model
         self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
@@ -95,7 +93,8 @@ class StepForward:
         def product(layer: nn.Module):  # a LoRA layer is called: its forward runs, its base layer's product in it
             return Product(layer, timed_forms) if type(layer) is nn.Linear else layer
 
-        self.fused_rotary = _rotary_kernel_matches(
+        self.attend = attend
+        self.fused_rotary = compiled and _rotary_kernel_matches(
             self.rotate, model.config.num_attention_heads, self.kv_heads, self.head_dim
         )
         self.head = product(model.lm_head)
@@ -121,8 +120,10 @@ class StepForward:
             )
 
     @classmethod
-    def of(cls, model: nn.Module, timed_forms: bool = True) -> StepForward | None:
-        return cls(model, timed_forms) if enabled and applies(model) else None
+    def of(
+        cls, model: nn.Module, attend: packed_attention.Attend, timed_forms: bool = True, compiled: bool = True
+    ) -> StepForward | None:
+        return cls(model, attend, timed_forms, compiled) if applies(model) else None
 
     def __call__(
         self, token_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache
@@ -151,7 +152,7 @@ class StepForward:
                 query, key = self.rotate(query, key, cos, sin)
                 keys, values = cache_layer.update(key, value)
                 packed = query.reshape(rows, kv_heads, groups, head_dim)
-            out = decode_attention.attend(packed, keys, values, mask, self.scale)
+            out = self.attend(packed, keys, values, mask, self.scale)
             hidden = hidden + o(out.reshape(rows, -1))
             x = mlp_norm(hidden)
             hidden = hidden + down(act(gate(x)) * up(x))
@@ -167,7 +168,7 @@ def _rotate_into_cache(
     packed: torch.Tensor,
     cache_layer,
 ) -> bool:
-    """`decode_kernel.rotary` for one step: the rotated query into `packed`, the rotated key and the value into the
+    """`kernel.rotary` for one step: the rotated query into `packed`, the rotated key and the value into the
     cache's next position (a `PreallocatedLayer`, advanced by one). False, with the cache as it was, where the
     kernel does not take these tensors."""
     advance = getattr(cache_layer, "advance", None)
@@ -175,7 +176,7 @@ def _rotate_into_cache(
         return False
     rows, kv_heads, _, head_dim = key.shape
     keys, values = advance(1)
-    if decode_kernel.rotary(
+    if kernel.rotary(
         query.view(rows, -1, head_dim),
         key.view(rows, kv_heads, head_dim),
         value.view(rows, kv_heads, head_dim),
@@ -191,10 +192,10 @@ def _rotate_into_cache(
 
 
 def _rotary_kernel_matches(rotate, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether `decode_kernel.rotary` computes what the model's own `apply_rotary_pos_emb` computes, bit for bit, on
+    """Whether `kernel.rotary` computes what the model's own `apply_rotary_pos_emb` computes, bit for bit, on
     random inputs of the model's shapes (one row and three, of which the kernel takes any): the model's function is
     then known to be the plain rotation (no partial rotary dimensions, no other form), and the kernel is built."""
-    if head_dim % 2 or not decode_kernel.available():
+    if head_dim % 2 or not kernel.available():
         return False
     generator = torch.Generator().manual_seed(0)
     for rows in (1, 3):
@@ -213,7 +214,7 @@ def _rotary_kernel_matches(rotate, heads: int, kv_heads: int, head_dim: int) -> 
             torch.empty(rows, kv_heads, head_dim),
         )
         if not (
-            decode_kernel.rotary(
+            kernel.rotary(
                 query.view(rows, heads, head_dim),
                 key.view(rows, kv_heads, head_dim),
                 key.view(rows, kv_heads, head_dim),
@@ -243,7 +244,7 @@ def applies(model: nn.Module) -> bool:
         or base is None
         or torch.is_grad_enabled()
         or torch.is_autocast_enabled("cpu")
-        or getattr(config, "_attn_implementation", None) != decode_attention.NAME
+        or getattr(config, "_attn_implementation", None) != packed_attention.NAME
         or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
         or getattr(config, "pretraining_tp", 1) != 1
         or (type(inner).__name__ == "MistralForCausalLM" and config.sliding_window is not None)
@@ -280,7 +281,7 @@ def applies(model: nn.Module) -> bool:
         module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__ for module in skipped
     ) or any(layer._forward_hooks or layer._forward_pre_hooks for layer in linears):
         return False
-    return all(decode_linear.plain(layer) or _lora(layer) for layer in linears) and all(
+    return all(linear.plain(layer) or _lora(layer) for layer in linears) and all(
         parameter.device.type == "cpu" and parameter.dtype == torch.float32 for parameter in model.parameters()
     )
 
@@ -309,5 +310,5 @@ def _lora(layer: nn.Module) -> bool:
         type(layer).__name__ == "Linear"
         and type(layer).__module__.startswith("peft.tuners.lora")
         and "forward" not in layer.__dict__
-        and decode_linear.plain(getattr(layer, "base_layer", None))
+        and linear.plain(getattr(layer, "base_layer", None))
     )
