@@ -289,3 +289,63 @@ def print_completions(samples: list[dict], limit: int | None, step: int) -> None
             prompt = prompt[-1]["content"]
         scores = f"[reward {sample['reward']:+.3f} | advantage {sample['advantage']:+.3f}]"
         print(f"{scores} {prompt!r} -> {sample['completion']!r}")
+
+
+def record_rollout_metrics(
+    metrics: MetricsBuffer,
+    mode: str,
+    sampled,
+    scores,
+    sampled_mask: torch.Tensor,
+    reward_names,
+    uses_tools,
+    accelerator,
+) -> None:
+    """Log what a scored rollout did, over every process: rewards per function and in total, completion lengths
+    (model tokens, as TRL counts them with tools) and, for episodes, `episode_metrics`. `sampled`: the
+    `SampledRollout`; `scores`: its `scoring.RolloutScores`."""
+    from .environments.episodes import END_REASONS, end_codes
+
+    rollout, episodes, gather = sampled.rollout, sampled.episodes, accelerator.gather
+    sampled_mask = rollout.sampled_mask
+    names, table = list(reward_names), scores.rewards_per_func
+    if episodes is not None and uses_tools:
+        table = table[:, 1:]  # the environment's column: tool episodes have no step rewards
+    elif episodes is not None:
+        names = ["env"] + names  # the environment's return is the table's first column
+    metrics.add_many(mode, reward_function_metrics(table, names))
+    for name in ("reward", "reward_std", "frac_reward_zero_std"):
+        metrics.add(mode, name, scores.stats[name])
+    sampled_tokens = sampled_mask.sum(1, keepdim=True)  # (n, 1)
+    truncated = gather(rollout.is_truncated.unsqueeze(1)).squeeze(1)
+    metrics.add_many(mode, completion_length_metrics(gather(sampled_tokens), truncated))
+    if episodes is None:
+        return
+    device = sampled_mask.device
+
+    def gathered(tensor, padded=False):
+        tensor = tensor.to(device)
+        return gather(accelerator.pad_across_processes(tensor, dim=1) if padded else tensor)
+
+    env_tokens = rollout.completion_mask.sum(1, keepdim=True) - sampled_tokens
+    episode_figures = episode_metrics(
+        gathered(episodes.reached, padded=True),
+        None if uses_tools else gathered(episodes.turn_rewards, padded=True),
+        gather(sampled_tokens),
+        gather(env_tokens),
+        gathered(end_codes(episodes.ends)),
+        END_REASONS,
+        gathered(episodes.tool_calls) if uses_tools else None,
+        gathered(episodes.tool_failures) if uses_tools else None,
+    )
+    metrics.add_many(mode, episode_figures)
+
+
+def completion_samples(prompts, texts, rewards, advantages: torch.Tensor, extra_columns: dict) -> list[dict]:
+    """The rows `print_completions` shows: prompt, completion, reward, advantage (per-turn ones: the first turn's)
+    and the columns reward functions logged."""
+    row_advantages = advantages if advantages.dim() == 1 else advantages[:, 0]
+    return [
+        {"prompt": p, "completion": c, "reward": r, "advantage": a, **{k: v[i] for k, v in extra_columns.items()}}
+        for i, (p, c, r, a) in enumerate(zip(prompts, texts, rewards, row_advantages.tolist()))
+    ]

@@ -216,7 +216,7 @@ def test_epoch_structure_assumed_by_the_rule(tmp_path, tiny_model_dir):
     trainer = train(
         tmp_path, tiny_model_dir, "epochs", 1, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2
     )
-    assert trainer._micro_steps_per_epoch == 6 // 3 * 3 * 2  # 2 rollouts of 3 prompts, 6 uses each
+    assert trainer.schedule.micro_steps_per_epoch == 6 // 3 * 3 * 2  # 2 rollouts of 3 prompts, 6 uses each
 
 
 @pytest.mark.slow  # torchrun launch
