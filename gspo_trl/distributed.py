@@ -19,7 +19,9 @@ import os
 import torch
 from transformers.utils import logging
 
+from .checkpointing import checkpoint_kwargs
 from .micro_batch import MicroBatch
+from .precision import precision_context
 
 logger = logging.get_logger(__name__)
 
@@ -304,6 +306,18 @@ def gradients_held(accelerator, model: torch.nn.Module, defer_fsdp_reduction=Non
             yield
     finally:
         accelerator.gradient_state._set_sync_gradients(True)
+
+
+def generation_context(model_wrapped, accelerator, args, on_training_model: bool) -> contextlib.AbstractContextManager:
+    """What sampling on the trained model (`on_training_model`) runs under: the training precision and
+    `weights_for_generation`; nothing for an engine with weights of its own."""
+    if not on_training_model:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(precision_context(accelerator))
+    kwargs = checkpoint_kwargs(args)
+    stack.enter_context(weights_for_generation(model_wrapped, accelerator, args.ds3_gather_for_generation, kwargs))
+    return stack
 
 
 def gather_rollout(batch: MicroBatch, accelerator, pad_token_id: int) -> MicroBatch:

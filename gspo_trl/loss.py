@@ -198,6 +198,18 @@ def _validate_tensors(per_token_logps, advantages, objective: Objective, beta_ne
         raise ValueError("ref_per_token_logps is required when beta > 0 (the KL penalty needs the reference policy)")
 
 
+def token_normalizer(
+    num_items_in_batch: torch.Tensor | None, num_processes: int, micro_batches_per_step: int
+) -> torch.Tensor | None:
+    """What the token-mean losses (dapo, cispo, vespo) divide a micro-batch's sum by: the completion tokens per
+    process and optimizer step, averaged over the rollout (TRL's definition): the rollout's tokens over every
+    process (`num_items_in_batch`) / processes / micro-batches per optimizer step (`steps_per_generation` in
+    training, 1 in evaluation). Trainer then divides by the accumulation steps, and DDP averages over processes."""
+    if num_items_in_batch is None:
+        return None
+    return num_items_in_batch / num_processes / micro_batches_per_step
+
+
 def policy_loss(
     per_token_logps: torch.Tensor,
     old_per_token_logps: torch.Tensor | None,

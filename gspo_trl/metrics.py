@@ -45,6 +45,15 @@ class MetricsBuffer:
 
     def __init__(self):
         self._values = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.passes: list[tuple[dict, dict]] = []  # (metrics, counts) of a micro-batch's training passes so far
+
+    def add_pass(self, mode: str, metrics: dict, counts: dict, last: bool, gather) -> None:
+        """Keep one training pass's loss metrics (`counts`: `metric_counts`); after the micro-batch's `last` pass,
+        add the micro-batch's, over all its passes and processes (`reduce_across_processes`)."""
+        self.passes.append((metrics, counts))
+        if last:
+            parts, self.passes = self.passes, []
+            self.add_many(mode, reduce_across_processes([m for m, _ in parts], gather, [c for _, c in parts]))
 
     def add(self, mode: str, name: str, value) -> None:
         if isinstance(value, torch.Tensor):
@@ -292,14 +301,7 @@ def print_completions(samples: list[dict], limit: int | None, step: int) -> None
 
 
 def record_rollout_metrics(
-    metrics: MetricsBuffer,
-    mode: str,
-    sampled,
-    scores,
-    sampled_mask: torch.Tensor,
-    reward_names,
-    uses_tools,
-    accelerator,
+    metrics: MetricsBuffer, mode: str, sampled, scores, reward_names: list[str], uses_tools: bool, accelerator
 ) -> None:
     """Log what a scored rollout did, over every process: rewards per function and in total, completion lengths
     (model tokens, as TRL counts them with tools) and, for episodes, `episode_metrics`. `sampled`: the
@@ -307,6 +309,7 @@ def record_rollout_metrics(
     from .environments.episodes import END_REASONS, end_codes
 
     rollout, episodes, gather = sampled.rollout, sampled.episodes, accelerator.gather
+    sampled_mask = rollout.sampled_mask
     sampled_mask = rollout.sampled_mask
     names, table = list(reward_names), scores.rewards_per_func
     if episodes is not None and uses_tools:
@@ -341,11 +344,13 @@ def record_rollout_metrics(
     metrics.add_many(mode, episode_figures)
 
 
-def completion_samples(prompts, texts, rewards, advantages: torch.Tensor, extra_columns: dict) -> list[dict]:
-    """The rows `print_completions` shows: prompt, completion, reward, advantage (per-turn ones: the first turn's)
-    and the columns reward functions logged."""
-    row_advantages = advantages if advantages.dim() == 1 else advantages[:, 0]
+def completion_samples(prompts, texts, scores, rows: slice, extra_columns: dict) -> list[dict]:
+    """The rows `print_completions` shows: prompt, completion, reward (of `scores`, a `scoring.RolloutScores`, whose
+    rewards span every process: this process's are `rows`), advantage (per-turn ones: the first turn's) and the
+    columns reward functions logged."""
+    advantages = scores.advantages if scores.advantages.dim() == 1 else scores.advantages[:, 0]
+    rewards = scores.rewards[rows].tolist()
     return [
         {"prompt": p, "completion": c, "reward": r, "advantage": a, **{k: v[i] for k, v in extra_columns.items()}}
-        for i, (p, c, r, a) in enumerate(zip(prompts, texts, rewards, row_advantages.tolist()))
+        for i, (p, c, r, a) in enumerate(zip(prompts, texts, rewards, advantages.tolist()))
     ]

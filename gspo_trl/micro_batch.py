@@ -60,6 +60,10 @@ class MicroBatch:
         """(B, C) the log-probs of another engine that sampled (a vLLM server), for the sampling correction."""
         return None if self.sampled_by_policy else self.sampling_logps
 
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What `logprobs.completion_logprobs` scores: input_ids, attention_mask, completion_ids, completion_mask."""
+        return self.input_ids, self.attention_mask, self.completion_ids, self.completion_mask
+
     @property
     def rows(self) -> int:
         return self.completion_ids.shape[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from .models import is_peft_model
+
 GSPO_CITATION = """@article{zheng2025gspo,
   title   = {Group Sequence Policy Optimization},
   author  = {Chujie Zheng and Shixuan Liu and Mingze Li and Xiong-Hui Chen and Bowen Yu and Chang Gao and
@@ -85,11 +87,12 @@ $s_i(\\theta) = (\\pi_\\theta(y_i|x) / \\pi_{{\\theta_{{old}}}}(y_i|x))^{{1/|y_i
 
 
 def write_model_card(
-    output_dir: str, model, peft: bool, model_name: str, reward_names: list[str], args, library_version: str, tags=None
+    output_dir: str, model, model_name: str, reward_names: list[str], args, library_version: str, tags=None
 ) -> None:
-    """Write `output_dir/README.md` for the trained `model` (the base model, under a PEFT adapter); a base model
-    loaded from a local path is not named (it means nothing to a reader of the Hub page)."""
-    base_model = getattr(model.config, "_name_or_path", None)
+    """Write `output_dir/README.md` for the trained (unwrapped) `model`, naming its base model (under a PEFT adapter,
+    the adapted one); a base model loaded from a local path is not named (it means nothing to a Hub reader)."""
+    peft = is_peft_model(model)
+    base_model = getattr((model.get_base_model() if peft else model).config, "_name_or_path", None)
     if base_model and os.path.isdir(base_model):
         base_model = None
     card = render_model_card(

@@ -178,3 +178,14 @@ def last_complete_checkpoint(output_dir: str, num_processes: int) -> tuple[str |
             return path, skipped
         skipped.append(path)
     return None, skipped
+
+
+def checkpoint_to_resume(output_dir: str, num_processes: int, warn) -> str:
+    """The newest complete checkpoint under `output_dir` (`resume_from_checkpoint=True`: Trainer would take the
+    newest folder, even a half-written one); newer incomplete ones are reported through `warn`."""
+    path, skipped = last_complete_checkpoint(output_dir, num_processes)
+    if skipped:
+        warn(f"Skipped incomplete checkpoints (cut off while being written): {skipped}")
+    if path is None:
+        raise ValueError(f"No complete checkpoint found in output_dir ({output_dir}) to resume from.")
+    return path

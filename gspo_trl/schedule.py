@@ -23,10 +23,11 @@ import math
 from collections.abc import Callable
 
 import torch
+from trl.trainer.utils import RepeatSampler
 
 from .distributed import gather_rollout
 from .micro_batch import MicroBatch
-from .rollout_checkpoint import RolloutState
+from .rollout_checkpoint import RolloutState, load_rollout_state
 from .sampling_correction import sampler_logprobs_as_old
 
 
@@ -90,6 +91,11 @@ def split_into_micro_batches(
     blocks = list(torch.arange(batch.rows).split(group_size))
     order = torch.cat([blocks[i] for i in torch.randperm(len(blocks), generator=generator).tolist()])
     return [batch.select(part) for part in order.chunk(num_slices)]
+
+
+def rollout_tokens(batch: MicroBatch, accelerator) -> torch.Tensor:
+    """() the completion tokens trained on in a rollout, over every process (the token-mean losses' count)."""
+    return accelerator.gather(batch.completion_mask.sum().reshape(1)).sum()
 
 
 # Where a micro-batch's π_old comes from (`old_logps_source`).
@@ -164,17 +170,35 @@ class RolloutBuffer:
         self.restored: RolloutState | None = None  # the rollout saved with the checkpoint a run resumes from
         self.shuffle_generator = torch.Generator().manual_seed(args.seed)
 
+    def train_sampler(self, dataset) -> RepeatSampler:
+        """The order of training prompts: each prompt `num_generations` times in a row, and each generation batch
+        repeated for every micro-step that trains on it, so the dataloader stays aligned with the schedule."""
+        args = self.args
+        return RepeatSampler(
+            data_source=dataset,
+            mini_repeat_count=args.num_generations,
+            batch_size=args.generation_batch_size // args.num_generations,
+            repeat_count=self.uses,
+            shuffle=args.shuffle_dataset,
+            seed=args.seed,
+        )
+
     @property
     def use(self) -> int:
         """The current micro-step's use of the rollout."""
         return self.step % self.uses
 
-    def restore(self, restored: RolloutState | None) -> None:
-        """Start training (again): nothing buffered; a resumed run's saved state, if any, is taken up."""
+    def restore(self, checkpoint: str | None, accelerator) -> RolloutState | None:
+        """Start training (again): nothing buffered; a run resumed from `checkpoint` takes up the state this
+        process saved there (returned, with the trainer's part of it), if any."""
         self.micro_batches, self.window_global_step, self.window_offset = None, None, 0
+        restored = None
+        if checkpoint is not None:
+            restored = load_rollout_state(checkpoint, accelerator.process_index, accelerator.device)
         self.restored = restored
         if restored is not None:
             self.shuffle_generator.set_state(restored.shuffle_generator_state)
+        return restored
 
     def start(self, global_step: int) -> bool:
         """Begin a micro-step after `global_step` optimizer steps; True when a rollout must be sampled for it."""
@@ -205,23 +229,23 @@ class RolloutBuffer:
         )
 
     def cut(self, rollout: MicroBatch, accelerator, pad_token_id: int) -> list[MicroBatch]:
-        """This process's micro-batches of a scored rollout: its share of each global micro-batch.
+        """This process's micro-batches of a scored rollout: its share of each global micro-batch, each with the
+        rollout's token count (`num_items_in_batch`).
 
         The rollout of all processes is cut into micro-batches of whole groups in one shuffled order (the generator
         is seeded alike everywhere), and each process trains on its share of every one, so an optimizer step sees
         the same rows whatever the number of processes.
         """
         args, processes = self.args, accelerator.num_processes
-        if processes == 1:
-            return split_into_micro_batches(
-                rollout, args.steps_per_generation, args.num_generations, self.shuffle_generator
-            )
-        local_rows = rollout.rows // args.steps_per_generation
-        everything = gather_rollout(rollout, accelerator, pad_token_id)
-        mine = slice(accelerator.process_index * local_rows, (accelerator.process_index + 1) * local_rows)
+        rollout.num_items_in_batch = rollout_tokens(rollout, accelerator)
+        everything = rollout if processes == 1 else gather_rollout(rollout, accelerator, pad_token_id)
         global_micro_batches = split_into_micro_batches(
             everything, args.steps_per_generation, args.num_generations, self.shuffle_generator
         )
+        if processes == 1:
+            return global_micro_batches
+        local_rows = rollout.rows // args.steps_per_generation
+        mine = slice(accelerator.process_index * local_rows, (accelerator.process_index + 1) * local_rows)
         return [batch.select(mine) for batch in global_micro_batches]
 
     def fill(self, micro_batches: list[MicroBatch], sampled_at_step: int) -> None:

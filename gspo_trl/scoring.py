@@ -21,6 +21,7 @@ from .advantages import (
     token_advantages,
 )
 from .micro_batch import MicroBatch
+from .rewards import compute_rewards
 from .rollout import is_conversational_prompt
 
 
@@ -100,3 +101,25 @@ def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: 
         old_logps=sampled.behaviour_logps,
         turn_ids=rollout.turn_ids,  # multi-turn episodes only
     )
+
+
+def reward_and_score(
+    batch: list[dict], sampled, reward_funcs, reward_weights, tokenizer, state, args, accelerator, log_metric
+) -> tuple[RolloutScores, list[str], dict[str, list]]:
+    """(the `RolloutScores` of a `SampledRollout` of the dataset rows `batch`, its decoded completions, the columns
+    reward functions logged): every reward function called on this process's rows (`log_metric(name, value)` takes
+    what they log), then `score_rollout` over every process."""
+    completions, completion_ids, texts, columns = completions_for_rewards(batch, sampled, tokenizer)
+    extra_columns: dict[str, list] = {}
+    local_rewards = compute_rewards(
+        reward_funcs,
+        sampled.prompts,
+        completions,
+        completion_ids,
+        columns,
+        state,
+        log_metric=log_metric,
+        log_extra=extra_columns.__setitem__,
+    ).to(accelerator.device)  # (n, F)
+    scores = score_rollout(local_rewards, reward_weights, args, accelerator, sampled.episodes)
+    return scores, texts, extra_columns

@@ -11,6 +11,7 @@ modules, as one typed `MicroBatch`, and logging.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -21,27 +22,26 @@ from trl.trainer.utils import RepeatSampler
 
 from . import __version__
 from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
-from .checkpointing import checkpoint_kwargs, enable_kept_attention
+from .checkpointing import enable_kept_attention
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
-from .dataset_checks import check_enough_prompts, check_prompt_dataset
+from .dataset_checks import check_datasets, trainer_config
 from .distributed import (
     check_deepspeed_batch_fields,
     fsdp_deferral,
-    gather_ragged,
+    generation_context,
     gradients_held,
     prepare_frozen_model,
     set_up_process_group,
     warn_if_fsdp_dropped,
-    weights_for_generation,
 )
 from .entropy_control import EntropyCoefficient
 from .environments import EpisodeRunner
 from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprob_check import check_first_rollout
 from .logprobs import completion_logprobs, logprobs_without_grad
-from .loss import Objective, masked_mean, policy_loss
-from .loss_masks import high_entropy_token_mask
+from .loss import Objective, masked_mean, policy_loss, token_normalizer
+from .loss_masks import learned_tokens
 from .metrics import (
     MetricsBuffer,
     completion_samples,
@@ -49,38 +49,29 @@ from .metrics import (
     metric_counts,
     print_completions,
     record_rollout_metrics,
-    reduce_across_processes,
     sampling_metrics,
 )
 from .micro_batch import MicroBatch
 from .model_card import write_model_card
 from .models import (
-    apply_peft,
     create_reference_model,
     is_peft_model,
-    load_policy,
-    load_tokenizer,
-    prepare_weights,
+    load_policy_and_tokenizer,
     reference_weights,
     router_aux_loss_coef,
 )
 from .packing import padding_free_in_use
 from .passes import micro_batch_passes, pass_budget, take_pass
-from .precision import check_precision, precision_context, warn_if_fp32_head_is_cast_by_fsdp2
-from .rewards import RewardModelFunction, compute_rewards, load_rewards
+from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
+from .rewards import RewardModelFunction, load_rewards
 from .rollout import SampledRollout, create_rollout_backend, stream_keys
-from .rollout_checkpoint import last_complete_checkpoint, load_rollout_state, save_rollout_state
+from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
 from .rollout_func import check_rollout_func, sample_with_rollout_func
 from .sampling_correction import correction_for
-from .schedule import RolloutBuffer, fill_old_logps
-from .scoring import completions_for_rewards, score_rollout, scored_batch
+from .schedule import RolloutBuffer, fill_old_logps, rollout_tokens
+from .scoring import reward_and_score, scored_batch
 
 logger = logging.get_logger(__name__)
-
-
-def _keep_as_list(features: list[dict]) -> list[dict]:
-    # Rows stay python objects until generation: prompts may be chat messages.
-    return features
 
 
 class GSPOTrainer(Trainer):
@@ -106,30 +97,17 @@ class GSPOTrainer(Trainer):
         env_factory=None,
         tool_call_parser=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-            args = GSPOConfig(output_dir=f"{Path(str(name)).name}-GSPO")
-        if not isinstance(args, GSPOConfig):
-            raise TypeError(
-                f"args must be a GSPOConfig, got {type(args).__name__}. Coming from TRL, replace GRPOConfig with "
-                "gspo_trl.GSPOConfig (same field names)."
-            )
+        args = trainer_config(args, model)
         episodes = env_factory is not None or tools is not None or environment_factory is not None
         check_rollout_func(rollout_func, args, episodes)
-        check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
-        check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
-        check_enough_prompts(train_dataset, args)
+        check_datasets(train_dataset, eval_dataset, args, needs_prompt=not episodes)
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
         check_deepspeed_batch_fields(args, args.world_size)
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
         set_seed(args.seed)
         model_source = model
-        model = load_policy(model, args.model_init_kwargs)
-        tokenizer = load_tokenizer(processing_class, model)
-        prepare_weights(model, args)
-        model = apply_peft(model, peft_config, args.activation_checkpointing)
-        check_precision(model, args)
+        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args)
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
@@ -148,7 +126,7 @@ class GSPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=_keep_as_list,
+            data_collator=list,  # rows stay python objects until generation: prompts may be chat messages
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
@@ -190,7 +168,6 @@ class GSPOTrainer(Trainer):
         self._completion_samples: list[dict] = []
         self.schedule = RolloutBuffer(args)  # the buffered rollout, the window position, π_old per micro-batch
         self._num_tokens_seen = 0
-        self._pass_metrics: list[tuple[dict, dict]] = []  # the loss metrics of a micro-batch's passes so far
         self._logprobs_unchecked = args.check_logprobs != "off"  # until the first training rollout (logprob_check)
 
     # --- precision ----------------------------------------------------------------------------
@@ -220,16 +197,7 @@ class GSPOTrainer(Trainer):
         return dataloader
 
     def _get_train_sampler(self, dataset=None):
-        # Each prompt appears num_generations times in a row; each generation batch is repeated for
-        # every micro-step that trains on it, so the dataloader stays aligned with the schedule.
-        return RepeatSampler(
-            data_source=dataset if dataset is not None else self.train_dataset,
-            mini_repeat_count=self.args.num_generations,
-            batch_size=self.args.generation_batch_size // self.args.num_generations,
-            repeat_count=self.args.num_iterations * self.args.steps_per_generation,
-            shuffle=self.args.shuffle_dataset,
-            seed=self.args.seed,
-        )
+        return self.schedule.train_sampler(dataset if dataset is not None else self.train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
         return RepeatSampler(data_source=eval_dataset, mini_repeat_count=self.args.num_generations, seed=self.args.seed)
@@ -244,14 +212,19 @@ class GSPOTrainer(Trainer):
             return generation_batch
         if not self.model.training:
             batch = self._generate_and_score(generation_batch, mode="eval")
-            batch.num_items_in_batch = self._count_completion_tokens(batch)
+            batch.num_items_in_batch = rollout_tokens(batch, self.accelerator)
             return batch
         schedule = self.schedule
         if schedule.start(self.state.global_step):
             schedule.fill(*self._rollout_micro_batches(generation_batch))
         if self.rollout_pipeline is not None:
             self._metrics.add("train", "rollout/staleness", float(self.state.global_step - schedule.sampled_at_step))
-            self._prefetch_next_rollout()
+            # Start sampling the next rollout once the weights are within max_staleness optimizer steps of it.
+            upcoming = self.rollout_pipeline.next_rollout(
+                self.state.global_step, schedule.step, schedule.window_offset, self.current_gradient_accumulation_steps
+            )
+            if upcoming is not None and upcoming[1] < self.state.max_steps:  # not past the end of training
+                self._launch_rollout(*upcoming)
         return schedule.current()
 
     def _rollout_micro_batches(self, generation_batch: list[dict]) -> tuple[list[MicroBatch], int]:
@@ -260,12 +233,11 @@ class GSPOTrainer(Trainer):
         if self.rollout_pipeline is None:
             rollout, weights_step = self._generate_and_score(generation_batch, "train"), self.state.global_step
         else:
-            sampled, weights_step = self._take_prefetched_rollout(generation_batch)
+            sampled, weights_step = self.rollout_pipeline.take(
+                generation_batch, self.state.global_step, self._launch_rollout
+            )
             rollout = self._score(generation_batch, sampled, "train")
         micro_batches = self.schedule.cut(rollout, self.accelerator, self.processing_class.pad_token_id)
-        num_items = self._count_completion_tokens(rollout)
-        for micro_batch in micro_batches:
-            micro_batch.num_items_in_batch = num_items
         fill_old_logps(
             micro_batches,
             self.schedule.needs_old_logps(),
@@ -274,13 +246,9 @@ class GSPOTrainer(Trainer):
         )
         return micro_batches, weights_step
 
-    def _count_completion_tokens(self, batch: MicroBatch) -> torch.Tensor:
-        """The completion tokens trained on in a rollout, over every process (the token-mean losses' count)."""
-        return self.accelerator.gather(batch.completion_mask.sum().reshape(1)).sum()
-
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()  # before the rollout: _prepare_inputs samples for training only in train mode
-        self._pass_metrics = []  # nothing left over from a micro-step that raised
+        self._metrics.passes = []  # nothing left over from a micro-step that raised
         micro_batch = self._prepare_inputs(inputs)
         passes = self._plan_passes(micro_batch)
         loss = torch.zeros((), device=self.accelerator.device)
@@ -305,27 +273,18 @@ class GSPOTrainer(Trainer):
         )
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint is True:  # Trainer would take the newest folder, even a half-written one
-            resume_from_checkpoint, skipped = last_complete_checkpoint(
-                self.args.output_dir, self.accelerator.num_processes
-            )
-            if skipped:
-                logger.warning(f"Skipped incomplete checkpoints (cut off while being written): {skipped}")
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint found in output_dir ({self.args.output_dir}) to resume from.")
+        if resume_from_checkpoint is True:
+            processes = self.accelerator.num_processes
+            resume_from_checkpoint = checkpoint_to_resume(self.args.output_dir, processes, logger.warning)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _inner_training_loop(self, *args, **kwargs):
         enable_kept_attention(self.model, self.args)  # Trainer.train has just enabled checkpointing without it
-        checkpoint = kwargs.get("resume_from_checkpoint")
-        restored = None
-        if checkpoint is not None:
-            restored = load_rollout_state(checkpoint, self.accelerator.process_index, self.accelerator.device)
-            if restored is not None:
-                self._num_tokens_seen = restored.num_tokens_seen
-                if restored.entropy_control is not None:
-                    self.entropy_coefficient.load_state_dict(restored.entropy_control)
-        self.schedule.restore(restored)
+        restored = self.schedule.restore(kwargs.get("resume_from_checkpoint"), self.accelerator)
+        if restored is not None:
+            self._num_tokens_seen = restored.num_tokens_seen
+            if restored.entropy_control is not None:
+                self.entropy_coefficient.load_state_dict(restored.entropy_control)
         try:
             return super()._inner_training_loop(*args, **kwargs)
         finally:
@@ -340,47 +299,10 @@ class GSPOTrainer(Trainer):
             epoch_iterator = self.rollout_pipeline.wrap(epoch_iterator)
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
-    def _take_prefetched_rollout(self, batch: list[dict]) -> tuple[SampledRollout, int]:
-        """(the rollout sampled ahead for this step, the optimizer step of its weights); where none was (the first
-        of an epoch, max_staleness=0, a resumed run), one is sampled now on the same path, with staleness 0."""
-        step = self.state.global_step
-        taken = self.rollout_pipeline.prefetcher.take(step)
-        if taken is None:
-            self._launch_rollout(batch, for_step=step)
-            taken = self.rollout_pipeline.prefetcher.take(step)
-        return taken
-
-    def _prefetch_next_rollout(self) -> None:
-        """Start sampling the next rollout once the weights are within max_staleness optimizer steps of it."""
-        schedule = self.schedule
-        upcoming = self.rollout_pipeline.next_rollout(
-            self.state.global_step, schedule.step, schedule.window_offset, self.current_gradient_accumulation_steps
-        )
-        if upcoming is not None and upcoming[1] < self.state.max_steps:  # not past the end of training
-            self._launch_rollout(*upcoming)
-
     def _launch_rollout(self, batch: list[dict], for_step: int) -> None:
-        weights_step = self.state.global_step
-        backend, runner, frozen = self.rollout_pipeline.engines(
-            self.model_wrapped, self.accelerator.unwrap_model(self.model), weights_step
-        )
-        ahead = for_step != weights_step  # sampling overlaps training
-
-        def sample() -> SampledRollout:  # runs on the pipeline's thread
-            with precision_context(self.accelerator):  # autocast is per thread
-                # Overlapping training, which rewinds the global random state (checkpointed recomputation), it
-                # draws from per-completion streams of its own.
-                sampled = self._sample(backend, runner, batch, "train", for_step, keyed=ahead)
-                if frozen is not None and ahead:  # π_old will be gone by the time it trains
-                    rollout = sampled.rollout
-                    sampled.behaviour_logps = (
-                        rollout.sampling_logps
-                        if rollout.sampled_by_policy
-                        else self._score_without_grad(frozen, MicroBatch(**rollout.model_inputs()))
-                    )
-            return sampled
-
-        self.rollout_pipeline.prefetcher.submit(for_step, weights_step, sample)
+        models = (self.model_wrapped, self.accelerator.unwrap_model(self.model))
+        sampling = (self._sample, self._score_without_grad, functools.partial(precision_context, self.accelerator))
+        self.rollout_pipeline.launch(batch, for_step, self.state.global_step, models, *sampling)
 
     # --- rollout ------------------------------------------------------------------------------
 
@@ -390,7 +312,8 @@ class GSPOTrainer(Trainer):
             # a server must not change weights under a rollout being sampled ahead
             self.rollout_pipeline.prefetcher.wait()
         self.rollout_backend.update_weights(self.model_wrapped, self.state.global_step)
-        with self._generation_context():
+        on_model = self.rollout_backend.samples_with_training_model
+        with generation_context(self.model_wrapped, self.accelerator, self.args, on_model):
             sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, self.state.global_step)
         return self._score(batch, sampled, mode)
 
@@ -399,95 +322,64 @@ class GSPOTrainer(Trainer):
         (`keyed`: per-completion streams even without layout_independent_sampling)."""
         if self.rollout_func is not None:
             return sample_with_rollout_func(self.rollout_func, self, [row["prompt"] for row in batch])
-        keys = self._stream_keys(len(batch), mode, step, keyed)
+        # Per-completion sampling streams (None: the global RNG); one environment seed per group.
+        keyed = keyed or self.args.layout_independent_sampling
+        keys = self._row_keys(len(batch), mode, step) if keyed else None
         if runner is None:
             rollout = backend.generate([row["prompt"] for row in batch], keys)
             return SampledRollout(rollout, [row["prompt"] for row in batch])
-        episodes = runner.run(backend, batch, self._episode_seeds(len(batch), mode, step), keys)
+        seeds = (self._row_keys(len(batch), mode, step, self.args.num_generations) & 0x7FFFFFFF).tolist()
+        episodes = runner.run(backend, batch, seeds, keys)
         return SampledRollout(episodes.rollout, episodes.prompts, episodes)
 
     def _score(self, batch: list[dict], sampled: SampledRollout, mode: str) -> MicroBatch:
         """Rewards, advantages and (beta > 0) the reference's log-probs of a sampled rollout, and its metrics."""
         args, accelerator = self.args, self.accelerator
-        completions, completion_ids, texts, columns = completions_for_rewards(batch, sampled, self.processing_class)
-        extra_columns: dict[str, list] = {}
-        local_rewards = compute_rewards(
+        scores, texts, extra_columns = reward_and_score(
+            batch,
+            sampled,
             self.reward_funcs,
-            sampled.prompts,
-            completions,
-            completion_ids,
-            columns,
+            self.reward_weights,
+            self.processing_class,
             self.state,
+            args,
+            accelerator,
             log_metric=lambda name, value: self._metrics.add(mode, name, value),
-            log_extra=extra_columns.__setitem__,
-        ).to(accelerator.device)  # (n, F)
-        scores = score_rollout(local_rewards, self.reward_weights, args, accelerator, sampled.episodes)
+        )
         scored = scored_batch(sampled, scores.advantages, args.mask_truncated_completions)
         if mode == "train" and self._logprobs_unchecked:  # once, before a π_old or reference pass scores on a path
-            self._check_logprobs(scored, sampled)
+            self._logprobs_unchecked = False
+            snapshot = getattr(self.rollout_pipeline, "snapshot_backend", None)  # async rollouts sample with it
+            self.padding_free = check_first_rollout(
+                self.model,
+                scored,
+                args,
+                accelerator,
+                padding_free=self.padding_free,
+                # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are
+                # those of weights trained past since, not the model's: only the scoring path is checked.
+                decoding_loop=sampled.rollout.decoding_loop if sampled.behaviour_logps is None else None,
+                backends=[backend for backend in (self.rollout_backend, snapshot) if backend is not None],
+                checked_mask=sampled.rollout.sampled_mask,
+            )
         if args.beta > 0:
             with reference_weights(self.model, self.ref_model) as reference:
                 scored.ref_logps = self._score_without_grad(reference, scored)
-        sampled_mask = sampled.rollout.sampled_mask
         reward_names = [f.name for f in self.reward_funcs]
-        record_rollout_metrics(
-            self._metrics, mode, sampled, scores, sampled_mask, reward_names, self.uses_tools, accelerator
-        )
+        record_rollout_metrics(self._metrics, mode, sampled, scores, reward_names, self.uses_tools, accelerator)
         if mode == "train":
             tokens = sampled.rollout.prompt_mask.sum() + sampled.rollout.completion_mask.sum()
             self._num_tokens_seen += accelerator.gather(tokens.reshape(1)).sum().item()
         if args.log_completions and accelerator.is_main_process:
-            local = slice(accelerator.process_index * len(batch), (accelerator.process_index + 1) * len(batch))
-            rewards = scores.rewards[local].tolist()
-            self._completion_samples = completion_samples(
-                sampled.prompts, texts, rewards, scores.advantages, extra_columns
-            )
+            rows = slice(accelerator.process_index * len(batch), (accelerator.process_index + 1) * len(batch))
+            self._completion_samples = completion_samples(sampled.prompts, texts, scores, rows, extra_columns)
         return scored
 
-    def _check_logprobs(self, scored: MicroBatch, sampled: SampledRollout) -> None:
-        """`logprob_check` on the first training rollout: packed rows and the decoding loop against a plain forward."""
-        self._logprobs_unchecked = False
-        snapshot = getattr(self.rollout_pipeline, "snapshot_backend", None)  # async rollouts sample with it
-        self.padding_free = check_first_rollout(
-            self.model,
-            scored,
-            self.args,
-            self.accelerator,
-            padding_free=self.padding_free,
-            # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are
-            # those of weights trained past since, not the model's: only the scoring path is checked.
-            decoding_loop=sampled.rollout.decoding_loop if sampled.behaviour_logps is None else None,
-            backends=[backend for backend in (self.rollout_backend, snapshot) if backend is not None],
-            checked_mask=sampled.rollout.sampled_mask,
-        )
-
-    def _episode_seeds(self, num_rows: int, mode: str, step: int) -> list[int]:
-        """One environment seed per group (its num_generations episodes start from the same state), whatever the
-        process layout."""
+    def _row_keys(self, num_rows: int, mode: str, step: int, group_size: int = 1) -> torch.Tensor:
+        """A key per row (or per group of `group_size` rows) of this process's slice of the global generation
+        batch (ranks hold consecutive slices), drawn for optimizer step `step`: whatever the process layout."""
         rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
-        keys = stream_keys(self.args.seed, step, 0 if mode == "train" else 1, rows // self.args.num_generations)
-        return (keys & 0x7FFFFFFF).tolist()
-
-    def _generation_context(self) -> contextlib.AbstractContextManager:
-        """Sampling on the trained model runs under the training precision and, under ZeRO-3, gathered weights."""
-        if not self.rollout_backend.samples_with_training_model:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(precision_context(self.accelerator))
-        args = self.args
-        gathered = weights_for_generation(
-            self.model_wrapped, self.accelerator, args.ds3_gather_for_generation, checkpoint_kwargs(args)
-        )
-        stack.enter_context(gathered)
-        return stack
-
-    def _stream_keys(self, num_rows: int, mode: str, step: int, keyed: bool = False) -> torch.Tensor | None:
-        """Per-completion sampling keys that do not depend on the process layout (None: global RNG)."""
-        if not (self.args.layout_independent_sampling or keyed):
-            return None
-        # Ranks hold consecutive slices of the global generation batch.
-        rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
-        return stream_keys(self.args.seed, step, 0 if mode == "train" else 1, rows)
+        return stream_keys(self.args.seed, step, 0 if mode == "train" else 1, rows // group_size)
 
     def _score_without_grad(self, model, inputs: MicroBatch) -> torch.Tensor:
         """(B, C) per-token log-probs of a whole rollout batch, one training micro-batch at a time."""
@@ -495,7 +387,7 @@ class GSPOTrainer(Trainer):
             model,
             inputs,
             self.args.per_device_train_batch_size,
-            lambda: precision_context(self.accelerator),
+            functools.partial(precision_context, self.accelerator),
             temperature=self.args.temperature,
             chunk_size=self.args.logprob_chunk_size,
             padding_free=self.padding_free,
@@ -510,12 +402,10 @@ class GSPOTrainer(Trainer):
             self.schedule.check_weights_unchanged(self.state.global_step)
         mode = "train" if self.model.training else "eval"
         mask = inputs.completion_mask
+        per_step = self.args.steps_per_generation if mode == "train" else 1  # micro-batches per optimizer step
         scores = completion_logprobs(
             model,
-            inputs.input_ids,
-            inputs.attention_mask,
-            inputs.completion_ids,
-            mask,
+            *inputs.model_inputs(),
             temperature=self.args.temperature,
             chunk_size=self.args.logprob_chunk_size,
             kept_logits_mb=self.args.logprob_kept_logits_mb,
@@ -523,8 +413,13 @@ class GSPOTrainer(Trainer):
             entropy_grad=self.entropy_coefficient.enabled,
             router_aux_loss=self.router_aux_loss_coef != 0.0,
         )
-        policy_token_mask, learned, entropy_normalizer = self._selected_tokens(
-            scores.entropy.detach(), mask, inputs.micro_batch_tokens
+        policy_token_mask, learned, entropy_normalizer = learned_tokens(
+            scores.entropy.detach(),
+            mask,
+            self.args.top_entropy_quantile,
+            self.accelerator,
+            counted=self.entropy_coefficient.enabled,
+            micro_batch_tokens=inputs.micro_batch_tokens,
         )
         entropy_coef = self.entropy_coefficient.to_apply()
         sampling_weights, sampling_stats = correction_for(inputs, scores.logps.detach(), self.args)
@@ -539,7 +434,7 @@ class GSPOTrainer(Trainer):
             sampling_weights=sampling_weights,
             policy_token_mask=policy_token_mask,
             turn_ids=inputs.turn_ids,
-            token_normalizer=self._token_normalizer(inputs, mode),
+            token_normalizer=token_normalizer(inputs.num_items_in_batch, self.accelerator.num_processes, per_step),
             per_token_entropy=scores.entropy,
             entropy_coef=entropy_coef,
             entropy_normalizer=entropy_normalizer,
@@ -556,37 +451,8 @@ class GSPOTrainer(Trainer):
             if mode == "train" and self.entropy_coefficient.adaptive:
                 self.entropy_coefficient.observe(scores.entropy.detach(), learned, self.accelerator)
         counts = metric_counts(mask, self.objective.importance_sampling_level, self.args.vllm_importance_sampling_mode)
-        self._pass_metrics.append((metrics, counts))
-        if inputs.last_pass:  # the micro-batch's metrics, over all its passes and processes
-            parts, self._pass_metrics = self._pass_metrics, []
-            self._metrics.add_many(
-                mode, reduce_across_processes([m for m, _ in parts], self.accelerator.gather, [c for _, c in parts])
-            )
+        self._metrics.add_pass(mode, metrics, counts, inputs.last_pass, self.accelerator.gather)
         return loss
-
-    def _selected_tokens(self, entropy: torch.Tensor, mask: torch.Tensor, micro_batch_tokens=None):
-        """(the top-entropy token mask or None, the tokens the policy term learns from, their count per process
-        over every process for the entropy bonus's mean or None): quantile and count span all processes, and the
-        count the whole micro-batch (``micro_batch_tokens`` on a pass; passes need top_entropy_quantile = 1)."""
-        policy_token_mask = None
-        if self.args.top_entropy_quantile < 1.0:
-            everyones = gather_ragged(entropy[mask.bool()], self.accelerator)
-            policy_token_mask = high_entropy_token_mask(entropy, mask, self.args.top_entropy_quantile, everyones)
-        learned = mask.bool() if policy_token_mask is None else mask.bool() & policy_token_mask.bool()
-        entropy_normalizer = None
-        if self.entropy_coefficient.enabled:
-            count = learned.sum() if micro_batch_tokens is None else micro_batch_tokens
-            entropy_normalizer = self.accelerator.reduce(count, "sum") / self.accelerator.num_processes
-        return policy_token_mask, learned, entropy_normalizer
-
-    def _token_normalizer(self, inputs: MicroBatch, mode: str) -> torch.Tensor | None:
-        """What the token-mean losses (dapo, cispo, vespo) divide a micro-batch's sum by: the completion tokens per
-        process and optimizer step, averaged over the rollout (TRL's definition). Trainer then divides by the
-        accumulation steps, and DDP averages over processes."""
-        if inputs.num_items_in_batch is None:
-            return None
-        per_process = inputs.num_items_in_batch / self.accelerator.num_processes
-        return per_process / self.args.steps_per_generation if mode == "train" else per_process
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -620,12 +486,9 @@ class GSPOTrainer(Trainer):
     def create_model_card(self, model_name: str | None = None, tags=None, **kwargs) -> None:
         if not self.is_world_process_zero():
             return
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        peft = is_peft_model(unwrapped)
         write_model_card(
             self.args.output_dir,
-            unwrapped.get_base_model() if peft else unwrapped,
-            peft,
+            self.accelerator.unwrap_model(self.model),
             model_name or Path(self.args.output_dir).name,
             [reward_func.name for reward_func in self.reward_funcs],
             self.args,
