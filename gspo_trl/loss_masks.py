@@ -23,17 +23,17 @@ from .distributed import gather_ragged
 
 def off_policy_sequence_mask(
     advantages: torch.Tensor,  # (B, T) or (B, 1)
-    per_token_logps: torch.Tensor,  # (B, T) current policy
-    sampling_per_token_logps: torch.Tensor,  # (B, T) the policy that sampled the tokens
+    logps: torch.Tensor,  # (B, T) current policy
+    sampling_logps: torch.Tensor,  # (B, T) the policy that sampled the tokens
     mask: torch.Tensor,  # (B, T)
     threshold: float,
 ) -> torch.Tensor:
     """1 where a sequence is kept: A >= 0, or its mean log(pi_sampler / pi_theta) is <= threshold."""
     with torch.no_grad():
         # A token the sampler could not score (NaN) is no evidence of drift.
-        drift = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
+        drift = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
         mean_drift = (drift * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
-        return ((advantages >= 0) | (mean_drift <= threshold)).to(per_token_logps.dtype)
+        return ((advantages >= 0) | (mean_drift <= threshold)).to(logps.dtype)
 
 
 def high_entropy_token_mask(
