@@ -2,13 +2,17 @@
 
 Each log-prob quantity has one name from where it is produced to where the loss reads it:
 
-| quantity                                   | field             | produced by                                   |
-|--------------------------------------------|-------------------|-----------------------------------------------|
-| the sampler's per-token log-probs          | `sampling_logps`  | the engine, as it sampled (`Rollout`)         |
-| whether the sampler was the trained policy | `sampled_by_policy` | the rollout backend (`Rollout`)             |
-| π_old, the weights that sampled            | `old_logps`       | `schedule.fill_old_logps` (None: unchanged)   |
-| the reference model's                      | `ref_logps`       | the trainer's reference forward (beta > 0)    |
-| the correction weight π_old / π_sampler    | `sampling_weights`| `sampling_correction`, in the loss only       |
+| quantity                                    | name                | produced by                                  |
+|---------------------------------------------|---------------------|----------------------------------------------|
+| the sampler's per-token log-probs           | `sampling_logps`    | the engine, as it sampled (`Rollout`)        |
+| whether the sampler was the trained policy  | `sampled_by_policy` | the rollout backend (`Rollout`)              |
+| π_old, the weights that sampled             | `old_logps`         | `schedule.fill_old_logps` (None: unchanged)  |
+| the reference model's                       | `ref_logps`         | the trainer's reference forward (beta > 0)   |
+| the correction weight π_old / π_sampler     | `sampling_weights`  | `sampling_correction.correction_for`         |
+| the current policy's (with a gradient)      | `logps`             | `compute_loss`'s forward                     |
+
+`loss.policy_loss` takes them under the same names; its `sampling_logps` are another engine's only (`engine_logps`:
+the decoding loop's own are π_old, not a sampler to correct for). The last two exist in the loss step only.
 
 Owns the record, cutting rows out of it (`select`: micro-batches, a process's share, a training pass) and its
 checkpoint form (`to_state` / `from_state`, which reads the key names of earlier checkpoints). What it does not own:
@@ -22,8 +26,8 @@ from typing import Any
 
 import torch
 
-# Key names of checkpoints written before the record (gspo-trl <= 0.x): new name, and for the sampler's log-probs
-# whether they were the trained policy's own (the decoding loop's) rather than another engine's.
+# Key names of checkpoints written before the record (gspo-trl 0.2.0 and earlier): their names here; the sampler's
+# log-probs were two keys, by whether they were the trained policy's own (the decoding loop's) or another engine's.
 LEGACY_NAMES = {
     "old_per_token_logps": "old_logps",
     "ref_per_token_logps": "ref_logps",

@@ -34,7 +34,7 @@ _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 class RolloutState:
     """What one process needs to continue the rollout it was training on."""
 
-    micro_batches: list[dict[str, Any]] | None  # the buffered rollout, or None between rollouts
+    micro_batches: list[dict[str, Any]] | None  # the buffered rollout (`MicroBatch.to_state`), None between rollouts
     sampled_at_step: int  # optimizer steps done when it was sampled
     shuffle_generator_state: torch.Tensor  # the generator that orders groups into micro-batches
     num_tokens_seen: int
