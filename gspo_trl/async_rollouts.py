@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from .micro_batch import MicroBatch
 from .rollout import EpisodeRunner, HFGenerateBackend, RolloutBackend
 
 logger = logging.get_logger(__name__)
@@ -208,3 +209,39 @@ class RolloutPipeline:
         if self.snapshot_backend is None:
             self.snapshot_backend = HFGenerateBackend(lambda: self.snapshot.model, self.tokenizer, self.args)
         return self.snapshot_backend, self.runner, frozen
+
+    def take(self, batch, step: int, launch) -> tuple[Any, int]:
+        """(the rollout sampled ahead for optimizer step `step`, the optimizer step of its weights); where none was
+        (the first of an epoch, max_staleness=0, a resumed run), `launch(batch, for_step=step)` samples one now on
+        the same path, with staleness 0."""
+        taken = self.prefetcher.take(step)
+        if taken is None:
+            launch(batch, for_step=step)
+            taken = self.prefetcher.take(step)
+        return taken
+
+    def launch(self, batch, for_step: int, weights_step: int, models, sample, score, context) -> None:
+        """Start sampling `batch` for optimizer step `for_step` on the weights of `weights_step` in the background.
+
+        `models`: (the wrapped model, the unwrapped one); `sample(backend, runner, batch, mode, step, keyed=...)`
+        samples a `SampledRollout`; `score(model, batch)` gives a `MicroBatch`'s log-probs; `context()` is training's
+        precision (autocast is per thread). Sampled ahead on a snapshot of the weights, the rollout keeps π_old
+        (`behaviour_logps`): the decoding loop's log-probs, or the snapshot's forward, as those weights will be gone."""
+        backend, runner, frozen = self.engines(*models, weights_step)
+        ahead = for_step != weights_step  # sampling overlaps training
+
+        def sample_ahead():  # runs on the pipeline's thread
+            with context():
+                # Overlapping training, which rewinds the global random state (checkpointed recomputation), it
+                # draws from per-completion streams of its own.
+                sampled = sample(backend, runner, batch, "train", for_step, keyed=ahead)
+                if frozen is not None and ahead:
+                    rollout = sampled.rollout
+                    sampled.behaviour_logps = (
+                        rollout.sampling_logps
+                        if rollout.sampled_by_policy
+                        else score(frozen, MicroBatch(**rollout.model_inputs()))
+                    )
+            return sampled
+
+        self.prefetcher.submit(for_step, weights_step, sample_ahead)

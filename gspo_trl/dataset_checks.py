@@ -1,7 +1,33 @@
-"""Checks of the datasets a user hands `GSPOTrainer`, before anything is built: one split, a 'prompt' column,
-enough prompts for one rollout. Each raises an error that names the argument and says what to change."""
+"""Checks of what a user hands `GSPOTrainer`, before anything is built: a `GSPOConfig` (or the default one), and
+datasets of one split, with a 'prompt' column and enough prompts for one rollout. Each raises an error that names
+the argument and says what to change."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from .config import GSPOConfig
+
+
+def trainer_config(args, model) -> GSPOConfig:
+    """`args`, or without one (as TRL) the defaults writing to `<model name>-GSPO`; anything but a `GSPOConfig`
+    (TRL's `GRPOConfig`) is a `TypeError` that names the replacement."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+        args = GSPOConfig(output_dir=f"{Path(str(name)).name}-GSPO")
+    if not isinstance(args, GSPOConfig):
+        raise TypeError(
+            f"args must be a GSPOConfig, got {type(args).__name__}. Coming from TRL, replace GRPOConfig with "
+            "gspo_trl.GSPOConfig (same field names)."
+        )
+    return args
+
+
+def check_datasets(train_dataset, eval_dataset, args, needs_prompt: bool) -> None:
+    """The training and evaluation datasets (`check_prompt_dataset`), and enough training prompts for a rollout."""
+    check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=needs_prompt)
+    check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=needs_prompt)
+    check_enough_prompts(train_dataset, args)
 
 
 def check_enough_prompts(dataset, args) -> None:

@@ -19,6 +19,10 @@ import os
 import torch
 from transformers.utils import logging
 
+from .checkpointing import checkpoint_kwargs
+from .micro_batch import MicroBatch
+from .precision import precision_context
+
 logger = logging.get_logger(__name__)
 
 
@@ -304,7 +308,19 @@ def gradients_held(accelerator, model: torch.nn.Module, defer_fsdp_reduction=Non
         accelerator.gradient_state._set_sync_gradients(True)
 
 
-def gather_rollout(batch: dict, accelerator, pad_token_id: int) -> dict:
+def generation_context(model_wrapped, accelerator, args, on_training_model: bool) -> contextlib.AbstractContextManager:
+    """What sampling on the trained model (`on_training_model`) runs under: the training precision and
+    `weights_for_generation`; nothing for an engine with weights of its own."""
+    if not on_training_model:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(precision_context(accelerator))
+    kwargs = checkpoint_kwargs(args)
+    stack.enter_context(weights_for_generation(model_wrapped, accelerator, args.ds3_gather_for_generation, kwargs))
+    return stack
+
+
+def gather_rollout(batch: MicroBatch, accelerator, pad_token_id: int) -> MicroBatch:
     """Every process's rollout rows, in process order, padded as one batch would be.
 
     `input_ids` / `attention_mask` hold a left-padded prompt followed by a right-padded completion; the
@@ -312,33 +328,33 @@ def gather_rollout(batch: dict, accelerator, pad_token_id: int) -> dict:
     the result is laid out exactly as if one process had sampled all rows. Completion-aligned tensors
     (B, C) are padded on the right; per-row tensors (B,) are gathered as they are.
     """
-    completion_length = batch["completion_ids"].shape[1]
-    prompt_length = batch["input_ids"].shape[1] - completion_length
+    completion_length = batch.completion_ids.shape[1]
+    prompt_length = batch.input_ids.shape[1] - completion_length
 
     def gathered(tensor, pad_index, pad_first):
         return accelerator.gather(
             accelerator.pad_across_processes(tensor, dim=1, pad_index=pad_index, pad_first=pad_first)
         )
 
-    prompt_ids = gathered(batch["input_ids"][:, :prompt_length], pad_token_id, True)
-    prompt_mask = gathered(batch["attention_mask"][:, :prompt_length], 0, True)
-    completion_ids = gathered(batch["completion_ids"], pad_token_id, False)
-    completion_attention = gathered(batch["attention_mask"][:, prompt_length:], 0, False)
+    prompt_ids = gathered(batch.input_ids[:, :prompt_length], pad_token_id, True)
+    prompt_mask = gathered(batch.attention_mask[:, :prompt_length], 0, True)
+    completion_ids = gathered(batch.completion_ids, pad_token_id, False)
+    completion_attention = gathered(batch.attention_mask[:, prompt_length:], 0, False)
     result = {
         "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
         "attention_mask": torch.cat([prompt_mask, completion_attention], dim=1),
         "completion_ids": completion_ids,
     }
-    for key, value in batch.items():
-        if key in result:
-            continue
-        if value is None:
-            result[key] = None
-        elif value.dim() == 2:  # completion-aligned: completion_mask, reference log-probs
-            result[key] = gathered(value, 0, False)
+    for name, value in batch.to_state().items():
+        if name in result or not isinstance(value, torch.Tensor):
+            result.setdefault(name, value)
+        elif value.dim() == 0:  # a count over the whole rollout (num_items_in_batch)
+            result[name] = value
+        elif value.dim() == 2:  # completion-aligned: completion_mask, log-probs
+            result[name] = gathered(value, 0, False)
         else:
-            result[key] = accelerator.gather(value)
-    return result
+            result[name] = accelerator.gather(value)
+    return MicroBatch(**result)
 
 
 def gather_ragged(values: torch.Tensor, accelerator) -> torch.Tensor:

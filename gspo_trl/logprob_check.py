@@ -27,6 +27,7 @@ from transformers.utils import logging
 
 from .distributed import has_sharded_parameters, unwrap_model
 from .logprobs import completion_logprobs
+from .micro_batch import MicroBatch
 from .precision import precision_context
 
 logger = logging.get_logger(__name__)
@@ -159,7 +160,7 @@ def tolerance_in_use(model) -> Tolerance:
 
 def check_first_rollout(
     model,
-    inputs: dict,
+    inputs: MicroBatch,
     args,
     accelerator=None,
     *,
@@ -170,8 +171,8 @@ def check_first_rollout(
 ) -> bool:
     """Check the first rollout's log-probs (see the module docstring); returns `padding_free` as training goes on.
 
-    `inputs`: the rollout's model inputs (`input_ids`, `attention_mask`, `completion_ids`, `completion_mask`) and the
-    decoding loop's recorded `decoding_per_token_logps` (None where none were), which a fallback sets to None.
+    `inputs`: the rollout's `MicroBatch`: its model inputs and, with `sampled_by_policy`, the decoding loop's recorded
+    `sampling_logps` (None where none were), which a fallback sets to None.
     `args`: the `GSPOConfig` (`check_logprobs`, `temperature`, `logprob_chunk_size`). `decoding_loop`: the loop that
     recorded them (`Rollout.decoding_loop`; None where no loop did with the model's current weights); `backends`: those
     a loop fallback applies to (`RolloutBackend.avoid_loop`).
@@ -192,17 +193,17 @@ def check_first_rollout(
 
     config = unwrap_model(model).config
     family = f"model_type={config.model_type!r}, attn_implementation={getattr(config, '_attn_implementation', None)!r}"
-    checked_mask = inputs["completion_mask"] if checked_mask is None else checked_mask
-    rows = checked_rows(inputs["attention_mask"], checked_mask)
-    width = min(CHECKED_TOKENS, inputs["completion_ids"].shape[1])
-    keep = inputs["input_ids"].shape[1] - inputs["completion_ids"].shape[1] + width
+    checked_mask = inputs.completion_mask if checked_mask is None else checked_mask
+    rows = checked_rows(inputs.attention_mask, checked_mask)
+    width = min(CHECKED_TOKENS, inputs.completion_ids.shape[1])
+    keep = inputs.input_ids.shape[1] - inputs.completion_ids.shape[1] + width
     batch = (
-        inputs["input_ids"][rows, :keep],
-        inputs["attention_mask"][rows, :keep],
-        inputs["completion_ids"][rows, :width],
+        inputs.input_ids[rows, :keep],
+        inputs.attention_mask[rows, :keep],
+        inputs.completion_ids[rows, :width],
         checked_mask[rows, :width],
     )
-    decoded = inputs.get("decoding_per_token_logps")
+    decoded = inputs.sampling_logps if inputs.sampled_by_policy else None
     collective = agree is not None and has_sharded_parameters(model)
     was_training = unwrap_model(model).training
     model.eval()  # dropout (disable_dropout=False) would make every comparison differ
@@ -251,7 +252,7 @@ def check_first_rollout(
         if option == "raise":
             raise ValueError(_disagreement(loop, tolerance, family) + _advice(loop.path))
         logger.warning(_disagreement(loop, tolerance, family) + _loop_fallback(decoding_loop))
-        inputs["decoding_per_token_logps"] = None  # π_old of this rollout: a forward on the path just checked
+        inputs.sampling_logps = None  # π_old of this rollout: a forward on the path just checked
         for backend in backends:
             backend.avoid_loop(decoding_loop)
     for report in (scoring, loop):

@@ -328,3 +328,24 @@ def _score_hidden_states(
     if not logps_chunks:
         return None, None
     return torch.cat(logps_chunks), torch.cat(entropy_chunks)
+
+
+@torch.no_grad()
+def logprobs_without_grad(model, batch, rows_per_forward: int, context, **options) -> torch.Tensor:
+    """(B, C) per-token log-probs of a whole batch (a `MicroBatch`, or anything with its four model inputs), without a
+    gradient, `rows_per_forward` rows at a time, each forward under `context()` (training's precision);
+    `options` go to `completion_logprobs`."""
+    chunks = []
+    for start in range(0, batch.input_ids.shape[0], rows_per_forward):
+        rows = slice(start, start + rows_per_forward)
+        with context():
+            scores = completion_logprobs(
+                model,
+                batch.input_ids[rows],
+                batch.attention_mask[rows],
+                batch.completion_ids[rows],
+                batch.completion_mask[rows],
+                **options,
+            )
+        chunks.append(scores.logps)
+    return torch.cat(chunks)

@@ -176,13 +176,13 @@ def aggregate(
     return total_per_sequence.sum() / tokens.clamp(min=1)  # token mean of this batch
 
 
-def _validate_tensors(per_token_logps, advantages, objective: Objective, beta_needs_ref, **tensors) -> None:
-    if per_token_logps.dim() != 2:
-        raise ValueError(f"per_token_logps must have shape (B, T), got {tuple(per_token_logps.shape)}")
-    shape = per_token_logps.shape
+def _validate_tensors(logps, advantages, objective: Objective, beta_needs_ref, **tensors) -> None:
+    if logps.dim() != 2:
+        raise ValueError(f"logps must have shape (B, T), got {tuple(logps.shape)}")
+    shape = logps.shape
     for name, tensor in tensors.items():
         if tensor is not None and tensor.shape != shape:
-            raise ValueError(f"{name} must have the shape of per_token_logps {tuple(shape)}, got {tuple(tensor.shape)}")
+            raise ValueError(f"{name} must have the shape of logps {tuple(shape)}, got {tuple(tensor.shape)}")
     if advantages.shape not in (shape[:1], shape):
         raise ValueError(
             f"advantages must have shape (B,) = {tuple(shape[:1])} or (B, T) = {tuple(shape)}, "
@@ -197,17 +197,39 @@ def _validate_tensors(per_token_logps, advantages, objective: Objective, beta_ne
     if advantages.dim() == 2 and objective.loss_type == "vespo":
         raise ValueError("loss_type='vespo' weighs whole sequences and needs (B,) advantages, got (B, T)")
     if beta_needs_ref:
-        raise ValueError("ref_per_token_logps is required when beta > 0 (the KL penalty needs the reference policy)")
+        raise ValueError("ref_logps is required when beta > 0 (the KL penalty needs the reference policy)")
+
+
+# The log-prob arguments under their earlier (TRL's) names, and their names here: one name per quantity, as the
+# trainer's `MicroBatch` carries them.
+RENAMED_ARGUMENTS = {
+    "per_token_logps": "logps",
+    "old_per_token_logps": "old_logps",
+    "ref_per_token_logps": "ref_logps",
+    "sampling_per_token_logps": "sampling_logps",
+}
+
+
+def token_normalizer(
+    num_items_in_batch: torch.Tensor | None, num_processes: int, micro_batches_per_step: int
+) -> torch.Tensor | None:
+    """What the token-mean losses (dapo, cispo, vespo) divide a micro-batch's sum by: the completion tokens per
+    process and optimizer step, averaged over the rollout (TRL's definition): the rollout's tokens over every
+    process (`num_items_in_batch`) / processes / micro-batches per optimizer step (`steps_per_generation` in
+    training, 1 in evaluation). Trainer then divides by the accumulation steps, and DDP averages over processes."""
+    if num_items_in_batch is None:
+        return None
+    return num_items_in_batch / num_processes / micro_batches_per_step
 
 
 def policy_loss(
-    per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor | None,
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
     *,
-    ref_per_token_logps: torch.Tensor | None = None,
-    sampling_per_token_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
     policy_token_mask: torch.Tensor | None = None,
     turn_ids: torch.Tensor | None = None,
@@ -223,15 +245,15 @@ def policy_loss(
     """The loss to minimise for one batch of sampled completions, and detached statistics.
 
     Args:
-        per_token_logps: (B, T) log pi_theta(y_t | x, y_<t); carries the gradient.
-        old_per_token_logps: (B, T) behaviour-policy log-probs, or None for on-policy (old = sg[logp]: the
+        logps: (B, T) log pi_theta(y_t | x, y_<t); carries the gradient.
+        old_logps: (B, T) behaviour-policy log-probs, or None for on-policy (old = sg[logp]: the
             ratio is exactly 1 while its gradient is ratio * d logp).
         advantages: (B,) per sequence, or (B, T) per token (with ``"sequence_token"``, ``"token"`` or ``"turn"``;
             per-turn advantages are (B, T) constant over each turn's tokens).
         completion_mask: (B, T), nonzero where a token is trained on. Padded positions of every other tensor
             may hold garbage (NaN, -inf); it never reaches the loss or the gradient.
-        ref_per_token_logps: (B, T) reference-policy log-probs; required when beta > 0.
-        sampling_per_token_logps: (B, T) log-probs of the engine that sampled the tokens, for
+        ref_logps: (B, T) reference-policy log-probs; required when beta > 0.
+        sampling_logps: (B, T) log-probs of the engine that sampled the tokens, for
             ``off_policy_mask_threshold``; defaults to the old log-probs.
         sampling_weights: (B, T) detached correction weights pi_old / pi_sampler for a rollout sampled by another
             engine (`sampling_correction.sampling_correction`): they multiply each token's policy loss (before the
@@ -260,27 +282,30 @@ def policy_loss(
         masking is on. For ``"sequence"`` they are over sequences with >= 1 valid token, otherwise over valid
         tokens; with nothing valid, fractions are 0 and ratios 1.
     """
+    renamed = [name for name in hyperparameters if name in RENAMED_ARGUMENTS]
+    if renamed:
+        raise TypeError(f"policy_loss: {renamed[0]} is now called {RENAMED_ARGUMENTS[renamed[0]]}")
     objective = objective if objective is not None else Objective(**hyperparameters)
     _validate_tensors(
-        per_token_logps,
+        logps,
         advantages,
         objective,
-        beta_needs_ref=objective.beta > 0 and ref_per_token_logps is None,
-        old_per_token_logps=old_per_token_logps,
+        beta_needs_ref=objective.beta > 0 and ref_logps is None,
+        old_logps=old_logps,
         completion_mask=completion_mask,
-        ref_per_token_logps=ref_per_token_logps,
-        sampling_per_token_logps=sampling_per_token_logps,
+        ref_logps=ref_logps,
+        sampling_logps=sampling_logps,
         sampling_weights=sampling_weights,
         turn_ids=turn_ids,
         policy_token_mask=policy_token_mask,
         per_token_entropy=per_token_entropy,
     )
     mask = completion_mask.bool()  # (B, T)
-    zeros = torch.zeros_like(per_token_logps)
+    zeros = torch.zeros_like(logps)
 
     # Sanitise first: padded garbage becomes 0 through torch.where, whose backward sends 0 (not 0 * NaN) there.
-    logps = torch.where(mask, per_token_logps, zeros)  # (B, T)
-    old_logps = logps.detach() if old_per_token_logps is None else torch.where(mask, old_per_token_logps, zeros)
+    logps = torch.where(mask, logps, zeros)  # (B, T)
+    old_logps = logps.detach() if old_logps is None else torch.where(mask, old_logps, zeros)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logps)  # (B, T), one value per sequence
     advantages = torch.where(mask, advantages.to(logps.dtype), zeros)  # (B, T)
@@ -314,7 +339,7 @@ def policy_loss(
 
     stats = {}
     if objective.off_policy_mask_threshold is not None:
-        sampling = old_logps if sampling_per_token_logps is None else torch.where(mask, sampling_per_token_logps, zeros)
+        sampling = old_logps if sampling_logps is None else torch.where(mask, sampling_logps, zeros)
         keep = off_policy_sequence_mask(advantages, logps, sampling, mask, objective.off_policy_mask_threshold)
         per_token_loss = per_token_loss * keep
         stats["off_policy_masked_fraction"] = masked_mean(1.0 - keep[:, 0], valid_sequences)
@@ -326,7 +351,7 @@ def policy_loss(
     per_token_kl = None
     if objective.beta > 0:
         # k3 estimator of KL(pi || pi_ref): exp(d) - d - 1 with d = log pi_ref - log pi, d clamped so exp stays finite.
-        ref_logps = torch.where(mask, ref_per_token_logps, zeros)
+        ref_logps = torch.where(mask, ref_logps, zeros)
         d = (ref_logps - logps).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
         per_token_kl = torch.exp(d) - d - 1.0  # (B, T)
         # Samples come from pi_old: weighting by the ratio makes k3 an estimate under pi (TRL 1.16 semantics).

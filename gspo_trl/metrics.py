@@ -45,6 +45,15 @@ class MetricsBuffer:
 
     def __init__(self):
         self._values = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.passes: list[tuple[dict, dict]] = []  # (metrics, counts) of a micro-batch's training passes so far
+
+    def add_pass(self, mode: str, metrics: dict, counts: dict, last: bool, gather) -> None:
+        """Keep one training pass's loss metrics (`counts`: `metric_counts`); after the micro-batch's `last` pass,
+        add the micro-batch's, over all its passes and processes (`reduce_across_processes`)."""
+        self.passes.append((metrics, counts))
+        if last:
+            parts, self.passes = self.passes, []
+            self.add_many(mode, reduce_across_processes([m for m, _ in parts], gather, [c for _, c in parts]))
 
     def add(self, mode: str, name: str, value) -> None:
         if isinstance(value, torch.Tensor):
@@ -289,3 +298,58 @@ def print_completions(samples: list[dict], limit: int | None, step: int) -> None
             prompt = prompt[-1]["content"]
         scores = f"[reward {sample['reward']:+.3f} | advantage {sample['advantage']:+.3f}]"
         print(f"{scores} {prompt!r} -> {sample['completion']!r}")
+
+
+def record_rollout_metrics(
+    metrics: MetricsBuffer, mode: str, sampled, scores, reward_names: list[str], uses_tools: bool, accelerator
+) -> None:
+    """Log what a scored rollout did, over every process: rewards per function and in total, completion lengths
+    (model tokens, as TRL counts them with tools) and, for episodes, `episode_metrics`. `sampled`: the
+    `SampledRollout`; `scores`: its `scoring.RolloutScores`."""
+    from .rollout.episodes import END_REASONS, end_codes
+
+    rollout, episodes, gather = sampled.rollout, sampled.episodes, accelerator.gather
+    sampled_mask = rollout.sampled_mask
+    names, table = list(reward_names), scores.rewards_per_func
+    if episodes is not None and uses_tools:
+        table = table[:, 1:]  # the environment's column: tool episodes have no step rewards
+    elif episodes is not None:
+        names = ["env"] + names  # the environment's return is the table's first column
+    metrics.add_many(mode, reward_function_metrics(table, names))
+    for name in ("reward", "reward_std", "frac_reward_zero_std"):
+        metrics.add(mode, name, scores.stats[name])
+    sampled_tokens = sampled_mask.sum(1, keepdim=True)  # (n, 1)
+    truncated = gather(rollout.is_truncated.unsqueeze(1)).squeeze(1)
+    metrics.add_many(mode, completion_length_metrics(gather(sampled_tokens), truncated))
+    if episodes is None:
+        return
+    device = sampled_mask.device
+
+    def gathered(tensor, padded=False):
+        tensor = tensor.to(device)
+        return gather(accelerator.pad_across_processes(tensor, dim=1) if padded else tensor)
+
+    env_tokens = rollout.completion_mask.sum(1, keepdim=True) - sampled_tokens
+    episode_figures = episode_metrics(
+        gathered(episodes.reached, padded=True),
+        None if uses_tools else gathered(episodes.turn_rewards, padded=True),
+        gather(sampled_tokens),
+        gather(env_tokens),
+        gathered(end_codes(episodes.ends)),
+        END_REASONS,
+        gathered(episodes.tool_calls) if uses_tools else None,
+        gathered(episodes.tool_failures) if uses_tools else None,
+    )
+    metrics.add_many(mode, episode_figures)
+
+
+def completion_samples(prompts, texts, scores, rows: slice, extra_columns: dict) -> list[dict]:
+    """The rows `print_completions` shows: prompt, completion, reward (of `scores`, a `scoring.RolloutScores`, whose
+    rewards span every process: this process's are `rows`), advantage (per-turn ones: the first turn's) and the
+    columns reward functions logged."""
+    advantages = scores.advantages if scores.advantages.dim() == 1 else scores.advantages[:, 0]
+    rewards = scores.rewards[rows].tolist()
+    return [
+        {"prompt": p, "completion": c, "reward": r, "advantage": a, **{k: v[i] for k, v in extra_columns.items()}}
+        for i, (p, c, r, a) in enumerate(zip(prompts, texts, rewards, advantages.tolist()))
+    ]

@@ -1,10 +1,15 @@
 """The README.md model card written next to a trained model and pushed with `push_to_hub`.
 
 Owns the card's text: what was trained, with which method (GSPO, with the paper's citation),
-which reward functions and which key settings. Pure: settings in, markdown out.
+which reward functions and which key settings (`render_model_card`, pure: settings in, markdown out), and writing
+it for a model (`write_model_card`).
 """
 
 from __future__ import annotations
+
+import os
+
+from .models import is_peft_model
 
 GSPO_CITATION = """@article{zheng2025gspo,
   title   = {Group Sequence Policy Optimization},
@@ -79,3 +84,26 @@ $s_i(\\theta) = (\\pi_\\theta(y_i|x) / \\pi_{{\\theta_{{old}}}}(y_i|x))^{{1/|y_i
 {GSPO_CITATION}
 ```
 """
+
+
+def write_model_card(
+    output_dir: str, model, model_name: str, reward_names: list[str], args, library_version: str, tags=None
+) -> None:
+    """Write `output_dir/README.md` for the trained (unwrapped) `model`, naming its base model (under a PEFT adapter,
+    the adapted one); a base model loaded from a local path is not named (it means nothing to a Hub reader)."""
+    peft = is_peft_model(model)
+    base_model = getattr((model.get_base_model() if peft else model).config, "_name_or_path", None)
+    if base_model and os.path.isdir(base_model):
+        base_model = None
+    card = render_model_card(
+        model_name=model_name,
+        base_model=base_model,
+        reward_names=reward_names,
+        args=args,
+        peft=peft,
+        library_version=library_version,
+        tags=[tags] if isinstance(tags, str) else tags,
+    )
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
+        handle.write(card)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .distributed import unwrap_model
-from .precision import cast_lm_head_to_fp32
+from .precision import cast_lm_head_to_fp32, check_precision
 
 
 def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
@@ -134,3 +134,14 @@ def reference_weights(policy, reference):
         return
     with unwrap_model(policy).disable_adapter():
         yield policy
+
+
+def load_policy_and_tokenizer(model, processing_class, peft_config, args) -> tuple[PreTrainedModel, object]:
+    """The policy to train (loaded, prepared, under a PEFT adapter with `peft_config`, its precision checked) and
+    its tokenizer."""
+    model = load_policy(model, args.model_init_kwargs)
+    tokenizer = load_tokenizer(processing_class, model)
+    prepare_weights(model, args)
+    model = apply_peft(model, peft_config, args.activation_checkpointing)
+    check_precision(model, args)
+    return model, tokenizer

@@ -30,8 +30,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+from transformers.utils import logging
 
 from .positions import takes_position_ids
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_MAX_ROW_TOKENS = 2048  # bounds the (rows, 1, L, L) mask and the attention of one row
 DEFAULT_ATTENTION_PAIR_COST = 1 / 3000  # about SmolLM2-135M's; see relative_attention_cost
@@ -393,3 +396,13 @@ def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
     if not takes_position_ids(model):
         return "its forward takes no position_ids"
     return None
+
+
+def padding_free_in_use(setting: bool | None, device_type: str, base_model: torch.nn.Module) -> bool:
+    """Whether training packs rows: the `padding_free` setting (None: where it pays, `packing_pays_on`), and only
+    on a model that supports it (a warning says why not)."""
+    wanted = packing_pays_on(device_type) if setting is None else setting
+    reason = padding_free_unsupported_reason(base_model)
+    if wanted and reason is not None:
+        logger.warning(f"padding_free is not used: {reason}. Training runs on padded rows.")
+    return bool(wanted) and reason is None

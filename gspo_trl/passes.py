@@ -18,28 +18,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
+
+from .micro_batch import MicroBatch
 
 # Positions per pass on a CUDA device when `max_tokens_per_pass` is unset: at 1.7B parameters (bf16, no
 # checkpointing) about 20 GB of activations; passes this large cost the 1.7B/1024-token benchmark cell 5% of its
 # training-phase speed against one pass (docs/benchmarks.md, "SmolLM2-1.7B architecture on an H200").
 DEFAULT_CUDA_PASS_TOKENS = 8192
-
-# Keys of a micro-batch whose first dimension is not its rows.
-_BATCH_SCALARS = ("num_items_in_batch",)
-# Per-row tensors over the completion's positions (B, C), cut to the pass's longest completion.
-_COMPLETION_KEYS = (
-    "completion_ids",
-    "completion_mask",
-    "old_per_token_logps",
-    "ref_per_token_logps",
-    "sampling_per_token_logps",
-    "decoding_per_token_logps",
-    "turn_ids",
-    "advantages",
-)
 
 
 def resolve_max_tokens_per_pass(setting: int | None, device_type: str) -> int | None:
@@ -72,15 +59,15 @@ def pass_budget(args, device_type: str, router_aux_loss: bool) -> int | None:
 
 
 def micro_batch_passes(
-    micro_batch: dict[str, Any], max_tokens: int | None, most_of_all: Callable[[int], int] | None = None
+    micro_batch: MicroBatch, max_tokens: int | None, most_of_all: Callable[[int], int] | None = None
 ) -> list[torch.Tensor]:
     """The rows of each training pass of a micro-batch: one pass within the budget (or without one), else
     `plan_passes` over its rows' padded positions. ``most_of_all`` maps this process's number of passes to the
     largest over all processes (a collective: every process calls it, with the same rows per micro-batch)."""
-    rows = micro_batch["completion_mask"].shape[0]
+    rows = micro_batch.rows
     if max_tokens is None or rows < 2:
         return [torch.arange(rows)]
-    positions = padded_positions(micro_batch["attention_mask"], micro_batch["completion_mask"])  # (B,)
+    positions = padded_positions(micro_batch.attention_mask, micro_batch.completion_mask)  # (B,)
     passes = len(plan_passes(positions, max_tokens))
     if most_of_all is not None:
         passes = most_of_all(passes)
@@ -124,31 +111,17 @@ def plan_passes(row_positions: torch.Tensor, max_tokens: int | None, min_passes:
     return [order[part] for part in torch.arange(rows).tensor_split(passes)]
 
 
-def take_pass(micro_batch: dict[str, Any], rows: torch.Tensor, last: bool) -> dict[str, Any]:
+def take_pass(micro_batch: MicroBatch, rows: torch.Tensor, last: bool) -> MicroBatch:
     """The rows of one pass, without the completion columns after its rows' last trained token, and what the
     loss of a part needs: the whole micro-batch's rows and valid completion tokens, and whether this pass is the
     micro-batch's last."""
-    completion_mask = micro_batch["completion_mask"]
-    attention_mask = micro_batch["attention_mask"]
-    index = rows.to(completion_mask.device)
-    width = completion_mask.shape[1]
-    completion_width = max(int(trained_lengths(completion_mask[index]).amax()), 1)
+    completion_mask = micro_batch.completion_mask
+    completion_width = max(int(trained_lengths(completion_mask[rows.to(completion_mask.device)]).amax()), 1)
     # Only the completion's tail is cut: positions after a row's last trained token change none of its scores
     # (causal attention), while the prompt's left padding stays, so that every token keeps the position ids of
     # the micro-batch's π_old forward.
-    columns = slice(0, attention_mask.shape[1] - width + completion_width)  # of the (B, P + C) tensors
-    part = {}
-    for key, value in micro_batch.items():
-        if value is None or key in _BATCH_SCALARS or not isinstance(value, torch.Tensor):
-            part[key] = value
-            continue
-        value = value[index.to(value.device)]
-        if key in ("input_ids", "attention_mask"):
-            value = value[:, columns]
-        elif key in _COMPLETION_KEYS and value.dim() == 2 and value.shape[1] == width:
-            value = value[:, :completion_width]
-        part[key] = value
-    part["micro_batch_rows"] = completion_mask.shape[0]
-    part["micro_batch_tokens"] = completion_mask.sum()
-    part["last_pass"] = last
+    part = micro_batch.select(rows, completion_width)
+    part.micro_batch_rows = completion_mask.shape[0]
+    part.micro_batch_tokens = completion_mask.sum()
+    part.last_pass = last
     return part

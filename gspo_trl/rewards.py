@@ -130,6 +130,31 @@ def load_reward_funcs(
     ]
 
 
+def load_rewards(
+    reward_funcs: Any,
+    environment_rewards: list,
+    reward_processing_classes: Any,
+    args,
+    steps_reward: bool,
+) -> tuple[list[RewardFunction], torch.Tensor]:
+    """(the reward functions, their (F,) weights): the user's, weighted by `args.reward_weights`, then an
+    environment's `get_reward` functions, weighted 1 as in TRL. `steps_reward`: an `env_factory`'s `step()` rewards
+    may be the whole reward, so no reward function is needed."""
+    reward_funcs = _as_list(reward_funcs)
+    if reward_processing_classes is not None and environment_rewards:
+        reward_processing_classes = _as_list(reward_processing_classes) + [None] * len(environment_rewards)
+    loaded = load_reward_funcs(reward_funcs + environment_rewards, reward_processing_classes, args.model_init_kwargs)
+    if not loaded and not steps_reward:
+        raise ValueError(
+            "reward_funcs is empty: pass at least one reward function, an env_factory whose step() "
+            "returns rewards, or an environment_factory whose environment defines get_reward()."
+        )
+    weights = torch.cat(
+        [resolve_reward_weights(args.reward_weights, len(reward_funcs)), torch.ones(len(environment_rewards))]
+    )
+    return loaded, weights
+
+
 def _load_one(index: int, item: Any, processing_class: Any, model_init_kwargs: dict) -> RewardFunction:
     if isinstance(item, RewardFunction):
         return item

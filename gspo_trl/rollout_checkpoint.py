@@ -34,7 +34,7 @@ _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 class RolloutState:
     """What one process needs to continue the rollout it was training on."""
 
-    micro_batches: list[dict[str, Any]] | None  # the buffered rollout, or None between rollouts
+    micro_batches: list[dict[str, Any]] | None  # the buffered rollout (`MicroBatch.to_state`), None between rollouts
     sampled_at_step: int  # optimizer steps done when it was sampled
     shuffle_generator_state: torch.Tensor  # the generator that orders groups into micro-batches
     num_tokens_seen: int
@@ -178,3 +178,14 @@ def last_complete_checkpoint(output_dir: str, num_processes: int) -> tuple[str |
             return path, skipped
         skipped.append(path)
     return None, skipped
+
+
+def checkpoint_to_resume(output_dir: str, num_processes: int, warn) -> str:
+    """The newest complete checkpoint under `output_dir` (`resume_from_checkpoint=True`: Trainer would take the
+    newest folder, even a half-written one); newer incomplete ones are reported through `warn`."""
+    path, skipped = last_complete_checkpoint(output_dir, num_processes)
+    if skipped:
+        warn(f"Skipped incomplete checkpoints (cut off while being written): {skipped}")
+    if path is None:
+        raise ValueError(f"No complete checkpoint found in output_dir ({output_dir}) to resume from.")
+    return path

@@ -102,12 +102,31 @@ def sampling_correction(
     return weights.detach(), stats
 
 
-def sampler_logprobs_as_old(micro_batch: dict) -> torch.Tensor:
+def sampler_logprobs_as_old(micro_batch) -> torch.Tensor:
     """π_old taken from the engine that sampled (GSPO paper §5.4), which must have scored every completion token."""
-    sampling = micro_batch["sampling_per_token_logps"]
-    if torch.isnan(sampling[micro_batch["completion_mask"].bool()]).any():
+    sampling = micro_batch.engine_logps
+    if torch.isnan(sampling[micro_batch.completion_mask.bool()]).any():
         raise RuntimeError(
             "vllm_logprobs_as_old=True, but the vLLM server returned no log-prob for some sampled "
             "tokens; set vllm_logprobs_as_old=False to compute π_old on the trainer."
         )
     return sampling
+
+
+def correction_for(micro_batch, logps: torch.Tensor, args) -> tuple[torch.Tensor | None, dict]:
+    """(the weights `sampling_weights` or None, stats) correcting a micro-batch sampled by another engine towards
+    π_old: its `old_logps`, or, where none were computed (the weights still are the sampling ones), the current
+    `logps`. Without `vllm_importance_sampling_correction` only the stats are kept."""
+    engine_logps = micro_batch.engine_logps
+    if engine_logps is None:
+        return None, {}
+    old = micro_batch.old_logps if micro_batch.old_logps is not None else logps
+    weights, stats = sampling_correction(
+        old,
+        engine_logps,
+        micro_batch.completion_mask,
+        args.vllm_importance_sampling_mode,
+        args.vllm_importance_sampling_clip_min,
+        args.vllm_importance_sampling_clip_max,
+    )
+    return (weights if args.vllm_importance_sampling_correction else None), stats

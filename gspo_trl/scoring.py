@@ -2,7 +2,8 @@
 processes), combined, and turned into group-relative advantages, for single-turn rollouts and for multi-turn
 episodes (whose step rewards join the table as its first column, "env").
 
-Owns which rows and tokens get which advantage and the reward statistics that go with them. The math is in
+Owns which rows and tokens get which advantage and the reward statistics that go with them, what reward functions
+are shown of a rollout (`completions_for_rewards`) and the scored rollout's record (`scored_batch`). The math is in
 `advantages`; calling reward functions is `rewards.compute_rewards`; playing episodes is `environments`.
 """
 
@@ -22,6 +23,9 @@ from .advantages import (
     group_advantages,
     token_advantages,
 )
+from .micro_batch import MicroBatch
+from .rewards import compute_rewards
+from .rollout import is_conversational_prompt
 
 
 @dataclass
@@ -88,3 +92,62 @@ def score_rollout(
         advantages = per_turn[local, 0]  # (n,)
     env_return = discounted_returns(turn_rewards, reached, args.turn_discount)[:, :1]  # (N, 1)
     return RolloutScores(advantages, stats, torch.cat([env_return, function_table], dim=1), returns)
+
+
+def completions_for_rewards(batch: list[dict], sampled, tokenizer) -> tuple[list, list, list[str], dict]:
+    """What reward functions get of a `SampledRollout` of the dataset rows `batch`: (completions: texts or chat
+    messages, their sampled token ids, the decoded texts, the dataset's other columns and the rollout's own)."""
+    rollout, episodes = sampled.rollout, sampled.episodes
+    texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
+    columns.update(sampled.reward_columns)
+    if episodes is not None:
+        columns["environments"] = episodes.environments
+        return episodes.completions, episodes.completion_ids, texts, columns
+    if is_conversational_prompt(sampled.prompts[0]):
+        completions = [[{"role": "assistant", "content": text}] for text in texts]
+    else:
+        completions = texts
+    completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    return completions, completion_ids, texts, columns
+
+
+def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: bool) -> MicroBatch:
+    """The record of a scored `SampledRollout`: trained on the tokens the model sampled (not an environment's
+    observations), without truncated completions when `mask_truncated_completions`. π_old is set where the sampling
+    weights will be gone (`behaviour_logps`, async_rollouts), else by the schedule per micro-batch."""
+    rollout = sampled.rollout
+    completion_mask = rollout.sampled_mask
+    if mask_truncated_completions:
+        completion_mask = completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
+    return MicroBatch(
+        **{**rollout.model_inputs(), "completion_mask": completion_mask},
+        advantages=advantages,
+        sampling_logps=rollout.sampling_logps,
+        sampled_by_policy=rollout.sampled_by_policy,
+        old_logps=sampled.behaviour_logps,
+        turn_ids=rollout.turn_ids,  # multi-turn episodes only
+    )
+
+
+def reward_and_score(
+    batch: list[dict], sampled, reward_funcs, reward_weights, tokenizer, state, args, accelerator, log_metric
+) -> tuple[RolloutScores, list[str], dict[str, list]]:
+    """(the `RolloutScores` of a `SampledRollout` of the dataset rows `batch`, its decoded completions, the columns
+    reward functions logged): every reward function called on this process's rows (`log_metric(name, value)` takes
+    what they log), then `score_rollout` over every process."""
+    completions, completion_ids, texts, columns = completions_for_rewards(batch, sampled, tokenizer)
+    extra_columns: dict[str, list] = {}
+    local_rewards = compute_rewards(
+        reward_funcs,
+        sampled.prompts,
+        completions,
+        completion_ids,
+        columns,
+        state,
+        log_metric=log_metric,
+        log_extra=extra_columns.__setitem__,
+    ).to(accelerator.device)  # (n, F)
+    names = [function.name for function in reward_funcs]
+    scores = score_rollout(local_rewards, reward_weights, args, accelerator, sampled.episodes, names)
+    return scores, texts, extra_columns

@@ -22,12 +22,12 @@ from conftest import build_tiny_tokenizer
 from helpers import count_digits, sampler_with_rows_ending_apart, small_config, text_dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from gspo_trl import GSPOConfig, GSPOTrainer, trainer
+from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.decoding import dynamic, static
 from gspo_trl.decoding.prefix_sharing import prefill
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.models import router_aux_loss_coef
-from gspo_trl.packing import padding_free_unsupported_reason
+from gspo_trl.packing import padding_free_in_use, padding_free_unsupported_reason
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, stream_keys
 
 DOCS_TABLE = Path(__file__).resolve().parent.parent / "docs" / "architectures.md"
@@ -241,7 +241,7 @@ def test_logprobs_equal_a_plain_forward(family, attention, layout):
     padding_free = layout == "packed"
     if padding_free and reason is not None:
         # The trainer decides once, at construction: such a model trains (and is scored) on padded rows.
-        assert trainer._padding_free_supported(model) is False
+        assert padding_free_in_use(True, "cpu", model) is False
         padding_free = False
     encoded, completion_ids, completion_mask = padded_batch()
     with torch.no_grad():

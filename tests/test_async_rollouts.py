@@ -21,6 +21,7 @@ from gspo_trl.async_rollouts import (
     earliest_launch_step,
 )
 from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.micro_batch import MicroBatch
 
 # --- the parts ---------------------------------------------------------------------------------------------------
 
@@ -219,7 +220,7 @@ def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(
     original_prepare = trainer._prepare_inputs
 
     def prepare(batch):
-        if isinstance(batch, dict):  # a micro-batch already prepared, handed on by training_step
+        if isinstance(batch, MicroBatch):  # a micro-batch already prepared, handed on by training_step
             return original_prepare(batch)
         # Weights after `global_step` optimizer steps, as they are when this step's rollout could be launched.
         weights.setdefault(
@@ -232,24 +233,24 @@ def test_a_rollout_sampled_ahead_trains_with_its_sampling_weights_log_probs(
     trainer._prepare_inputs = prepare
     trainer.train()
     step, inputs = seen[2]  # the first micro-batch of the second rollout, sampled at step 0 for step 2
-    assert step == 2 and inputs["old_per_token_logps"] is not None
+    assert step == 2 and inputs.old_logps is not None
     sampler = type(trainer.model).from_pretrained(tiny_model_dir)
     sampler.load_state_dict(weights[0])
     with torch.no_grad():
         expected = completion_logprobs(
-            sampler, inputs["input_ids"], inputs["attention_mask"], inputs["completion_ids"], inputs["completion_mask"]
+            sampler, inputs.input_ids, inputs.attention_mask, inputs.completion_ids, inputs.completion_mask
         ).logps
         now = completion_logprobs(
             trainer.model,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            inputs["completion_ids"],
-            inputs["completion_mask"],
+            inputs.input_ids,
+            inputs.attention_mask,
+            inputs.completion_ids,
+            inputs.completion_mask,
         ).logps
-    torch.testing.assert_close(inputs["old_per_token_logps"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(inputs.old_logps, expected, atol=1e-5, rtol=1e-5)
     assert (now - expected).abs().max() > 1e-3  # the weights have moved since: the ratio is not 1
-    decoded = inputs["decoding_per_token_logps"]
-    assert decoded is None if decode_logprobs_as_old is False else torch.equal(inputs["old_per_token_logps"], decoded)
+    decoded = inputs.sampling_logps if inputs.sampled_by_policy else None  # the decoding loop's
+    assert decoded is None if decode_logprobs_as_old is False else torch.equal(inputs.old_logps, decoded)
 
 
 class CountingEnv:

@@ -26,6 +26,7 @@ from gspo_trl.logprob_check import (
     compare,
     tolerance_in_use,
 )
+from gspo_trl.micro_batch import MicroBatch
 from gspo_trl.precision import cast_lm_head_to_fp32
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos
 
@@ -33,7 +34,7 @@ PROMPTS = ["What is 2 + 3?"] * 3 + ["Hi"] * 3 + ["Solve: 7 - 4 = 3. Reply with j
 TEMPERATURE = 0.9
 
 
-def rollout_inputs(model, tokenizer, loop: str = "dynamic") -> dict:
+def rollout_inputs(model, tokenizer, loop: str = "dynamic") -> MicroBatch:
     """A rollout as the trainer hands it to the check: left-padded prompts, completions, the loop's log-probs."""
     encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
     ids, mask = encoded.input_ids, encoded.attention_mask
@@ -51,13 +52,14 @@ def rollout_inputs(model, tokenizer, loop: str = "dynamic") -> dict:
     else:
         decoded = dynamic.sample(model, ids, mask, cache=prefill_shared_prompts(model, ids, mask), **kwargs)
     completion_mask, _ = completion_mask_from_eos(decoded.completion_ids, [eos])
-    return {
-        "input_ids": torch.cat([ids, decoded.completion_ids], dim=1),
-        "attention_mask": torch.cat([mask, completion_mask], dim=1),
-        "completion_ids": decoded.completion_ids,
-        "completion_mask": completion_mask,
-        "decoding_per_token_logps": decoded.logps,
-    }
+    return MicroBatch(
+        input_ids=torch.cat([ids, decoded.completion_ids], dim=1),
+        attention_mask=torch.cat([mask, completion_mask], dim=1),
+        completion_ids=decoded.completion_ids,
+        completion_mask=completion_mask,
+        sampling_logps=decoded.logps,
+        sampled_by_policy=True,
+    )
 
 
 def check(model, inputs, option="raise", padding_free=False, loop="dynamic", backends=()):
@@ -111,7 +113,7 @@ def test_the_fixed_paths_agree(tiny_model, tiny_tokenizer, family, attention):
         model.train()  # training mode, as the trainer calls the check (which runs in eval mode: no dropout)
         for padding_free in (False, True):
             assert check(model, inputs, padding_free=padding_free, loop=loop, backends=[backend]) is padding_free
-        assert inputs["decoding_per_token_logps"] is not None and backend.avoided == []
+        assert inputs.sampling_logps is not None and backend.avoided == []
     assert model.training  # put back
 
 
@@ -136,19 +138,19 @@ def test_the_static_loops_old_boolean_mask_under_eager_attention_is_found(tiny_m
         check(tiny_model, inputs, loop="static")
     backend = RecordingBackend()
     assert check(tiny_model, inputs, option="warn", loop="static", backends=[backend]) is False
-    assert backend.avoided == ["static"] and inputs["decoding_per_token_logps"] is None  # π_old gets a forward
+    assert backend.avoided == ["static"] and inputs.sampling_logps is None  # π_old gets a forward
 
 
 def test_a_dynamic_loops_disagreement_falls_back_to_generate(tiny_model, tiny_tokenizer, tmp_path):
     inputs = rollout_inputs(tiny_model, tiny_tokenizer)
-    inputs["decoding_per_token_logps"] = inputs["decoding_per_token_logps"] - 0.01 * inputs["completion_mask"]
+    inputs.sampling_logps = inputs.sampling_logps - 0.01 * inputs.completion_mask
     with pytest.raises(ValueError, match="dynamic decoding loop differ"):
         check(tiny_model, inputs)
     backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, small_config(tmp_path))
     assert backend.use_decode_loop and backend.logp_temperature is not None
     assert check(tiny_model, inputs, option="warn", padding_free=True, backends=[backend]) is True  # rows are right
     assert not backend.use_decode_loop and backend.logp_temperature is None  # generate, which records nothing
-    assert inputs["decoding_per_token_logps"] is None
+    assert inputs.sampling_logps is None
 
 
 def test_the_tolerance_follows_the_precision(tiny_model):

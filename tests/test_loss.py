@@ -151,7 +151,7 @@ def test_on_policy_ratio_one_and_sequence_mean_gradient(level):
 def test_gspo_equals_gspo_token_with_sequence_advantages(beta):
     logps, old, adv, mask = random_batch(seed=3)
     ref = logps + 0.1 * torch.randn(logps.shape, dtype=F64, generator=torch.Generator().manual_seed(4))
-    kw = dict(beta=beta, ref_per_token_logps=ref, use_bias_correction_kl=False)
+    kw = dict(beta=beta, ref_logps=ref, use_bias_correction_kl=False)
     l_seq, g_seq, s_seq = loss_and_grad(logps, old, adv, mask, importance_sampling_level="sequence", **kw)
     l_tok, g_tok, _ = loss_and_grad(logps, old, adv, mask, importance_sampling_level="sequence_token", **kw)
     assert 0 < s_seq["clip_fraction"].item() < 1  # the comparison covers clipped and unclipped rows
@@ -164,7 +164,7 @@ def test_bias_corrected_kl_differs_in_gradient_between_sequence_levels():
     # s_i,t only over token t. Values agree, gradients do not.
     logps, old, adv, mask = random_batch(seed=5)
     ref = logps + 0.3 * torch.randn(logps.shape, dtype=F64, generator=torch.Generator().manual_seed(6))
-    kw = dict(beta=0.1, ref_per_token_logps=ref)
+    kw = dict(beta=0.1, ref_logps=ref)
     l_seq, g_seq, _ = loss_and_grad(logps, old, adv, mask, importance_sampling_level="sequence", **kw)
     l_tok, g_tok, _ = loss_and_grad(logps, old, adv, mask, importance_sampling_level="sequence_token", **kw)
     torch.testing.assert_close(l_seq, l_tok)
@@ -207,7 +207,7 @@ def test_garbage_in_padding_does_not_leak(level):
     pad = ~mask.bool()
     adv_in = adv if level == "sequence" else adv[:, None].expand_as(logps).clone()
     kw = dict(importance_sampling_level=level, beta=0.1, epsilon=0.05, epsilon_high=0.05)
-    clean = loss_and_grad(logps, old, adv_in, mask, ref_per_token_logps=ref, **kw)
+    clean = loss_and_grad(logps, old, adv_in, mask, ref_logps=ref, **kw)
     nan, inf = float("nan"), float("inf")
     dirty_adv = adv_in if level == "sequence" else adv_in.masked_fill(pad, nan)
     dirty = loss_and_grad(
@@ -215,7 +215,7 @@ def test_garbage_in_padding_does_not_leak(level):
         old.masked_fill(pad, -inf),
         dirty_adv,
         mask,
-        ref_per_token_logps=ref.masked_fill(pad, inf),
+        ref_logps=ref.masked_fill(pad, inf),
         **kw,
     )
     assert torch.isfinite(dirty[0]) and torch.isfinite(dirty[1]).all()
@@ -234,7 +234,7 @@ def test_huge_log_ratios_stay_finite(level):
     old, ref = logps - 1e4 * sign, logps + 1e4 * sign
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
     loss, grad, stats = loss_and_grad(
-        logps, old, adv, torch.ones(B, T), importance_sampling_level=level, beta=0.1, ref_per_token_logps=ref
+        logps, old, adv, torch.ones(B, T), importance_sampling_level=level, beta=0.1, ref_logps=ref
     )
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert all(torch.isfinite(v) for v in stats.values())
@@ -242,9 +242,7 @@ def test_huge_log_ratios_stay_finite(level):
 
 def test_all_masked_batch_gives_zero_loss_with_grad_path():
     logps = torch.randn(2, 3, requires_grad=True)
-    loss, stats = policy_loss(
-        logps, None, torch.ones(2), torch.zeros(2, 3), beta=0.1, ref_per_token_logps=torch.zeros(2, 3)
-    )
+    loss, stats = policy_loss(logps, None, torch.ones(2), torch.zeros(2, 3), beta=0.1, ref_logps=torch.zeros(2, 3))
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert (logps.grad == 0).all()
@@ -269,14 +267,14 @@ def test_kl_k3_hand_computed():
                 mask,
                 importance_sampling_level=level,
                 beta=beta,
-                ref_per_token_logps=ref,
+                ref_logps=ref,
                 use_bias_correction_kl=correct,
             )
             assert loss.item() == pytest.approx(expected, rel=1e-12)
             assert stats["kl_mean"].item() == pytest.approx((k3(0.5) + k3(-0.5) + k3(1.0)) / 3)
     # Gradient without correction: beta/(B |y_i|) * d k3/d logp = beta/(B |y_i|) * (1 - e^d).
     _, g, _ = loss_and_grad(
-        logps, None, torch.zeros(2, dtype=F64), mask, beta=beta, ref_per_token_logps=ref, use_bias_correction_kl=False
+        logps, None, torch.zeros(2, dtype=F64), mask, beta=beta, ref_logps=ref, use_bias_correction_kl=False
     )
     w = [[beta / 4, beta / 4], [beta / 2, 0.0]]
     d = [[0.5, -0.5], [1.0, 0.0]]
@@ -290,7 +288,7 @@ def test_kl_k3_hand_computed():
         mask,
         importance_sampling_level="token",
         beta=beta,
-        ref_per_token_logps=ref,
+        ref_logps=ref,
     )
     expected_g = torch.tensor(
         [[w[i][j] * (1 - math.exp(d[i][j]) + k3(d[i][j])) for j in range(2)] for i in range(2)], dtype=F64
@@ -303,7 +301,7 @@ def test_kl_without_bias_correction_ignores_old_logps(level):
     logps, old, _, mask = random_batch(seed=10, scale=0.5)
     ref = logps + 0.3
     zero_adv = torch.zeros(logps.shape[0], dtype=F64)
-    kw = dict(importance_sampling_level=level, beta=0.2, ref_per_token_logps=ref)
+    kw = dict(importance_sampling_level=level, beta=0.2, ref_logps=ref)
     a = loss_and_grad(logps, old, zero_adv, mask, use_bias_correction_kl=False, **kw)
     b = loss_and_grad(logps, old + 0.7, zero_adv, mask, use_bias_correction_kl=False, **kw)
     torch.testing.assert_close(a[0], b[0])
@@ -336,14 +334,19 @@ def test_token_level_matches_grpo_reference():
     torch.testing.assert_close(grad, ref_logps.grad)
 
 
+def test_the_earlier_argument_names_say_the_new_ones():
+    with pytest.raises(TypeError, match="ref_per_token_logps is now called ref_logps"):
+        policy_loss(torch.zeros(2, 3), None, torch.zeros(2), torch.ones(2, 3), ref_per_token_logps=torch.zeros(2, 3))
+
+
 @pytest.mark.parametrize(
     "change, name",
     [
         (dict(importance_sampling_level="seq"), "importance_sampling_level"),
-        (dict(per_token_logps=torch.zeros(4)), "per_token_logps"),
-        (dict(old_per_token_logps=torch.zeros(2, 4)), "old_per_token_logps"),
+        (dict(logps=torch.zeros(4)), "logps"),
+        (dict(old_logps=torch.zeros(2, 4)), "old_logps"),
         (dict(completion_mask=torch.ones(3, 3)), "completion_mask"),
-        (dict(ref_per_token_logps=torch.zeros(2, 2)), "ref_per_token_logps"),
+        (dict(ref_logps=torch.zeros(2, 2)), "ref_logps"),
         (dict(advantages=torch.zeros(3)), "advantages"),
         (dict(advantages=torch.zeros(2, 3)), "sequence_token"),
         (dict(epsilon=-0.1), r"epsilon must be in \(0, 1\)"),
@@ -353,13 +356,13 @@ def test_token_level_matches_grpo_reference():
         (dict(epsilon_high=-0.1), "epsilon_high must be > 0"),
         (dict(epsilon_high=0.0), "epsilon_high must be > 0"),  # for cispo, a cap of 0 zeroes the loss
         (dict(beta=-1.0), "beta"),
-        (dict(beta=0.1), "ref_per_token_logps"),
+        (dict(beta=0.1), "ref_logps"),
     ],
 )
 def test_invalid_inputs_raise_value_error_naming_the_argument(change, name):
     kwargs = dict(
-        per_token_logps=torch.zeros(2, 3),
-        old_per_token_logps=None,
+        logps=torch.zeros(2, 3),
+        old_logps=None,
         advantages=torch.zeros(2),
         completion_mask=torch.ones(2, 3),
     )
@@ -422,7 +425,7 @@ def test_turn_clips_each_turn_on_its_own():
 def test_turn_with_one_turn_equals_sequence(beta):
     logps, old, adv, mask = random_batch(seed=11, scale=5e-4)
     ref = logps + 0.1 * torch.randn(logps.shape, dtype=F64, generator=torch.Generator().manual_seed(12))
-    kw = dict(beta=beta, ref_per_token_logps=ref)
+    kw = dict(beta=beta, ref_logps=ref)
     l_seq, g_seq, s_seq = loss_and_grad(logps, old, adv, mask, importance_sampling_level="sequence", **kw)
     assert 0 < s_seq["clip_fraction"].item() < 1  # the comparison covers clipped and unclipped rows
     for turn_ids in (torch.zeros(logps.shape, dtype=torch.long), None):
@@ -521,7 +524,7 @@ def test_row_slices_given_the_whole_batch_counts_add_up_to_its_loss_and_gradient
             old[rows],
             advantages[rows],
             mask[rows],
-            ref_per_token_logps=ref[rows],
+            ref_logps=ref[rows],
             per_token_entropy=entropy[rows],
             **options,
             **whole,

@@ -324,7 +324,7 @@ def our_loss(options, logps, old, ref, advantages, mask, entropy):
         advantages,
         mask,
         objective=objective,
-        ref_per_token_logps=ref,
+        ref_logps=ref,
         policy_token_mask=keep,
         token_normalizer=mask.sum(),
         per_token_entropy=entropy,
@@ -384,7 +384,7 @@ def test_sampling_correction_weights_match_trl(tmp_path, tiny_model_dir, case):
             advantages,
             mask,
             objective=objective,
-            ref_per_token_logps=ref,
+            ref_logps=ref,
             token_normalizer=mask.sum(),
             sampling_weights=weights,
         )
@@ -408,7 +408,7 @@ def test_sampling_correction_weights_match_trl(tmp_path, tiny_model_dir, case):
         advantages,
         mask,
         objective=Objective(max_completion_length=MAX_COMPLETION_LENGTH, **options),
-        ref_per_token_logps=ref,
+        ref_logps=ref,
         token_normalizer=mask.sum(),
     )
     assert not torch.allclose(ours[0], uncorrected)  # the weights do change the loss

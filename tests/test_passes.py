@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gspo_trl import GSPOConfig
+from gspo_trl.micro_batch import MicroBatch
 from gspo_trl.passes import (
     DEFAULT_CUDA_PASS_TOKENS,
     padded_positions,
@@ -63,21 +64,22 @@ def test_a_pass_keeps_its_rows_cut_to_their_longest_completion_and_the_micro_bat
     prompt = torch.tensor([[0, 7], [8, 9], [0, 6]])
     completion_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
     completion_ids = torch.arange(12).reshape(3, 4)
-    batch = {
-        "input_ids": torch.cat([prompt, completion_ids], 1),
-        "attention_mask": torch.cat([(prompt > 0).long(), completion_mask], 1),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "old_per_token_logps": -torch.ones(3, 4),
-        "ref_per_token_logps": None,
-        "advantages": torch.tensor([0.5, -1.0, 0.5]),
-        "num_items_in_batch": torch.tensor(40),
-    }
+    batch = MicroBatch(
+        input_ids=torch.cat([prompt, completion_ids], 1),
+        attention_mask=torch.cat([(prompt > 0).long(), completion_mask], 1),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        old_logps=-torch.ones(3, 4),
+        ref_logps=None,
+        advantages=torch.tensor([0.5, -1.0, 0.5]),
+        num_items_in_batch=torch.tensor(40),
+    )
     part = take_pass(batch, torch.tensor([2, 0]), last=False)
-    assert part["input_ids"].tolist() == [[0, 6, 8, 9], [0, 7, 0, 1]]  # prompt columns whole, completion cut at 2
-    assert part["completion_mask"].tolist() == [[1, 0], [1, 1]]
-    assert part["old_per_token_logps"].shape == (2, 2) and part["ref_per_token_logps"] is None
-    assert part["advantages"].tolist() == [0.5, 0.5]
-    assert part["num_items_in_batch"].item() == 40  # the rollout's count, not a row's
-    assert (part["micro_batch_rows"], part["micro_batch_tokens"].item(), part["last_pass"]) == (3, 7, False)
-    assert take_pass(batch, torch.tensor([1]), last=True)["completion_ids"].shape == (1, 4)
+    assert part.input_ids.tolist() == [[0, 6, 8, 9], [0, 7, 0, 1]]  # prompt columns whole, completion cut at 2
+    assert part.completion_mask.tolist() == [[1, 0], [1, 1]]
+    assert part.old_logps.shape == (2, 2) and part.ref_logps is None
+    assert part.advantages.tolist() == [0.5, 0.5]
+    assert part.num_items_in_batch.item() == 40  # the rollout's count, not a row's
+    assert (part.micro_batch_rows, part.micro_batch_tokens.item(), part.last_pass) == (3, 7, False)
+    assert take_pass(batch, torch.tensor([1]), last=True).completion_ids.shape == (1, 4)
+    assert batch.micro_batch_rows is None and batch.last_pass  # the micro-batch itself is left as it was

@@ -122,13 +122,13 @@ def test_cast_lm_head_to_fp32_refuses_an_adapted_head(tmp_path, tiny_model_dir):
 
 
 def trl_logps(trl_trainer, batch):
-    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-    completion_length = batch["completion_ids"].shape[1]
+    input_ids, attention_mask = batch.input_ids, batch.attention_mask
+    completion_length = batch.completion_ids.shape[1]
     with torch.no_grad():
         logps, _, _ = trl_trainer._get_per_token_logps_and_entropies(
             trl_trainer.model, input_ids, attention_mask, completion_length
         )
-    return logps.float() * batch["completion_mask"]
+    return logps.float() * batch.completion_mask
 
 
 TRL_MODES = {  # name: (dtype, our and TRL's shared config overrides, use LoRA)
@@ -180,7 +180,7 @@ def test_logprobs_match_trl_on_the_same_batch(tmp_path, tiny_model_dir, mode):
     batch = ours._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
     ours_logps = ours._score_without_grad(ours.model, batch)
     theirs_logps = trl_logps(theirs, batch)
-    mask = batch["completion_mask"].bool()
+    mask = batch.completion_mask.bool()
     difference = (ours_logps - theirs_logps)[mask].abs()
     # bf16 keeps ~3 significant digits of log-probs near -6 (a random model, 400 tokens); measured: max 0.002.
     assert difference.max() < 0.01 and difference.mean() < 1e-3, (mode, difference.max(), difference.mean())

@@ -12,7 +12,19 @@ from datasets import Dataset
 from helpers import close, count_digits, length_reward, small_config, text_dataset, worker_env
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.schedule import micro_batches_needing_old_logprobs, micro_steps_into_epoch
+from gspo_trl.micro_batch import MicroBatch
+from gspo_trl.schedule import (
+    CURRENT_WEIGHTS,
+    DECODING_LOOP,
+    FORWARD,
+    SAMPLED_AHEAD,
+    SAMPLER,
+    RolloutBuffer,
+    fill_old_logps,
+    micro_batches_needing_old_logprobs,
+    micro_steps_into_epoch,
+    old_logps_source,
+)
 
 
 def needs(spg, mu, ga, offset=0, first_use=0):
@@ -216,7 +228,7 @@ def test_epoch_structure_assumed_by_the_rule(tmp_path, tiny_model_dir):
     trainer = train(
         tmp_path, tiny_model_dir, "epochs", 1, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2
     )
-    assert trainer._micro_steps_per_epoch == 6 // 3 * 3 * 2  # 2 rollouts of 3 prompts, 6 uses each
+    assert trainer.schedule.micro_steps_per_epoch == 6 // 3 * 3 * 2  # 2 rollouts of 3 prompts, 6 uses each
 
 
 @pytest.mark.slow  # torchrun launch
@@ -251,3 +263,136 @@ def test_shortcut_equals_reference_on_two_processes(tmp_path, tiny_model_dir):
             assert a[name] == close(b[name], 1e-6), (step, name)
     assert any(e["ratio/max"] != 1.0 for e in reference["logs"])  # weights moved under some micro-batches
     assert shortcut["weights"] == pytest.approx(reference["weights"], abs=1e-5)
+
+
+def _with_earlier_key_names(checkpoint):
+    """Rewrite a checkpoint's saved rollout as gspo-trl wrote it before `MicroBatch`: the micro-batch keys
+    old_per_token_logps, ref_per_token_logps and sampling_per_token_logps / decoding_per_token_logps."""
+    import json
+    from pathlib import Path
+
+    manifest_path = Path(checkpoint) / "gspo_rollout_rank0.json"
+    manifest = json.loads(manifest_path.read_text())
+    earlier = []
+    for batch in manifest["micro_batches"]:
+        by_policy = batch.pop("sampled_by_policy")["value"]
+        sampling = batch.pop("sampling_logps")
+        batch["decoding_per_token_logps"] = sampling if by_policy else {"value": None}
+        batch["sampling_per_token_logps"] = {"value": None} if by_policy else sampling
+        batch["old_per_token_logps"], batch["ref_per_token_logps"] = batch.pop("old_logps"), batch.pop("ref_logps")
+        for name in ("micro_batch_rows", "micro_batch_tokens", "last_pass"):
+            batch.pop(name)
+        earlier.append(batch)
+    manifest["micro_batches"] = earlier
+    manifest_path.write_text(json.dumps(manifest))
+    return earlier
+
+
+def test_a_checkpoint_with_the_earlier_micro_batch_keys_resumes_the_same_run(tmp_path, tiny_model_dir):
+    # A rollout saved mid-way by the earlier code (dict keys of the old names), π_old from the decoding loop: the
+    # resumed run is the one resumed from this version's checkpoint, step for step.
+    import shutil
+
+    common = dict(
+        gradient_accumulation_steps=2,
+        steps_per_generation=3,
+        num_iterations=2,
+        save_strategy="steps",
+        save_steps=1,
+        decode_logprobs_as_old=None,  # on in float32: the saved rollout holds the decoding loop's log-probs
+    )
+    train(tmp_path, tiny_model_dir, "first", 1, **common)
+    checkpoint = tmp_path / "first" / "checkpoint-1"
+    earlier = tmp_path / "earlier" / "checkpoint-1"
+    shutil.copytree(checkpoint, earlier)
+    saved = _with_earlier_key_names(earlier)
+    assert saved and any(batch["decoding_per_token_logps"].get("tensor") for batch in saved)
+    resumed = [
+        train(tmp_path, tiny_model_dir, "first", 3, resume=str(checkpoint), **common),
+        train(tmp_path, tiny_model_dir, "earlier", 3, resume=str(earlier), **common),
+    ]
+    compare_runs(*resumed)
+
+
+# --- π_old: the source table and the buffer ------------------------------------------------------
+
+
+def _micro_batch(**fields):
+    ids = torch.ones(2, 3, dtype=torch.long)
+    return MicroBatch(ids, torch.ones(2, 3), ids[:, 1:], torch.ones(2, 2), **fields)
+
+
+def _options(**overrides):
+    from types import SimpleNamespace
+
+    values = dict(use_vllm=False, vllm_logprobs_as_old=False, always_compute_old_logprobs=False)
+    return SimpleNamespace(**{**values, **overrides})
+
+
+DECODED = dict(sampling_logps=torch.zeros(2, 2), sampled_by_policy=True)  # the decoding loop's own log-probs
+
+
+@pytest.mark.parametrize(
+    "fields, options, needed, source",
+    [
+        (dict(old_logps=torch.zeros(2, 2)), dict(use_vllm=True, vllm_logprobs_as_old=True), True, SAMPLED_AHEAD),
+        (dict(sampling_logps=torch.zeros(2, 2)), dict(use_vllm=True, vllm_logprobs_as_old=True), False, SAMPLER),
+        (dict(), dict(vllm_logprobs_as_old=True), False, CURRENT_WEIGHTS),  # without vLLM the option is idle
+        (
+            dict(sampling_logps=torch.zeros(2, 2), sampled_by_policy=True),
+            dict(always_compute_old_logprobs=True),
+            False,
+            FORWARD,
+        ),
+        (dict(sampling_logps=torch.zeros(2, 2), sampled_by_policy=True), dict(), False, CURRENT_WEIGHTS),
+        (dict(sampling_logps=torch.zeros(2, 2), sampled_by_policy=True), dict(), True, DECODING_LOOP),
+        (dict(sampling_logps=torch.zeros(2, 2)), dict(), True, FORWARD),  # another engine's are not π_old
+        (dict(sampled_by_policy=True), dict(), True, FORWARD),  # the loop recorded none (or failed the check)
+    ],
+)
+def test_old_logps_source_table(fields, options, needed, source):
+    assert old_logps_source(_micro_batch(**fields), _options(**options), needed) == source
+
+
+def test_fill_old_logps_takes_each_source():
+    decoded, engine, ahead = torch.full((2, 2), -1.0), torch.full((2, 2), -2.0), torch.full((2, 2), -3.0)
+    batches = [
+        _micro_batch(sampling_logps=decoded, sampled_by_policy=True),
+        _micro_batch(sampling_logps=decoded, sampled_by_policy=True),
+        _micro_batch(sampling_logps=engine),
+        _micro_batch(old_logps=ahead),
+    ]
+    forwards = []
+    fill_old_logps(batches, [False, True, True, True], _options(), lambda batch: forwards.append(batch) or engine + 1)
+    assert batches[0].old_logps is None and batches[1].old_logps is decoded
+    assert forwards == [batches[2]] and torch.equal(batches[2].old_logps, engine + 1)
+    assert batches[3].old_logps is ahead
+    vllm = [_micro_batch(sampling_logps=engine)]
+    fill_old_logps(vllm, [False], _options(use_vllm=True, vllm_logprobs_as_old=True), forwards.append)
+    assert vllm[0].old_logps is engine and len(forwards) == 1
+
+
+def test_the_buffer_saves_the_rollout_only_inside_it_and_takes_it_up_on_resume(tmp_path):
+    from types import SimpleNamespace
+
+    from gspo_trl.rollout_checkpoint import save_rollout_state
+
+    args = SimpleNamespace(steps_per_generation=2, num_iterations=1, gradient_accumulation_steps=1, seed=0)
+    accelerator = SimpleNamespace(process_index=0, device=torch.device("cpu"))
+    buffer = RolloutBuffer(args)
+    buffer.micro_steps_per_epoch = 4
+    assert buffer.start(global_step=0)  # use 0: a rollout is sampled
+    buffer.fill([_micro_batch(advantages=torch.tensor([1.0, -1.0])), _micro_batch(old_logps=torch.zeros(2, 2))], 0)
+    assert buffer.current().advantages is not None
+    assert buffer.checkpoint_state(0, None).micro_batches is None  # no use trained yet: a resume samples it again
+    buffer.advance()
+    state = buffer.checkpoint_state(12, None)
+    assert state.micro_batches[1]["old_logps"] is not None and state.num_tokens_seen == 12
+    save_rollout_state(str(tmp_path), 0, state)
+    buffer.advance()
+    assert buffer.checkpoint_state(12, None).micro_batches is None  # between rollouts: nothing to continue
+    resumed = RolloutBuffer(args)
+    resumed.micro_steps_per_epoch = 4
+    assert resumed.restore(str(tmp_path), accelerator).num_tokens_seen == 12
+    assert not resumed.start(global_step=1)  # one micro-step into the epoch: the saved rollout continues
+    assert resumed.use == 1 and torch.equal(resumed.current().old_logps, torch.zeros(2, 2))

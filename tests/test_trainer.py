@@ -3,6 +3,7 @@ metrics, checkpoints and the model card. Learning itself is tested on the real m
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from datasets import Dataset
 from helpers import count_digits, length_reward, small_config, text_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl.micro_batch import MicroBatch
 
 
 def chat_dataset(n=8):
@@ -318,7 +320,7 @@ def test_old_logprob_pass_only_for_micro_batches_trained_after_an_update(tmp_pat
     original_score, original_loss = trainer._score_without_grad, trainer.compute_loss
     trainer._score_without_grad = lambda model, inputs: scored.append(model.training) or original_score(model, inputs)
     trainer.compute_loss = lambda model, inputs, **kw: (
-        seen_old.append(inputs["old_per_token_logps"] is not None) or original_loss(model, inputs, **kw)
+        seen_old.append(inputs.old_logps is not None) or original_loss(model, inputs, **kw)
     )
     trainer.train()
     assert len(scored) == 6
@@ -337,8 +339,8 @@ def test_decoded_logprobs_are_pi_old_in_full_precision(tmp_path, tiny_model_dir)
     trainer._score_without_grad = lambda model, inputs: scored.append(1) or original_score(model, inputs)
 
     def loss(model, inputs, **kw):
-        old = inputs["old_per_token_logps"]
-        seen_old.append(old is not None and old is inputs["decoding_per_token_logps"])
+        old = inputs.old_logps
+        seen_old.append(old is not None and inputs.sampled_by_policy and old is inputs.sampling_logps)
         return original_loss(model, inputs, **kw)
 
     trainer.compute_loss = loss
@@ -355,8 +357,9 @@ def test_decoded_logprobs_equal_the_old_logprob_pass(tmp_path, tiny_model_dir):
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
-    decoded, mask = batch["decoding_per_token_logps"], batch["completion_mask"].bool()
-    assert batch["sampling_per_token_logps"] is None  # not the vLLM sampling correction's input
+    assert batch.sampled_by_policy  # the decoding loop's own: π_old, not the vLLM sampling correction's input
+    decoded, mask = batch.sampling_logps, batch.completion_mask.bool()
+    assert batch.engine_logps is None
     recomputed = trainer._score_without_grad(trainer.model, batch)
     torch.testing.assert_close(decoded[mask], recomputed[mask], atol=2e-5, rtol=0)
     log_ratio = ((recomputed - decoded) * mask).sum(1) / mask.sum(1)
@@ -376,7 +379,7 @@ def test_old_logprob_pass_where_the_decoded_logprobs_are_not_pi_old(tmp_path, ti
     )
     assert trainer.rollout_backend.logp_temperature is None
     batch = trainer._generate_and_score([{"prompt": "What is 1 + 1?"}] * 4, "train")
-    assert batch["decoding_per_token_logps"] is None
+    assert batch.sampling_logps is None and not batch.sampled_by_policy
 
 
 def test_decode_logprobs_as_old_needs_the_decoding_loop(tmp_path):
@@ -389,11 +392,11 @@ def test_first_step_without_old_pass_equals_explicit_old_logprobs(tmp_path, tiny
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=make_config(tmp_path), train_dataset=text_dataset())
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
-    batch["advantages"] = torch.linspace(-1, 1, 8)
+    batch.advantages = torch.linspace(-1, 1, 8)
 
     def loss_and_grads(old):
         trainer.model.zero_grad()
-        loss = trainer.compute_loss(trainer.model, {**batch, "old_per_token_logps": old})
+        loss = trainer.compute_loss(trainer.model, dataclasses.replace(batch, old_logps=old))
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
 
@@ -409,8 +412,8 @@ def test_padding_free_training_keeps_the_padded_loss_and_gradient(tmp_path, tiny
     assert trainer.padding_free  # the default on CPU, and the tiny Llama supports it
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
-    batch["advantages"] = torch.linspace(-1, 1, 8)
-    batch["old_per_token_logps"] = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
+    batch.advantages = torch.linspace(-1, 1, 8)
+    batch.old_logps = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
 
     def loss_and_grads(padding_free):
         trainer.padding_free = padding_free
@@ -440,8 +443,8 @@ def test_activation_checkpointing_keeps_the_loss_and_gradient(tmp_path, tiny_mod
     trainer.padding_free = padding_free
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
-    batch["advantages"] = torch.linspace(-1, 1, 8)
-    batch["old_per_token_logps"] = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
+    batch.advantages = torch.linspace(-1, 1, 8)
+    batch.old_logps = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
     layer_calls = []
     # A pre-hook inside the layer: its forward is what is checkpointed (hooks on the layer itself stay outside),
     # and the recomputation stops once it has what the backward pass needs.
@@ -490,13 +493,14 @@ def test_micro_batches_hold_whole_groups():
     from gspo_trl.schedule import split_into_micro_batches
 
     rows = torch.arange(16)
-    batch = {"input_ids": rows.unsqueeze(1), "old_per_token_logps": None}
+    batch = MicroBatch(rows.unsqueeze(1), torch.ones(16, 1), rows.unsqueeze(1), torch.ones(16, 1))
     micro_batches = split_into_micro_batches(
         batch, num_slices=4, group_size=4, generator=torch.Generator().manual_seed(0)
     )
-    groups = [sorted((mb["input_ids"].flatten() // 4).tolist()) for mb in micro_batches]
+    groups = [sorted((mb.input_ids.flatten() // 4).tolist()) for mb in micro_batches]
     assert all(len(set(g)) == 1 for g in groups) and sorted(g[0] for g in groups) == [0, 1, 2, 3]
-    assert sorted(torch.cat([mb["input_ids"].flatten() for mb in micro_batches]).tolist()) == rows.tolist()
+    assert sorted(torch.cat([mb.input_ids.flatten() for mb in micro_batches]).tolist()) == rows.tolist()
+    assert all(mb.old_logps is None and torch.equal(mb.completion_ids, mb.input_ids) for mb in micro_batches)
 
 
 def test_unsupported_attention_falls_back_to_padded_rows(tmp_path, tiny_model_dir, caplog):
@@ -516,15 +520,13 @@ def test_unsupported_attention_falls_back_to_padded_rows(tmp_path, tiny_model_di
 
 def ended_apart(batch, lengths):
     """The batch with row i's completion ending after lengths[i] tokens (as rows that sampled EOS there)."""
-    batch = dict(batch)
-    width = batch["completion_mask"].shape[1]
+    width = batch.completion_mask.shape[1]
     keep = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()  # (B, C)
-    batch["completion_mask"] = batch["completion_mask"] * keep
-    prompt_width = batch["attention_mask"].shape[1] - width
-    batch["attention_mask"] = torch.cat(
-        [batch["attention_mask"][:, :prompt_width], batch["attention_mask"][:, prompt_width:] * keep], dim=1
+    prompt_width = batch.attention_mask.shape[1] - width
+    attention_mask = torch.cat(
+        [batch.attention_mask[:, :prompt_width], batch.attention_mask[:, prompt_width:] * keep], dim=1
     )
-    return batch
+    return dataclasses.replace(batch, completion_mask=batch.completion_mask * keep, attention_mask=attention_mask)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "vespo"])
@@ -557,9 +559,9 @@ def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
     batch = ended_apart(batch, [12, 3, 7, 12, 1, 9, 5, 12])
-    batch["advantages"] = torch.linspace(-1, 1, 8)
-    batch["old_per_token_logps"] = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
-    batch["num_items_in_batch"] = batch["completion_mask"].sum() * 2  # this micro-batch is half of the rollout
+    batch.advantages = torch.linspace(-1, 1, 8)
+    batch.old_logps = trainer._score_without_grad(trainer.model, batch) - 0.01  # off-policy ratios
+    batch.num_items_in_batch = batch.completion_mask.sum() * 2  # this micro-batch is half of the rollout
     trainer._metrics.pop_averages("train")  # the rollout's
     calls = []
     hook = trainer.model.register_forward_pre_hook(
@@ -584,7 +586,7 @@ def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(
     if not padding_free:  # padded rows: each pass within the budget, the shortest rows without the longest's padding
         assert (
             all(rows * width <= 40 for rows, width in calls)
-            and min(width for _, width in calls) < batch["input_ids"].shape[1]
+            and min(width for _, width in calls) < batch.input_ids.shape[1]
         )
     if bf16:
         # Each pass's weight gradient comes out of a bf16 matmul rounded on its own, so the two differ by bf16

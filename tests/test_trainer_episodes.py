@@ -79,9 +79,9 @@ def test_environment_tokens_are_out_of_the_loss_and_turn_advantages_are_per_turn
     trainer = GSPOTrainer(tiny_model_dir, None, args=args, train_dataset=chat_rows(), env_factory=DigitsEnv)
     rows = [chat_rows()[i // 4] for i in range(8)]  # two groups of 4
     inputs = trainer._generate_and_score(rows, mode="train")
-    completion_length = inputs["completion_ids"].shape[1]
-    attended = inputs["attention_mask"][:, -completion_length:].bool()
-    turn_ids, mask, advantages = inputs["turn_ids"], inputs["completion_mask"].bool(), inputs["advantages"]
+    completion_length = inputs.completion_ids.shape[1]
+    attended = inputs.attention_mask[:, -completion_length:].bool()
+    turn_ids, mask, advantages = inputs.turn_ids, inputs.completion_mask.bool(), inputs.advantages
     assert (attended & (turn_ids == -1)).any()  # observations are in the sequence ...
     assert not (mask & (turn_ids == -1)).any()  # ... but not in the loss
     assert torch.equal(mask, attended & (turn_ids >= 0))

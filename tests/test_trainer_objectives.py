@@ -12,6 +12,7 @@ from helpers import count_digits, small_config, text_dataset
 
 from gspo_trl import GSPOTrainer
 from gspo_trl.loss import policy_loss
+from gspo_trl.micro_batch import MicroBatch
 
 # TRL-style option sets: each must build a TRL GRPOConfig and a GSPOConfig alike, then train.
 TRL_OPTIONS = {
@@ -87,20 +88,22 @@ def test_token_mean_losses_average_over_the_whole_optimizer_step(tmp_path, tiny_
     for seed in range(20):  # two rollouts whose token counts differ (the random tiny model rarely ends early)
         torch.manual_seed(seed)
         first = trainer._prepare_inputs(batch)
-        trainer._step += 1
+        trainer.schedule.step += 1  # the next use of the rollout (no optimizer step in between)
         second = trainer._prepare_inputs(batch)
-        trainer._step += 1
-        if first["completion_mask"].sum() != second["completion_mask"].sum():
+        trainer.schedule.step += 1  # the next use of the rollout (no optimizer step in between)
+        if first.completion_mask.sum() != second.completion_mask.sum():
             break
-    assert first["completion_mask"].sum() != second["completion_mask"].sum()  # unequal token counts matter
+    assert first.completion_mask.sum() != second.completion_mask.sum()  # unequal token counts matter
     accumulated = sum(trainer.compute_loss(trainer.model, mb).detach() / 2 for mb in (first, second))
-    both = {
-        key: torch.cat([first[key], second[key]])
-        for key in ("input_ids", "attention_mask", "completion_ids", "completion_mask", "advantages")
-    }
+    both = MicroBatch(
+        **{
+            key: torch.cat([getattr(first, key), getattr(second, key)])
+            for key in ("input_ids", "attention_mask", "completion_ids", "completion_mask", "advantages")
+        }
+    )
     logps = trainer._score_without_grad(trainer.model, both)
     token_mean, _ = policy_loss(
-        logps, None, both["advantages"], both["completion_mask"], loss_type="bnpo", importance_sampling_level="token"
+        logps, None, both.advantages, both.completion_mask, loss_type="bnpo", importance_sampling_level="token"
     )
     torch.testing.assert_close(accumulated, token_mean, atol=1e-6, rtol=1e-5)
 
