@@ -194,15 +194,19 @@ def group_advantages(
     keep = grouped_valid & ~zero_advantage.unsqueeze(1)  # (groups, G)
     advantages = torch.where(keep, advantages, torch.zeros_like(advantages)).reshape(-1)  # (N,)
 
+    stats = {**reward_stats(rewards, valid), "frac_reward_zero_std": zero_std_group.float().mean().item()}
+    return advantages, stats
+
+
+def reward_stats(rewards: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    """``reward``: the mean over valid rows (NaN if none is valid); ``reward_std``: their unbiased std over the batch
+    (TRL's meaning, not within groups; 0 with fewer than 2); ``num_invalid``: rows without a reward."""
     num_valid = int(valid.sum().item())
-    stats = {
+    return {
         "reward": rewards[valid].mean().item() if num_valid > 0 else float("nan"),
-        # TRL's meaning: the spread of rewards over the whole batch (unbiased), not within groups.
         "reward_std": rewards[valid].std().item() if num_valid > 1 else 0.0,
-        "frac_reward_zero_std": zero_std_group.float().mean().item(),
         "num_invalid": int(valid.numel() - num_valid),
     }
-    return advantages, stats
 
 
 def discounted_returns(turn_rewards: torch.Tensor, reached: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:

@@ -83,6 +83,10 @@ class GSPOConfig(TrainingArguments):
         default=8,
         metadata={"help": "Completions sampled per prompt (the group size G). At least 2."},
     )
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={"help": "Completions per prompt in evaluation; None: num_generations. 1 measures rewards only."},
+    )
     max_prompt_length: int | None = field(
         default=None,
         metadata={"help": "Truncate prompts longer than this many tokens from the left; None keeps them whole."},

@@ -220,10 +220,15 @@ def check_sampling(config) -> None:
             f"{config.activation_checkpointing_keep_attention!r}."
         )
     check_generation_kwargs(config.generation_kwargs)
-    if config.eval_strategy != "no" and config.per_device_eval_batch_size * config.world_size % config.num_generations:
+    eval_group = config.num_generations_eval
+    if eval_group is not None and (isinstance(eval_group, bool) or not isinstance(eval_group, int) or eval_group < 1):
+        raise ValueError(f"num_generations_eval must be an int >= 1 or None (num_generations), got {eval_group!r}.")
+    eval_group = eval_group or config.num_generations
+    if config.eval_strategy != "no" and config.per_device_eval_batch_size * config.world_size % eval_group:
+        name = "num_generations_eval" if config.num_generations_eval else "num_generations"
         raise ValueError(
             f"per_device_eval_batch_size × num_processes ({config.per_device_eval_batch_size} × {config.world_size}) "
-            f"must be a multiple of num_generations ({config.num_generations}) so eval groups are whole."
+            f"must be a multiple of {name} ({eval_group}) so eval groups are whole."
         )
     if config.auto_find_batch_size:
         raise ValueError(

@@ -23,11 +23,17 @@ def trainer_config(args, model) -> GSPOConfig:
     return args
 
 
-def check_datasets(train_dataset, eval_dataset, args, needs_prompt: bool) -> None:
-    """The training and evaluation datasets (`check_prompt_dataset`), and enough training prompts for a rollout."""
-    check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=needs_prompt)
-    check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=needs_prompt)
+def check_datasets(train_dataset, eval_dataset, args, episodes: bool) -> None:
+    """The training and evaluation datasets (`check_prompt_dataset`; episodes may start from the environment's reset
+    instead of a prompt), enough training prompts for a rollout, and evaluation groups episodes can be scored in."""
+    check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
+    check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
     check_enough_prompts(train_dataset, args)
+    if episodes and args.num_generations_eval == 1:
+        raise ValueError(
+            "num_generations_eval=1 is for single-turn rollouts: multi-turn episodes (env_factory, tools) are scored "
+            "within groups. Set num_generations_eval >= 2."
+        )
 
 
 def check_enough_prompts(dataset, args) -> None:

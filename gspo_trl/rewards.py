@@ -99,6 +99,8 @@ def _is_conversational(prompt: Any) -> bool:
 
 
 def _as_list(items: Any) -> list:
+    if items is None:
+        return []
     return list(items) if isinstance(items, (list, tuple)) else [items]
 
 

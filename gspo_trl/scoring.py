@@ -21,6 +21,7 @@ from .advantages import (
     discounted_returns,
     episode_advantages,
     group_advantages,
+    reward_stats,
     token_advantages,
 )
 from .micro_batch import MicroBatch
@@ -36,6 +37,12 @@ class RolloutScores:
     rewards: torch.Tensor  # (N,) each row's total reward
 
 
+def completions_per_prompt(args, mode: str) -> int:
+    """The group size of a rollout in `mode`: `num_generations` in training, `num_generations_eval` (default the
+    same) in evaluation."""
+    return args.num_generations if mode == "train" else args.num_generations_eval or args.num_generations
+
+
 def score_rollout(
     local_rewards: torch.Tensor,
     reward_weights: torch.Tensor,
@@ -43,12 +50,16 @@ def score_rollout(
     accelerator,
     episodes=None,
     function_names: Sequence[str] = (),
+    group_size: int | None = None,
 ) -> RolloutScores:
     """Advantages of this process's rows from its (n, F) reward-function table (`episodes`: its `EpisodeBatch`).
 
     A rollout without episodes in which no reward function gave a number for any completion raises a `ValueError`
     naming the functions (on every process alike: the table is gathered first): it would train on zero advantages.
+    `group_size`: completions per prompt (default `num_generations`; evaluation's `num_generations_eval` may be 1:
+    rewards are measured and every advantage is 0).
     """
+    group_size = group_size or args.num_generations
     device = local_rewards.device
     n = local_rewards.shape[0]
     local = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
@@ -62,9 +73,12 @@ def score_rollout(
                 f"Every reward function ({names}) returned None for every completion of this rollout, so it has no "
                 "signal to train on. Return a number for the completions a function applies to."
             )
-        advantages, stats = group_advantages(rewards, args.num_generations, args.scale_rewards, valid)
+        if group_size == 1:  # no group to compare within
+            stats = {**reward_stats(rewards, valid), "frac_reward_zero_std": 1.0}
+            return RolloutScores(torch.zeros_like(rewards)[local], stats, function_table, rewards)
+        advantages, stats = group_advantages(rewards, group_size, args.scale_rewards, valid)
         if aggregation == "normalize_then_sum":  # GDPO; the statistics stay those of the summed reward
-            decoupled, _ = decoupled_rewards(function_table, reward_weights.to(device), args.num_generations)
+            decoupled, _ = decoupled_rewards(function_table, reward_weights.to(device), group_size)
             advantages = batch_advantages(decoupled, valid)
         return RolloutScores(advantages[local], stats, function_table, rewards)
     if aggregation != "sum_then_normalize":
@@ -81,7 +95,7 @@ def score_rollout(
         turn_rewards,
         reached,
         rewards,
-        args.num_generations,
+        group_size,
         args.scale_rewards,
         args.turn_discount,
         args.advantage_granularity,
@@ -131,7 +145,16 @@ def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: 
 
 
 def reward_and_score(
-    batch: list[dict], sampled, reward_funcs, reward_weights, tokenizer, state, args, accelerator, log_metric
+    batch: list[dict],
+    sampled,
+    reward_funcs,
+    reward_weights,
+    tokenizer,
+    state,
+    args,
+    accelerator,
+    log_metric,
+    group_size: int | None = None,
 ) -> tuple[RolloutScores, list[str], dict[str, list]]:
     """(the `RolloutScores` of a `SampledRollout` of the dataset rows `batch`, its decoded completions, the columns
     reward functions logged): every reward function called on this process's rows (`log_metric(name, value)` takes
@@ -149,5 +172,5 @@ def reward_and_score(
         log_extra=extra_columns.__setitem__,
     ).to(accelerator.device)  # (n, F)
     names = [function.name for function in reward_funcs]
-    scores = score_rollout(local_rewards, reward_weights, args, accelerator, sampled.episodes, names)
+    scores = score_rollout(local_rewards, reward_weights, args, accelerator, sampled.episodes, names, group_size)
     return scores, texts, extra_columns

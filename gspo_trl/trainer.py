@@ -68,7 +68,7 @@ from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
 from .rollout_func import check_rollout_func, sample_with_rollout_func
 from .sampling_correction import correction_for
 from .schedule import RolloutBuffer, fill_old_logps, rollout_tokens
-from .scoring import reward_and_score, scored_batch
+from .scoring import completions_per_prompt, reward_and_score, scored_batch
 
 logger = logging.get_logger(__name__)
 
@@ -81,7 +81,7 @@ class GSPOTrainer(Trainer):
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: GSPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -99,7 +99,7 @@ class GSPOTrainer(Trainer):
         args = trainer_config(args, model)
         episodes = env_factory is not None or tools is not None or environment_factory is not None
         check_rollout_func(rollout_func, args, episodes)
-        check_datasets(train_dataset, eval_dataset, args, needs_prompt=not episodes)
+        check_datasets(train_dataset, eval_dataset, args, episodes)
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
         check_deepspeed_batch_fields(args, args.world_size)
@@ -110,8 +110,6 @@ class GSPOTrainer(Trainer):
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
-        if reward_funcs is None and episodes:
-            reward_funcs = []  # the environment's step rewards or get_reward may be the whole reward
         tool_episodes = tool_episode_factory(tools, environment_factory, tool_call_parser, env_factory, tokenizer)
         self.reward_funcs, self.reward_weights = load_rewards(
             reward_funcs,
@@ -120,6 +118,8 @@ class GSPOTrainer(Trainer):
             args,
             steps_reward=env_factory is not None,
         )
+        # TRL's public attribute: each reward function's tokenizer (a reward model's), None for callables.
+        self.reward_processing_classes = [getattr(f, "processing_class", None) for f in self.reward_funcs]
         self.ref_model = create_reference_model(model, model_source, args) if args.beta > 0 else None
 
         super().__init__(
@@ -199,7 +199,8 @@ class GSPOTrainer(Trainer):
         return self.schedule.train_sampler(dataset if dataset is not None else self.train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
-        return RepeatSampler(data_source=eval_dataset, mini_repeat_count=self.args.num_generations, seed=self.args.seed)
+        repeats = completions_per_prompt(self.args, "eval")
+        return RepeatSampler(data_source=eval_dataset, mini_repeat_count=repeats, seed=self.args.seed)
 
     # --- schedule -----------------------------------------------------------------------------
 
@@ -327,7 +328,8 @@ class GSPOTrainer(Trainer):
         if runner is None:
             rollout = backend.generate([row["prompt"] for row in batch], keys)
             return SampledRollout(rollout, [row["prompt"] for row in batch])
-        seeds = (self._row_keys(len(batch), mode, step, self.args.num_generations) & 0x7FFFFFFF).tolist()
+        group = completions_per_prompt(self.args, mode)
+        seeds = (self._row_keys(len(batch), mode, step, group) & 0x7FFFFFFF).tolist()
         episodes = runner.run(backend, batch, seeds, keys)
         return SampledRollout(episodes.rollout, episodes.prompts, episodes)
 
@@ -344,6 +346,7 @@ class GSPOTrainer(Trainer):
             args,
             accelerator,
             log_metric=lambda name, value: self._metrics.add(mode, name, value),
+            group_size=completions_per_prompt(args, mode),
         )
         scored = scored_batch(sampled, scores.advantages, args.mask_truncated_completions)
         if mode == "train" and self._logprobs_unchecked:  # once, before a π_old or reference pass scores on a path

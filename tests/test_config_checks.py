@@ -91,3 +91,15 @@ def test_generation_kwargs_that_do_not_sample_the_policy_are_refused_at_construc
     GSPOConfig(
         output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"num_beams": 1, "top_k": 50, "do_sample": True}
     )
+
+
+def test_num_generations_eval_is_a_positive_int_and_eval_groups_must_be_whole(tmp_path):
+    from gspo_trl import GSPOConfig
+
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="num_generations_eval must be an int >= 1"):
+            GSPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations_eval=bad)
+    kwargs = dict(output_dir=str(tmp_path), use_cpu=True, eval_strategy="steps", per_device_eval_batch_size=6)
+    with pytest.raises(ValueError, match=r"multiple of num_generations_eval \(4\)"):
+        GSPOConfig(**kwargs, num_generations=2, num_generations_eval=4)
+    assert GSPOConfig(**kwargs, num_generations=4, num_generations_eval=3).num_generations_eval == 3

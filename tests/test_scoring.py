@@ -73,3 +73,13 @@ def test_normalize_then_sum_takes_gdpo_advantages_and_logs_the_summed_reward():
     torch.testing.assert_close(scores.advantages, expected)
     torch.testing.assert_close(scores.rewards, torch.tensor([6.0, 15.0, 1.5, 1.0]))  # the weighted sum, as logged
     assert not torch.allclose(expected, score_rollout(table, weights, args(), OneProcess).advantages)
+
+
+def test_a_group_of_one_measures_rewards_and_gives_no_advantage():
+    # Evaluation with num_generations_eval=1: no group to compare within.
+    table = torch.tensor([[1.0], [3.0], [float("nan")]])
+    scores = score_rollout(table, torch.ones(1), args(), OneProcess, group_size=1)
+    assert scores.advantages.tolist() == [0.0, 0.0, 0.0]
+    stats = scores.stats
+    assert (stats["reward"], stats["num_invalid"], stats["frac_reward_zero_std"]) == (2.0, 1, 1.0)
+    assert abs(stats["reward_std"] / 2**0.5 - 1) < 1e-6  # the sample std of (1, 3) in float32

@@ -4,6 +4,7 @@ metrics, checkpoints and the model card. Learning itself is tested on the real m
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -226,6 +227,23 @@ def test_evaluate_reports_eval_reward(tmp_path, tiny_model_dir):
     )
     metrics = trainer.evaluate()
     assert "eval_reward" in metrics and "eval_loss" in metrics
+
+
+@pytest.mark.parametrize("eval_group", [1, 2])
+def test_num_generations_eval_sets_the_evaluation_group_size(tmp_path, tiny_model_dir, eval_group):
+    # TRL's num_generations_eval: fewer completions per prompt in evaluation (1: rewards measured, no group).
+    config = make_config(tmp_path, per_device_eval_batch_size=4, num_generations_eval=eval_group)
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), eval_dataset=text_dataset(4)
+    )
+    prompts = [row["prompt"] for row in trainer.eval_dataset]
+    order = [prompts[i] for i in trainer._get_eval_sampler(trainer.eval_dataset)]
+    groups = [order[i : i + eval_group] for i in range(0, len(order), eval_group)]
+    assert len(groups) == 4 and all(len(set(group)) == 1 for group in groups)
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_reward"]) and math.isfinite(metrics["eval_loss"])
+    if eval_group == 1:  # one completion per prompt: nothing to compare, every advantage 0
+        assert metrics["eval_frac_reward_zero_std"] == 1.0
 
 
 def test_reward_functions_can_log_metrics_and_extra_columns(tmp_path, tiny_model_dir, capsys):

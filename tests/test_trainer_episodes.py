@@ -133,9 +133,8 @@ def test_rows_without_prompt_start_from_the_reset_observation(tmp_path, tiny_mod
             return f"Count to {options['n']}.", {}
 
     data = Dataset.from_dict({"n": list(range(8))})
-    trainer = GSPOTrainer(
-        tiny_model_dir, None, args=config(tmp_path, max_steps=1), train_dataset=data, env_factory=Asks
-    )
+    # reward_funcs left out, as TRL allows: the environment's step rewards are the reward.
+    trainer = GSPOTrainer(tiny_model_dir, args=config(tmp_path, max_steps=1), train_dataset=data, env_factory=Asks)
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"])
 
@@ -143,6 +142,18 @@ def test_rows_without_prompt_start_from_the_reset_observation(tmp_path, tiny_mod
 def test_no_reward_source_is_refused(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="reward_funcs is empty"):
         GSPOTrainer(tiny_model_dir, [], args=config(tmp_path), train_dataset=chat_rows())
+    with pytest.raises(ValueError, match="reward_funcs is empty"):  # optional as in TRL, but something must reward
+        GSPOTrainer(tiny_model_dir, args=config(tmp_path), train_dataset=chat_rows())
+
+
+def test_a_group_of_one_in_evaluation_is_refused_for_episodes(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="num_generations_eval=1 is for single-turn rollouts"):
+        GSPOTrainer(
+            tiny_model_dir,
+            args=config(tmp_path, num_generations_eval=1),
+            train_dataset=chat_rows(),
+            env_factory=DigitsEnv,
+        )
 
 
 def test_episodes_with_the_gpu_recipe_bf16_lora_and_kl(tmp_path, tiny_model_dir):

@@ -142,3 +142,18 @@ def test_training_passes_with_a_whole_micro_batch_quantile_are_refused_by_name(t
     assert pass_budget(small_config(tmp_path, top_entropy_quantile=0.2), "cuda", router_aux_loss=False) is None
     assert pass_budget(small_config(tmp_path), "cuda", router_aux_loss=True) is None
     assert pass_budget(small_config(tmp_path), "cuda", router_aux_loss=False) == 8192
+
+
+def test_reward_processing_classes_is_public_as_in_trl(tmp_path, tiny_model_dir, tiny_tokenizer):
+    # TRL's GRPOTrainer exposes one processing class per reward function (None for plain callables).
+    from test_rewards import build_reward_model
+
+    reward_model = build_reward_model(tiny_tokenizer)
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        [reward_model, count_digits],
+        args=config(tmp_path),
+        train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}),
+        reward_processing_classes=[tiny_tokenizer, None],
+    )
+    assert trainer.reward_processing_classes == [tiny_tokenizer, None]
