@@ -64,8 +64,8 @@ from .passes import micro_batch_passes, pass_budget, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
 from .rewards import RewardModelFunction, load_rewards
 from .rollout import EpisodeRunner, SampledRollout, create_rollout_backend, stream_keys
+from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
 from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
-from .rollout_func import check_rollout_func, sample_with_rollout_func
 from .sampling_correction import correction_for
 from .schedule import RolloutBuffer, fill_old_logps, rollout_tokens
 from .scoring import completions_per_prompt, reward_and_score, scored_batch

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from gspo_trl.rollout_func import check_rollout_func, rollout_from_output
+from gspo_trl.rollout.rollout_func import check_rollout_func, rollout_from_output
 
 PAD, EOS = 0, 2
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from .rewards import RESERVED_REWARD_KWARGS
-from .rollout.types import Rollout, SampledRollout, eos_token_ids_of, left_pad
+from ..rewards import RESERVED_REWARD_KWARGS
+from .types import Rollout, SampledRollout, eos_token_ids_of, left_pad
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
