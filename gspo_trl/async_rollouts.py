@@ -174,7 +174,12 @@ class RolloutPipeline:
             else EpisodeRunner(runner.env_factory, self.tokenizer, args, max_turns=runner.max_turns)
         )
         self.snapshot = WeightSnapshot() if backend.samples_with_training_model else None
-        self.snapshot_backend: HFGenerateBackend | None = None
+        self.snapshot_backend: HFGenerateBackend | None = None  # samples on the weight snapshot, once made
+
+    @property
+    def backends(self) -> list[HFGenerateBackend]:
+        """The backends this pipeline samples with besides the trainer's (the snapshot's, once made)."""
+        return [] if self.snapshot_backend is None else [self.snapshot_backend]
 
     def wrap(self, iterator: Iterator) -> Lookahead:
         """The look-ahead over the trainer's batch iterator (a new one for a new epoch's iterator)."""

@@ -295,3 +295,30 @@ def _loop_fallback(loop: str) -> str:
     if loop == "static":
         return " Decoding without the static KV cache (and CUDA graphs) from now on."
     return " Sampling with transformers' generate from now on."
+
+
+class FirstRolloutCheck:
+    """`check_first_rollout` once, on the first training rollout (unless `check_logprobs="off"`)."""
+
+    def __init__(self, args):
+        self.pending = args.check_logprobs != "off"
+
+    def run(self, model, scored: MicroBatch, sampled, args, accelerator, padding_free: bool, backends: list) -> bool:
+        """`padding_free` as training goes on after the check of `scored`, the `MicroBatch` of the `SampledRollout`
+        `sampled`, which `backends` sampled (a loop fallback applies to each)."""
+        if not self.pending:
+            return padding_free
+        self.pending = False
+        # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are those of
+        # weights trained past since, not the model's: only the scoring path is checked.
+        loop = sampled.rollout.decoding_loop if sampled.behaviour_logps is None else None
+        return check_first_rollout(
+            model,
+            scored,
+            args,
+            accelerator,
+            padding_free=padding_free,
+            decoding_loop=loop,
+            backends=backends,
+            checked_mask=sampled.rollout.sampled_mask,
+        )

@@ -37,7 +37,7 @@ from .distributed import (
 )
 from .entropy_control import EntropyCoefficient
 from .environments.tools import environment_reward_functions, tool_episode_factory
-from .logprob_check import check_first_rollout
+from .logprob_check import FirstRolloutCheck
 from .logprobs import completion_logprobs, logprobs_without_grad
 from .loss import Objective, masked_mean, policy_loss, token_normalizer
 from .loss_masks import learned_tokens
@@ -167,7 +167,7 @@ class GSPOTrainer(Trainer):
         self._completion_samples: list[dict] = []
         self.schedule = RolloutBuffer(args)  # the buffered rollout, the window position, π_old per micro-batch
         self._num_tokens_seen = 0
-        self._logprobs_unchecked = args.check_logprobs != "off"  # until the first training rollout (logprob_check)
+        self.first_rollout_check = FirstRolloutCheck(args)
 
     # --- precision ----------------------------------------------------------------------------
 
@@ -349,20 +349,10 @@ class GSPOTrainer(Trainer):
             group_size=completions_per_prompt(args, mode),
         )
         scored = scored_batch(sampled, scores.advantages, args.mask_truncated_completions)
-        if mode == "train" and self._logprobs_unchecked:  # once, before a π_old or reference pass scores on a path
-            self._logprobs_unchecked = False
-            snapshot = getattr(self.rollout_pipeline, "snapshot_backend", None)  # async rollouts sample with it
-            self.padding_free = check_first_rollout(
-                self.model,
-                scored,
-                args,
-                accelerator,
-                padding_free=self.padding_free,
-                # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are
-                # those of weights trained past since, not the model's: only the scoring path is checked.
-                decoding_loop=sampled.rollout.decoding_loop if sampled.behaviour_logps is None else None,
-                backends=[backend for backend in (self.rollout_backend, snapshot) if backend is not None],
-                checked_mask=sampled.rollout.sampled_mask,
+        if mode == "train":  # the first rollout, before a π_old or reference pass scores on a path
+            backends = [self.rollout_backend, *getattr(self.rollout_pipeline, "backends", [])]
+            self.padding_free = self.first_rollout_check.run(
+                self.model, scored, sampled, args, accelerator, self.padding_free, backends
             )
         if args.beta > 0:
             with reference_weights(self.model, self.ref_model) as reference:
