@@ -231,7 +231,7 @@ class RolloutPipeline:
         `models`: (the wrapped model, the unwrapped one); `sample(backend, runner, batch, mode, step, keyed=...)`
         samples a `SampledRollout`; `score(model, batch)` gives a `MicroBatch`'s log-probs; `context()` is training's
         precision (autocast is per thread). Sampled ahead on a snapshot of the weights, the rollout keeps π_old
-        (`behaviour_logps`): the decoding loop's log-probs, or the snapshot's forward, as those weights will be gone."""
+        (`old_logps`): the decoding loop's log-probs, or the snapshot's forward, as those weights will be gone."""
         backend, runner, frozen = self.engines(*models, weights_step)
         ahead = for_step != weights_step  # sampling overlaps training
 
@@ -242,7 +242,7 @@ class RolloutPipeline:
                 sampled = sample(backend, runner, batch, "train", for_step, keyed=ahead)
                 if frozen is not None and ahead:
                     rollout = sampled.rollout
-                    sampled.behaviour_logps = (
+                    sampled.old_logps = (
                         rollout.sampling_logps
                         if rollout.sampled_by_policy
                         else score(frozen, MicroBatch(**rollout.model_inputs()))

@@ -311,7 +311,7 @@ class FirstRolloutCheck:
         self.pending = False
         # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are those of
         # weights trained past since, not the model's: only the scoring path is checked.
-        loop = sampled.rollout.decoding_loop if sampled.behaviour_logps is None else None
+        loop = sampled.rollout.decoding_loop if sampled.old_logps is None else None
         return check_first_rollout(
             model,
             scored,

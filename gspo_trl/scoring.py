@@ -129,7 +129,7 @@ def completions_for_rewards(batch: list[dict], sampled, tokenizer) -> tuple[list
 def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: bool) -> MicroBatch:
     """The record of a scored `SampledRollout`: trained on the tokens the model sampled (not an environment's
     observations), without truncated completions when `mask_truncated_completions`. π_old is set where the sampling
-    weights will be gone (`behaviour_logps`, async_rollouts), else by the schedule per micro-batch."""
+    weights will be gone (`old_logps`, async_rollouts), else by the schedule per micro-batch."""
     rollout = sampled.rollout
     completion_mask = rollout.sampled_mask
     if mask_truncated_completions:
@@ -139,7 +139,7 @@ def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: 
         advantages=advantages,
         sampling_logps=rollout.sampling_logps,
         sampled_by_policy=rollout.sampled_by_policy,
-        old_logps=sampled.behaviour_logps,
+        old_logps=sampled.old_logps,
         turn_ids=rollout.turn_ids,  # multi-turn episodes only
     )
 

@@ -81,7 +81,7 @@ class SampledRollout:
     rollout: Rollout
     prompts: list
     episodes: EpisodeBatch | None = None  # multi-turn episodes (`episodes`)
-    behaviour_logps: torch.Tensor | None = None  # (N, C) under the sampling weights, where those will be gone
+    old_logps: torch.Tensor | None = None  # (N, C) π_old, where the sampling weights will be gone before training
     reward_columns: dict[str, list] = field(default_factory=dict)  # extra reward kwargs (`rollout_func`'s keys)
 
 
