@@ -142,8 +142,8 @@ def test_decoding_benchmark_smoke_runs_both_loops(tmp_path, tiny_model_dir):
 @pytest.mark.slow  # a benchmark's smoke run
 def test_decoding_benchmark_runs_the_ab_loops(tmp_path, tiny_model_dir):
     # A smoke test of --loops: the growing buffers themselves are tested against DynamicLayer in
-    # test_decoding_dynamic.py, the linear layers' forms in test_decoding_cpu_linear.py (the tiny model's weights are too
-    # small for them to apply).
+    # test_decoding_dynamic.py, the linear layers' forms in test_decoding_cpu_linear.py (the tiny model's weights are
+    # too small for them to apply).
     out = tmp_path / "ab.json"
     loops = "gspo,gspo_full_buffers,gspo_plain_linears,gspo_module_forward"
     command = [
