@@ -5,7 +5,8 @@ Owns the one-rollout-ahead schedule (from which optimizer step the next rollout 
 model reads while the live weights keep training, and the look-ahead on the trainer's batch iterator that
 finds the next rollout's prompts. What it does not own: sampling itself (a `RolloutBackend` or an
 `EpisodeRunner`, called through the function the trainer submits), rewards and advantages (scored when
-the rollout is trained on), and the loss, which takes the behaviour policy's log-probs as π_old.
+the rollout is trained on), and the loss. It does record π_old of a rollout sampled ahead (`SampledRollout.old_logps`):
+the weights that sampled it are gone by the time it trains.
 
 Staleness counts optimizer steps between the weights that sampled a rollout and the weights of its first
 optimizer step. The synchronous trainer's is 0; one-step-off pipelining (as in verl and PipelineRL) makes it

@@ -15,6 +15,7 @@ import torch
 from transformers.utils import logging
 
 from .advantages import AGGREGATION_OPTIONS, SCALE_REWARDS_OPTIONS
+from .decoding.cpu import SETTINGS as CPU_DECODING_KERNELS
 from .distributed import launched_processes, needs_cpu_process_group
 from .loss import Objective
 from .sampling_correction import CORRECTION_MODES
@@ -23,7 +24,6 @@ from .sampling_correction import CORRECTION_MODES
 ADVANTAGE_GRANULARITIES = ("trajectory", "turn")
 # How completions are sampled (see `decode_loop`).
 DECODE_LOOPS = ("gspo", "generate")
-CPU_DECODING_KERNELS = ("auto", "on", "off")
 # What a disagreement found by the log-prob check does (see `check_logprobs`).
 CHECK_LOGPROBS_OPTIONS = ("raise", "warn", "off")
 
@@ -219,7 +219,7 @@ def check_sampling(config) -> None:
             f"activation_checkpointing_keep_attention must be True or False, got "
             f"{config.activation_checkpointing_keep_attention!r}."
         )
-    check_generation_kwargs(config.generation_kwargs)
+    check_generation_kwargs(config.generation_kwargs, config.use_vllm)
     eval_group = config.num_generations_eval
     if eval_group is not None and (isinstance(eval_group, bool) or not isinstance(eval_group, int) or eval_group < 1):
         raise ValueError(f"num_generations_eval must be an int >= 1 or None (num_generations), got {eval_group!r}.")
@@ -237,14 +237,28 @@ def check_sampling(config) -> None:
         )
 
 
-def check_generation_kwargs(generation_kwargs) -> None:
-    """Refuse the `GenerationConfig` settings that do not sample one completion per prompt row from the policy:
-    beam search and contrastive search keep the likeliest continuations (not draws from π, which the importance
-    ratio assumes), and several sequences per row break the row-per-completion layout of a group."""
+# vLLM request fields the trainer sets itself (one sample per request row, the sampled token's log-prob) or that
+# search instead of sampling.
+VLLM_REQUEST_FIELDS_REFUSED = ("n", "best_of", "use_beam_search", "logprobs", "prompt_logprobs")
+
+
+def check_generation_kwargs(generation_kwargs, use_vllm: bool = False) -> None:
+    """Refuse the settings that do not sample one completion per prompt row from the policy: beam search and
+    contrastive search keep the likeliest continuations (not draws from π, which the importance ratio assumes),
+    and several sequences per row break the row-per-completion layout of a group. With `use_vllm` they are
+    vLLM request fields: those the trainer sets itself are refused too."""
     if generation_kwargs is None:
         return
     if not isinstance(generation_kwargs, dict):
         raise TypeError(f"generation_kwargs must be a dict of GenerationConfig fields, got {generation_kwargs!r}.")
+    if use_vllm:
+        refused = [name for name in VLLM_REQUEST_FIELDS_REFUSED if name in generation_kwargs]
+        if refused:
+            raise ValueError(
+                f"generation_kwargs sets {refused[0]!r}, which the trainer sets itself in every vLLM request (one "
+                "sample per prompt row, the sampled token's log-prob) or which searches instead of sampling. "
+                "Remove it; num_generations sets the group size."
+            )
     for name, what in (
         ("num_beams", "beam search keeps the likeliest sequences instead of sampling them"),
         ("num_beam_groups", "beam search keeps the likeliest sequences instead of sampling them"),

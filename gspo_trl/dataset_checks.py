@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import GSPOConfig
+from .rollout.types import check_messages
 
 
 def trainer_config(args, model) -> GSPOConfig:
@@ -33,6 +34,11 @@ def check_datasets(train_dataset, eval_dataset, args, episodes: bool) -> None:
         raise ValueError(
             "num_generations_eval=1 is for single-turn rollouts: multi-turn episodes (env_factory, tools) are scored "
             "within groups. Set num_generations_eval >= 2."
+        )
+    if episodes and args.multi_objective_aggregation != "sum_then_normalize":
+        raise ValueError(
+            f"multi_objective_aggregation={args.multi_objective_aggregation!r} is for single-turn rollouts; "
+            "multi-turn episodes (env_factory, tools) take 'sum_then_normalize'."
         )
 
 
@@ -64,3 +70,18 @@ def check_prompt_dataset(dataset, name: str, needs_prompt: bool = True) -> None:
             f"{name} needs a 'prompt' column (a string, or a list of chat messages); it has {column_names}. "
             "Rename your column with dataset.rename_column(old, 'prompt')."
         )
+    if column_names is not None and "prompt" in column_names and hasattr(dataset, "__len__"):
+        check_prompt_messages(dataset.select_columns(["prompt"]), name)
+
+
+def check_prompt_messages(prompts, name: str, batch_rows: int = 1024) -> None:
+    """`rollout.types.check_messages` on every conversational prompt of a map-style dataset, naming the row. Every
+    process holds the whole dataset, so all of them refuse a bad message here, together; in a rollout only the
+    process that drew it would (prompts are checked again as they are rendered: streamed datasets)."""
+    for start in range(0, len(prompts), batch_rows):
+        for offset, prompt in enumerate(prompts[start : start + batch_rows]["prompt"]):
+            if isinstance(prompt, list):
+                try:
+                    check_messages(prompt)
+                except ValueError as error:
+                    raise ValueError(f"{name} row {start + offset}: {error}") from None

@@ -5,9 +5,9 @@ Owns finding the Hugging Face model inside whatever wraps it (DDP, a DeepSpeed e
 modules apart and gathering the weights for a whole rollout's generation (ZeRO-3, FSDP2) or for the LM
 head outside the forward (FSDP2), placing (and under FSDP2 sharding) evaluation-only models like the
 policy, gathering a rollout across processes, choosing the process group's backend for a multi-process
-launch on a machine without an accelerator, and saying when a requested sharding was not applied. What it
-does not own: gathering rewards and metrics (the trainer, through accelerate) and the policy's sharding
-itself (accelerate, DeepSpeed, FSDP).
+launch on a machine without an accelerator, the context a rollout is sampled in (`generation_context`), and
+saying when a requested sharding was not applied. What it does not own: gathering rewards and metrics
+(`scoring`, `metrics`, through accelerate) and the policy's sharding itself (accelerate, DeepSpeed, FSDP).
 """
 
 from __future__ import annotations

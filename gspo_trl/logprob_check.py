@@ -13,8 +13,8 @@ with `check_logprobs="warn"`, warns and falls back to the safer path: packed row
 the dynamic one, the dynamic loop to transformers' `generate` (the rollout's recorded log-probs then get a π_old
 forward). Padded rows are the safe path: a disagreement there always raises.
 
-What it does not own: the paths (`logprobs`, `decoding.dynamic`, `decoding.static`) and when it runs (the trainer,
-once).
+Owns when it runs too: once, on the first training rollout (`FirstRolloutCheck`). What it does not own: the paths
+(`logprobs`, `decoding.dynamic`, `decoding.static`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ micro-batch that is also trained after an optimizer step needs π_old computed b
 Owns that rule (`micro_batches_needing_old_logprobs`), the micro-step position a resumed run continues from
 (`micro_steps_into_epoch`) and the cut of a rollout into micro-batches of whole groups
 (`split_into_micro_batches`), as pure functions; the one table of π_old sources (`old_logps_source`); and the
-trainer's state of it all, `RolloutBuffer`: the buffered micro-batches, the window position, the rollout restored
+trainer's state of it all, `RolloutSchedule`: the buffered micro-batches, the window position, the rollout restored
 from a checkpoint, and their checkpoint state. What it does not own: sampling and scoring (the trainer),
 running the forwards (`logprobs`) and the objective (`loss`).
 """
@@ -149,7 +149,7 @@ def fill_old_logps(
             micro_batch.old_logps = forward(micro_batch)
 
 
-class RolloutBuffer:
+class RolloutSchedule:
     """The trainer's schedule: the rollout being trained on, cut into micro-batches, and where training stands.
 
     One rollout serves `steps_per_generation × num_iterations` micro-steps (uses). Per micro-step the trainer calls

@@ -4,7 +4,7 @@ episodes (whose step rewards join the table as its first column, "env").
 
 Owns which rows and tokens get which advantage and the reward statistics that go with them, what reward functions
 are shown of a rollout (`completions_for_rewards`) and the scored rollout's record (`scored_batch`). The math is in
-`advantages`; calling reward functions is `rewards.compute_rewards`; playing episodes is `environments`.
+`advantages`; calling reward functions is `rewards.compute_rewards`; playing episodes is `rollout.episodes`.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def score_rollout(
     local = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
     function_table = accelerator.gather(local_rewards)  # (N, F)
     rewards, valid = aggregate_rewards(function_table, reward_weights.to(device))  # (N,), NaN-free
-    aggregation = getattr(args, "multi_objective_aggregation", "sum_then_normalize")
+    aggregation = args.multi_objective_aggregation
     if episodes is None:
         if not valid.any():
             names = ", ".join(function_names) or f"all {function_table.shape[1]}"
@@ -81,11 +81,8 @@ def score_rollout(
             decoupled, _ = decoupled_rewards(function_table, reward_weights.to(device), group_size)
             advantages = batch_advantages(decoupled, valid)
         return RolloutScores(advantages[local], stats, function_table, rewards)
-    if aggregation != "sum_then_normalize":
-        raise ValueError(
-            f"multi_objective_aggregation={aggregation!r} is for single-turn rollouts; multi-turn episodes "
-            "(env_factory, tools) take 'sum_then_normalize'."
-        )
+    if aggregation != "sum_then_normalize":  # refused at construction (`dataset_checks.check_datasets`)
+        raise ValueError(f"multi_objective_aggregation={aggregation!r} is for single-turn rollouts.")
 
     def gathered(tensor):  # episodes on different processes may have played different numbers of turns
         return accelerator.gather(accelerator.pad_across_processes(tensor.to(device), dim=1))

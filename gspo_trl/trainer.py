@@ -1,11 +1,11 @@
 """`GSPOTrainer`: the `transformers.Trainer` that wires rollout → reward → advantage → loss → log.
 
-It holds no math and no backend details: sampling lives in `rollout`, multi-turn episodes in
-`environments`, log-probabilities in `logprobs` (checked on the first rollout by `logprob_check`), rewards in
-`rewards`, the rollout's advantages in `scoring` (math in `advantages`), the objective in `loss`, a micro-batch's
-training passes in `passes`, the schedule (one rollout reused for `steps_per_generation × num_iterations`
-micro-steps, as in TRL, and π_old per micro-batch) in `schedule`. The trainer's own job is moving data between those
-modules, as one typed `MicroBatch`, and logging.
+It holds no math and no backend details: sampling lives in `rollout` (multi-turn episodes in `rollout.episodes`,
+what they are played in in `environments`), log-probabilities in `logprobs` (checked on the first rollout by
+`logprob_check`), rewards in `rewards`, the rollout's advantages in `scoring` (math in `advantages`), the objective
+in `loss`, a micro-batch's training passes in `passes`, the schedule (one rollout reused for `steps_per_generation ×
+num_iterations` micro-steps, as in TRL, and π_old per micro-batch) in `schedule`. The trainer's own job is moving
+data between those modules, as one typed `MicroBatch`, and logging.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from .rollout import EpisodeRunner, SampledRollout, create_rollout_backend, stre
 from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
 from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
 from .sampling_correction import correction_for
-from .schedule import RolloutBuffer, fill_old_logps, rollout_tokens
+from .schedule import RolloutSchedule, fill_old_logps, rollout_tokens
 from .scoring import completions_per_prompt, reward_and_score, scored_batch
 
 logger = logging.get_logger(__name__)
@@ -165,7 +165,7 @@ class GSPOTrainer(Trainer):
             self.rollout_pipeline = RolloutPipeline(args, self.rollout_backend, self.episode_runner, tokenizer)
         self._metrics = MetricsBuffer()
         self._completion_samples: list[dict] = []
-        self.schedule = RolloutBuffer(args)  # the buffered rollout, the window position, π_old per micro-batch
+        self.schedule = RolloutSchedule(args)  # the buffered rollout, the window position, π_old per micro-batch
         self._num_tokens_seen = 0
         self.first_rollout_check = FirstRolloutCheck(args)
 
@@ -350,7 +350,8 @@ class GSPOTrainer(Trainer):
         )
         scored = scored_batch(sampled, scores.advantages, args.mask_truncated_completions)
         if mode == "train":  # the first rollout, before a π_old or reference pass scores on a path
-            backends = [self.rollout_backend, *getattr(self.rollout_pipeline, "backends", [])]
+            pipeline = self.rollout_pipeline
+            backends = [self.rollout_backend, *(pipeline.backends if pipeline is not None else [])]
             self.padding_free = self.first_rollout_check.run(
                 self.model, scored, sampled, args, accelerator, self.padding_free, backends
             )

@@ -103,3 +103,10 @@ def test_num_generations_eval_is_a_positive_int_and_eval_groups_must_be_whole(tm
     with pytest.raises(ValueError, match=r"multiple of num_generations_eval \(4\)"):
         GSPOConfig(**kwargs, num_generations=2, num_generations_eval=4)
     assert GSPOConfig(**kwargs, num_generations=4, num_generations_eval=3).num_generations_eval == 3
+
+
+@pytest.mark.parametrize("name", ["n", "best_of", "use_beam_search", "logprobs"])
+def test_vllm_request_fields_the_trainer_sets_are_refused_in_generation_kwargs(name):
+    with pytest.raises(ValueError, match=f"generation_kwargs sets '{name}'"):
+        config_checks.check_generation_kwargs({name: 2, "top_k": 5}, use_vllm=True)
+    config_checks.check_generation_kwargs({"top_k": 5, "presence_penalty": 0.1}, use_vllm=True)

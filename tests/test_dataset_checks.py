@@ -28,3 +28,13 @@ def test_fewer_prompts_than_one_rollout_takes_is_an_error_with_the_arithmetic(tm
     with pytest.raises(ValueError, match="train_dataset has 7 prompts, but one rollout takes 8"):
         check_enough_prompts(Dataset.from_dict({"prompt": ["p"] * 7}), args)
     check_enough_prompts(Dataset.from_dict({"prompt": ["p"] * 8}), args)
+
+
+def test_a_prompt_message_without_content_is_refused_at_construction_naming_the_row():
+    good = [{"role": "user", "content": "hi"}]
+    dataset = Dataset.from_dict({"prompt": [good, good, [{"role": "user"}]]})
+    with pytest.raises(ValueError, match=r"train_dataset row 2: Prompt message 0 \('user'\) has no 'content'"):
+        check_prompt_dataset(dataset, "train_dataset")
+    # Arrow gives the message without content a None one (the column's struct has the field): refused the same.
+    check_prompt_dataset(Dataset.from_dict({"prompt": [good, good]}), "train_dataset")
+    check_prompt_dataset(Dataset.from_dict({"prompt": ["plain text"]}), "train_dataset")

@@ -19,7 +19,7 @@ from gspo_trl.schedule import (
     FORWARD,
     SAMPLED_AHEAD,
     SAMPLER,
-    RolloutBuffer,
+    RolloutSchedule,
     fill_old_logps,
     micro_batches_needing_old_logprobs,
     micro_steps_into_epoch,
@@ -379,7 +379,7 @@ def test_the_buffer_saves_the_rollout_only_inside_it_and_takes_it_up_on_resume(t
 
     args = SimpleNamespace(steps_per_generation=2, num_iterations=1, gradient_accumulation_steps=1, seed=0)
     accelerator = SimpleNamespace(process_index=0, device=torch.device("cpu"))
-    buffer = RolloutBuffer(args)
+    buffer = RolloutSchedule(args)
     buffer.micro_steps_per_epoch = 4
     assert buffer.start(global_step=0)  # use 0: a rollout is sampled
     buffer.fill([_micro_batch(advantages=torch.tensor([1.0, -1.0])), _micro_batch(old_logps=torch.zeros(2, 2))], 0)
@@ -391,7 +391,7 @@ def test_the_buffer_saves_the_rollout_only_inside_it_and_takes_it_up_on_resume(t
     save_rollout_state(str(tmp_path), 0, state)
     buffer.advance()
     assert buffer.checkpoint_state(12, None).micro_batches is None  # between rollouts: nothing to continue
-    resumed = RolloutBuffer(args)
+    resumed = RolloutSchedule(args)
     resumed.micro_steps_per_epoch = 4
     assert resumed.restore(str(tmp_path), accelerator).num_tokens_seen == 12
     assert not resumed.start(global_step=1)  # one micro-step into the epoch: the saved rollout continues

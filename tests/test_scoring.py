@@ -22,7 +22,13 @@ class OneProcess:
 
 
 def args(**overrides):
-    values = dict(num_generations=2, scale_rewards="none", turn_discount=1.0, advantage_granularity="trajectory")
+    values = dict(
+        num_generations=2,
+        scale_rewards="none",
+        turn_discount=1.0,
+        advantage_granularity="trajectory",
+        multi_objective_aggregation="sum_then_normalize",
+    )
     values.update(overrides)
     return SimpleNamespace(**values)
 

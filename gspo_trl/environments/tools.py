@@ -1,5 +1,5 @@
 """TRL's tool calling as episodes: `tools=` callables and `environment_factory=` classes, played by the same loop as
-gym-style environments (`episodes`).
+gym-style environments (`gspo_trl.rollout.episodes`).
 
 `ToolEnvironment` adapts them to the gym convention: ``reset`` builds the row's environment (TRL's
 ``reset(**row)``, whose text joins the prompt) and describes the tools; ``step`` parses the tool calls of an

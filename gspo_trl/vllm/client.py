@@ -14,11 +14,13 @@ import requests
 SERVE_HINT = "Start it with `gspo-trl vllm-serve MODEL` (docs/vllm.md)."
 
 
-class VLLMServerError(ConnectionError):
-    """The vLLM server could not be reached, refused a request, or answered something unusable.
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not be reached, refused a request, or answered something unusable."""
 
-    A `ConnectionError` (an `OSError`), as TRL's client raises, so code written to catch a lost server keeps working.
-    """
+
+class VLLMServerUnreachable(VLLMServerError, ConnectionError):
+    """No answer from the server (down, wrong address, timed out): also a `ConnectionError`, as TRL's client raises
+    for a server it cannot reach, so code written to catch a lost server keeps working."""
 
 
 class MissingEndpointError(VLLMServerError):
@@ -53,7 +55,7 @@ class VLLMServerClient:
                 time.sleep(min(2.0**attempt, 10.0))
                 continue
             return response
-        raise VLLMServerError(
+        raise VLLMServerUnreachable(
             f"The vLLM server at {self.base_url} did not answer {method} {path} after {self.retries + 1} tries "
             f"({last_error}). Check that it is still running and reachable from this machine. {SERVE_HINT}"
         )
@@ -102,7 +104,7 @@ class VLLMServerClient:
             except requests.RequestException as error:
                 last_error = error
             time.sleep(1.0)
-        raise VLLMServerError(
+        raise VLLMServerUnreachable(
             f"No vLLM server answered at {self.base_url}/health within vllm_server_timeout={self.timeout:g} s "
             f"({last_error}). Check vllm_server_base_url (or vllm_server_host/port) and the server's log. {SERVE_HINT}"
         )
