@@ -21,7 +21,7 @@ worker process only, the methods that do them (neither library is edited):
     phase          TRL 1.16 GRPOTrainer                             gspo-trl GSPOTrainer
     rollout        _generate_and_score_completions                  _generate_and_score
     generate       _generate (tokenize + model.generate + decode)   rollout_backend.generate (tokenize + generate)
-    reward         _calculate_rewards                               gspo_trl.trainer.compute_rewards
+    reward         _calculate_rewards                               gspo_trl.scoring.compute_rewards
     old_logps      _get_per_token_logps_and_entropies in rollout    _score_without_grad (counted in rollout)
     train_forward  compute_loss                                     compute_loss
 
@@ -317,7 +317,9 @@ def instrument_ours(recorder: PhaseRecorder) -> None:
             "completions": int(rollout.completion_ids.shape[0]),
         },
     )
-    trainer_module.compute_rewards = recorder.wrap(trainer_module.compute_rewards, "reward")
+    import gspo_trl.scoring as scoring_module
+
+    scoring_module.compute_rewards = recorder.wrap(scoring_module.compute_rewards, "reward")
     cls._score_without_grad = recorder.wrap(cls._score_without_grad, "old_logps")
     cls.compute_loss = recorder.wrap(cls.compute_loss, "train_forward")
     import gspo_trl.logprobs as logprobs_module
