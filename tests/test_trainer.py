@@ -630,3 +630,38 @@ def test_training_passes_keep_the_micro_batch_loss_gradient_and_metrics(
     assert parts_metrics.keys() == whole_metrics.keys()
     for name, value in whole_metrics.items():
         assert parts_metrics[name] == pytest.approx(value, rel=1e-2 if bf16 else 1e-5, abs=1e-6), name
+
+
+def test_gdpo_and_a_smaller_eval_group_train_in_the_gpu_recipe(tmp_path, tiny_model_dir):
+    # What users run: bf16 autocast (on CPU here), a LoRA adapter and the KL term to the disabled-adapter reference,
+    # with two reward functions combined per GDPO and evaluation in groups of 2.
+    from peft import LoraConfig
+
+    def is_short(completions, **kwargs):
+        return [float(len(completion) < 20) for completion in completions]
+
+    config = make_config(
+        tmp_path,
+        max_steps=1,
+        bf16=True,
+        beta=0.04,
+        multi_objective_aggregation="normalize_then_sum",
+        per_device_eval_batch_size=4,
+        num_generations_eval=2,
+    )
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        [count_digits, is_short],
+        args=config,
+        train_dataset=text_dataset(),
+        eval_dataset=text_dataset(4),
+        peft_config=peft_config,
+    )
+    before = snapshot(trainer.model)
+    trainer.train()
+    log = train_logs(trainer)[0]
+    assert math.isfinite(log["loss"]) and math.isfinite(log["kl"])
+    assert changed(before, trainer.model) and all("lora" in name for name in changed(before, trainer.model))
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_reward"]) and math.isfinite(metrics["eval_loss"])
