@@ -3,8 +3,10 @@
 Usage: `python docs/gen_config_reference.py` rewrites docs/config.md. Importable: `render_config_reference()`
 returns the page as a string (tests/test_docs.py checks that the committed file equals it).
 
-Names and types come from the class's own `__annotations__` (declaration order), defaults and help texts from
-the dataclass fields, and the section headings from the `# --- Title ---` comments in the class body.
+Names and types come from the `__annotations__` of `GSPOConfig` and of the field mixins it inherits from
+gspo_trl (`VLLMFields`, `ObjectiveFields`; declaration order, the class first, then its mixins in MRO order),
+defaults and help texts from the dataclass fields, and the section headings from the `# --- Title ---` comments
+in each class body.
 """
 
 from __future__ import annotations
@@ -145,18 +147,31 @@ def _annotation(annotation) -> str:
     return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
 
 
+def _declared_fields(config_cls) -> list[tuple[str, object, str | None]]:
+    """(name, annotation, section) for every field declared by `GSPOConfig` or one of its gspo_trl mixins."""
+    declared, seen = [], set()
+    for cls in config_cls.__mro__:
+        if not cls.__module__.startswith("gspo_trl"):
+            continue
+        annotations = cls.__dict__.get("__annotations__", {})
+        names = [name for name in annotations if name in config_cls.__dataclass_fields__ and name not in seen]
+        sections = _sections(cls, names)
+        declared += [(name, annotations[name], sections[name]) for name in names]
+        seen.update(names)
+    return declared
+
+
 def render_config_reference() -> str:
     cls = _config_class()
-    annotations = cls.__dict__.get("__annotations__", {})
     fields = cls.__dataclass_fields__
-    names = [name for name in annotations if name in fields]
-    sections = _sections(cls, names)
+    declared = _declared_fields(cls)
+    annotations = {name: annotation for name, annotation, _ in declared}
 
     # Group consecutive fields by section, keeping declaration order.
     groups: list[tuple[str | None, list[str]]] = []
-    for name in names:
-        if not groups or groups[-1][0] != sections[name]:
-            groups.append((sections[name], []))
+    for name, _, section in declared:
+        if not groups or groups[-1][0] != section:
+            groups.append((section, []))
         groups[-1][1].append(name)
 
     out = [HEADER]
