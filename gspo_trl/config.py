@@ -262,6 +262,20 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         default=None,
         metadata={"help": "How many rows log_completions prints; None prints them all."},
     )
+    log_unique_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "In the wandb and trackio completion tables, keep only each prompt's first row (TRL's field); "
+            "the printout and the parquet files keep every row."
+        },
+    )
+    log_completions_hub_repo: str | None = field(
+        default=None,
+        metadata={
+            "help": "A Hub dataset repository ('user/name', or 'name' in your namespace) that the completion tables "
+            "written to output_dir/completions are uploaded to every two minutes; needs log_completions and a token."
+        },
+    )
 
     def __post_init__(self):
         # Set before TrainingArguments' own checks, which read use_cpu and bf16.
@@ -281,6 +295,7 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         checks.check_vllm(self)
         checks.check_liger(self)
+        checks.check_logging(self)
         self.steps_per_generation, self.generation_batch_size = checks.batch_sizes(self, steps_per_generation_was_set)
         self.max_staleness = checks.max_staleness(self)
 

@@ -338,6 +338,15 @@ def check_liger(config) -> None:
         )
 
 
+def check_logging(config) -> None:
+    """The Hub upload sends the tables log_completions writes."""
+    if config.log_completions_hub_repo is not None and not config.log_completions:
+        raise ValueError(
+            "log_completions_hub_repo is set but log_completions is False: the uploaded tables are the ones "
+            "log_completions writes. Set log_completions=True, or leave log_completions_hub_repo unset."
+        )
+
+
 # --- Batch sizes and the rollout schedule ------------------------------------------------------
 
 

@@ -290,14 +290,15 @@ def episode_metrics(
     return metrics
 
 
-def print_completions(samples: list[dict], limit: int | None, step: int) -> None:
-    print(f"--- completions at step {step} ---")
-    for sample in samples[: limit or len(samples)]:
-        prompt = sample["prompt"]
-        if isinstance(prompt, list):
-            prompt = prompt[-1]["content"]
-        scores = f"[reward {sample['reward']:+.3f} | advantage {sample['advantage']:+.3f}]"
-        print(f"{scores} {prompt!r} -> {sample['completion']!r}")
+def reward_columns(scores, reward_names: list[str], episodes, uses_tools: bool) -> tuple[list[str], torch.Tensor]:
+    """(names, (N, F') table) of the rewards shown per function: the environment's return first as "env" with
+    episodes, none with tool episodes (which have no step rewards). `scores`: a `scoring.RolloutScores`."""
+    names, table = list(reward_names), scores.rewards_per_func
+    if episodes is not None and uses_tools:
+        table = table[:, 1:]
+    elif episodes is not None:
+        names = ["env"] + names  # the environment's return is the table's first column
+    return names, table
 
 
 def record_rollout_metrics(
@@ -310,11 +311,7 @@ def record_rollout_metrics(
 
     rollout, episodes, gather = sampled.rollout, sampled.episodes, accelerator.gather
     sampled_mask = rollout.sampled_mask
-    names, table = list(reward_names), scores.rewards_per_func
-    if episodes is not None and uses_tools:
-        table = table[:, 1:]  # the environment's column: tool episodes have no step rewards
-    elif episodes is not None:
-        names = ["env"] + names  # the environment's return is the table's first column
+    names, table = reward_columns(scores, reward_names, episodes, uses_tools)
     metrics.add_many(mode, reward_function_metrics(table, names))
     for name in ("reward", "reward_std", "frac_reward_zero_std"):
         metrics.add(mode, name, scores.stats[name])
@@ -341,15 +338,3 @@ def record_rollout_metrics(
         gathered(episodes.tool_failures) if uses_tools else None,
     )
     metrics.add_many(mode, episode_figures)
-
-
-def completion_samples(prompts, texts, scores, rows: slice, extra_columns: dict) -> list[dict]:
-    """The rows `print_completions` shows: prompt, completion, reward (of `scores`, a `scoring.RolloutScores`, whose
-    rewards span every process: this process's are `rows`), advantage (per-turn ones: the first turn's) and the
-    columns reward functions logged."""
-    advantages = scores.advantages if scores.advantages.dim() == 1 else scores.advantages[:, 0]
-    rewards = scores.rewards[rows].tolist()
-    return [
-        {"prompt": p, "completion": c, "reward": r, "advantage": a, **{k: v[i] for k, v in extra_columns.items()}}
-        for i, (p, c, r, a) in enumerate(zip(prompts, texts, rewards, advantages.tolist()))
-    ]

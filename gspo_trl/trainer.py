@@ -23,6 +23,7 @@ from trl.trainer.utils import RepeatSampler
 from . import __version__
 from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
 from .checkpointing import enable_kept_attention
+from .completion_logs import CompletionLog
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
 from .dataset_checks import check_datasets, trainer_config
@@ -43,11 +44,10 @@ from .loss import Objective, masked_mean, policy_loss, token_normalizer
 from .loss_masks import learned_tokens
 from .metrics import (
     MetricsBuffer,
-    completion_samples,
     loss_metrics,
     metric_counts,
-    print_completions,
     record_rollout_metrics,
+    reward_columns,
     sampling_metrics,
 )
 from .micro_batch import MicroBatch
@@ -164,7 +164,9 @@ class GSPOTrainer(Trainer):
             check_async_rollouts_supported(self.rollout_backend, self.accelerator)
             self.rollout_pipeline = RolloutPipeline(args, self.rollout_backend, self.episode_runner, tokenizer)
         self._metrics = MetricsBuffer()
-        self._completion_samples: list[dict] = []
+        self.completion_log = CompletionLog(args, self.accelerator) if args.log_completions else None
+        if self.completion_log is not None:
+            self.add_callback(self.completion_log)  # uploads the rest of the log when training ends
         self.schedule = RolloutSchedule(args)  # the buffered rollout, the window position, π_old per micro-batch
         self._num_tokens_seen = 0
         self.first_rollout_check = FirstRolloutCheck(args)
@@ -363,9 +365,9 @@ class GSPOTrainer(Trainer):
         if mode == "train":
             tokens = sampled.rollout.prompt_mask.sum() + sampled.rollout.completion_mask.sum()
             self._num_tokens_seen += accelerator.gather(tokens.reshape(1)).sum().item()
-        if args.log_completions and accelerator.is_main_process:
-            rows = slice(accelerator.process_index * len(batch), (accelerator.process_index + 1) * len(batch))
-            self._completion_samples = completion_samples(sampled.prompts, texts, scores, rows, extra_columns)
+        if self.completion_log is not None:  # every process: the rows are gathered to the main one
+            columns = reward_columns(scores, reward_names, sampled.episodes, self.uses_tools)
+            self.completion_log.record(sampled.prompts, texts, scores, extra_columns, *columns)
         return scored
 
     def _row_keys(self, num_rows: int, mode: str, step: int, group_size: int = 1) -> torch.Tensor:
@@ -464,9 +466,8 @@ class GSPOTrainer(Trainer):
             metrics["num_tokens"] = self._num_tokens_seen
         logs.update(metrics)
         super().log(logs, start_time)
-        if self.args.log_completions and self._completion_samples and self.accelerator.is_main_process:
-            print_completions(self._completion_samples, self.args.num_completions_to_print, self.state.global_step)
-            self._completion_samples = []
+        if self.completion_log is not None:
+            self.completion_log.write(self.state.global_step)
 
     def _save_checkpoint(self, model, trial):
         # The rollout goes first: Trainer writes trainer_state.json last, which marks a complete checkpoint.

@@ -1,0 +1,196 @@
+"""gspo_trl/completion_logs.py: the completion table's columns (TRL's), log_unique_prompts, and where the table goes:
+the printout, output_dir/completions/*.parquet, wandb's and trackio's `completions` table (read back from their
+offline files) and the Hub dataset upload (huggingface_hub's real CommitScheduler, with only HfApi's two HTTP calls,
+create_repo and create_commit, replaced by recorders). The two-process gathering is tested under torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from helpers import count_digits, small_config, text_dataset, worker_env
+
+from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl.advantages import group_advantages
+from gspo_trl.completion_logs import completion_table, first_row_of_each_prompt, local_rows
+
+WORKER = Path(__file__).with_name("completion_log_worker.py")
+
+
+def test_local_rows_take_the_first_turns_advantage_and_the_extra_columns():
+    per_turn = torch.tensor([[0.5, -1.0, 0.0], [-0.5, 2.0, 0.0]])  # (n, C): the first turn's is the row's
+    rows = local_rows(["p0", "p1"], ["c0", "c1"], per_turn, {"note": ["a", "b"]})
+    assert rows == [
+        {"prompt": "p0", "completion": "c0", "advantage": 0.5, "extra": {"note": "a"}},
+        {"prompt": "p1", "completion": "c1", "advantage": -0.5, "extra": {"note": "b"}},
+    ]
+
+
+def test_completion_table_has_trls_columns_in_trls_order():
+    rows = [
+        {"prompt": "p", "completion": "a", "advantage": 1.0, "extra": {"note": "x"}},
+        {"prompt": "p", "completion": "b", "advantage": -1.0, "extra": {}},  # a process that logged no column
+    ]
+    table = completion_table(rows, 7, ["f", "g"], [[1.0, float("nan")], [0.0, 2.0]])
+    assert list(table) == ["step", "prompt", "completion", "f", "g", "note", "advantage"]
+    assert table["step"] == [7, 7] and table["f"] == [1.0, 0.0] and table["note"] == ["x", None]
+    assert math.isnan(table["g"][0]) and table["g"][1] == 2.0  # None from a reward function stays NaN, as in TRL
+    assert table["advantage"] == [1.0, -1.0]
+
+
+def test_first_row_of_each_prompt_compares_chat_prompts_by_their_messages():
+    chat = [{"role": "user", "content": "hi"}]
+    table = {"prompt": ["a", chat, "a", [dict(m) for m in chat], "b"], "completion": ["1", "2", "3", "4", "5"]}
+    assert first_row_of_each_prompt(table) == {"prompt": ["a", chat, "b"], "completion": ["1", "2", "5"]}
+
+
+def test_hub_repo_without_log_completions_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="log_completions_hub_repo is set but log_completions is False"):
+        GSPOConfig(output_dir=str(tmp_path), log_completions_hub_repo="me/completions", use_cpu=True)
+
+
+def test_hub_repo_without_a_token_is_refused_when_the_trainer_is_built(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored token either
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
+    config = small_config(tmp_path / "out", log_completions=True, log_completions_hub_repo="me/completions")
+    with pytest.raises(ValueError, match="log_completions_hub_repo='me/completions' uploads with a Hugging Face token"):
+        GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+
+
+def parquet_tables(output_dir: Path) -> dict[str, pd.DataFrame]:
+    return {p.name: pd.read_parquet(p) for p in sorted((output_dir / "completions").glob("*.parquet"))}
+
+
+def assert_rewards_and_advantages_match(table: pd.DataFrame, num_generations: int) -> None:
+    """Each row's reward is its own completion's (count_digits), and its advantage is its group's (rows of a group
+    are consecutive): the table's rows are aligned. Float32 advantages vs float64 here: within 1e-5 of values of
+    order one (group-scaled advantages are at most sqrt(G-1) = 1.7 in size)."""
+    assert table["count_digits"].tolist() == pytest.approx(count_digits(table["completion"].tolist()))
+    rewards = torch.tensor(table["count_digits"].tolist(), dtype=torch.float32)
+    expected, _ = group_advantages(rewards, num_generations)
+    assert table["advantage"].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_parquet_files_and_the_printout_hold_every_row_of_the_latest_rollout(tmp_path, tiny_model_dir, capsys):
+    config = small_config(tmp_path / "out", log_completions=True, num_completions_to_print=3, max_steps=2)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()
+    tables = parquet_tables(tmp_path / "out")
+    # steps_per_generation=4 micro-batches of 4 rows: one rollout of 16 completions, logged at steps 1 and 2 only once
+    assert list(tables) == ["completions_00001.parquet"]
+    table = tables["completions_00001.parquet"]
+    assert list(table.columns) == ["step", "prompt", "completion", "count_digits", "advantage"]
+    assert len(table) == config.generation_batch_size and set(table["step"]) == {1}
+    assert table["prompt"].nunique() == config.generation_batch_size // config.num_generations
+    assert_rewards_and_advantages_match(table, config.num_generations)
+    printed = capsys.readouterr().out
+    assert printed.count("--- completions at step 1 ---") == 1 and printed.count("[reward") == 3
+
+
+def test_wandb_gets_a_completions_table_with_each_prompt_once_offline(tmp_path, tiny_model_dir, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = small_config(
+        tmp_path / "out", log_completions=True, log_unique_prompts=True, report_to="wandb", run_name="gspo-table"
+    )
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()
+    run_files = Path(wandb.run.dir)  # wandb keeps the first WANDB_DIR of a process: ask the run where it writes
+    wandb.finish()
+    written = list(run_files.rglob("completions_*.table.json"))
+    assert len(written) == 1, sorted(map(str, run_files.rglob("*")))
+    logged = json.loads(written[0].read_text())
+    assert logged["columns"] == ["step", "prompt", "completion", "count_digits", "advantage"]
+    full = parquet_tables(tmp_path / "out")["completions_00001.parquet"]
+    expected = full.drop_duplicates("prompt")  # log_unique_prompts: each prompt's first row; the parquet file has all
+    assert len(full) == 16 and len(logged["data"]) == len(expected) == 4
+    assert [row[1:3] for row in logged["data"]] == expected[["prompt", "completion"]].values.tolist()
+    assert [row[3] for row in logged["data"]] == pytest.approx(expected["count_digits"].tolist())
+
+
+def test_trackio_gets_the_whole_completions_table_in_its_local_database(tmp_path, tiny_model_dir):
+    from trackio.sqlite_storage import SQLiteStorage
+
+    config = small_config(tmp_path / "out", log_completions=True, report_to="trackio", run_name="gspo-table")
+    project = f"gspo-trl-tables-{tmp_path.name}"  # one project per test run: trackio's directory is shared
+    config.project = project
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()  # transformers' callback ends the trackio run with training
+    tables = [entry["completions"] for entry in SQLiteStorage.get_logs(project, "gspo-table") if "completions" in entry]
+    assert len(tables) == 1
+    assert tables[0]["_type"] == "trackio.table"
+    rows = tables[0]["_value"]
+    full = parquet_tables(tmp_path / "out")["completions_00001.parquet"]
+    assert [row["prompt"] for row in rows] == full["prompt"].tolist() and len(rows) == 16
+    assert [row["completion"] for row in rows] == full["completion"].tolist()
+    assert [row["count_digits"] for row in rows] == pytest.approx(full["count_digits"].tolist())
+    assert [row["advantage"] for row in rows] == pytest.approx(full["advantage"].tolist())
+
+
+def test_hub_upload_sends_the_card_and_the_parquet_files(tmp_path, tiny_model_dir, monkeypatch):
+    """huggingface_hub's CommitScheduler runs for real; only HfApi's two calls that would reach the Hub record what
+    they were given."""
+    from huggingface_hub import HfApi, RepoUrl
+
+    repos, commits = [], []
+
+    def create_repo(self, repo_id, **kwargs):
+        repos.append((repo_id, kwargs.get("repo_type"), kwargs.get("private")))
+        return RepoUrl(f"https://huggingface.co/datasets/{repo_id}")
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        files = {}
+        for operation in operations:
+            source = operation.path_or_fileobj
+            files[operation.path_in_repo] = source.read() if hasattr(source, "read") else Path(source).read_bytes()
+        commits.append((repo_id, kwargs.get("repo_type"), files))
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token_not_sent_anywhere")
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    config = small_config(
+        tmp_path / "out", log_completions=True, log_completions_hub_repo="me/completions", hub_private_repo=True
+    )
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    try:
+        trainer.train()  # its end uploads what the scheduler has not sent yet
+    finally:
+        trainer.completion_log.uploader.stop()  # no upload at interpreter exit, after the recorders are gone
+    assert repos == [("me/completions", "dataset", True)]
+    uploaded = {name: content for _, _, files in commits for name, content in files.items()}
+    assert {repo for repo, _, _ in commits} == {"me/completions"} and {t for _, t, _ in commits} == {"dataset"}
+    assert set(uploaded) == {"README.md", "completions_00001.parquet"}
+    assert b"gspo-trl" in uploaded["README.md"] and b"trl-logs" in uploaded["README.md"]
+    local = tmp_path / "out" / "completions" / "completions_00001.parquet"
+    assert uploaded["completions_00001.parquet"] == local.read_bytes()
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_two_processes_log_every_row_once_on_the_main_process(tmp_path, tiny_model_dir):
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
+        *(str(WORKER), tiny_model_dir, str(tmp_path)),
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=worker_env())
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["printed"] for r in results] == [True, False]  # the printout is the main process's only
+    tables = parquet_tables(tmp_path / "out")
+    assert list(tables) == ["completions_00001.parquet"]
+    table = tables["completions_00001.parquet"]
+    # 2 processes × 4 micro-batches × 2 rows: 16 rows, each process's 8 in process order
+    assert len(table) == results[0]["generation_batch_size"] == 16
+    assert table["prompt"].tolist() == results[0]["prompts"] + results[1]["prompts"]
+    assert_rewards_and_advantages_match(table, 4)
+    # rank 1's reward function logged a column and rank 0's did not: missing (None, read back as NA) on rank 0's rows
+    assert table["rank"].isna().tolist() == [True] * 8 + [False] * 8 and table["rank"][8:].tolist() == ["1"] * 8
