@@ -254,8 +254,8 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
     log_completions: bool = field(
         default=False,
         metadata={
-            "help": "At each log, print the latest rollout's (prompt, completion, reward, advantage) rows, plus any "
-            "column a reward function added with log_extra."
+            "help": "At each log, print the latest rollout's rows (prompt, completion, reward, advantage, log_extra "
+            "columns), write them to output_dir/completions/ as parquet, and log them as a table to wandb and trackio."
         },
     )
     num_completions_to_print: int | None = field(

@@ -43,6 +43,8 @@ SHARED_WITH_TRL = [
     "mask_truncated_completions",
     "importance_sampling_level",
     "log_completions",
+    "log_unique_prompts",
+    "log_completions_hub_repo",
 ]
 # Rows the defaults table of the migration guide must have.
 REQUIRED_DEFAULT_ROWS = {
