@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 COMPLETIONS_FOLDER = "completions"
 HUB_UPLOAD_MINUTES = 2  # TRL's interval between two uploads of the completions folder
@@ -94,7 +97,7 @@ def dataset_card(repo_id: str) -> str:
     )
 
 
-def hub_uploader(repo_id: str, folder: Path, private: bool | None):
+def hub_uploader(repo_id: str, folder: Path, private: bool | None, token: str):
     """A `huggingface_hub.CommitScheduler` that uploads `folder`'s parquet files and dataset card to the dataset
     repository `repo_id` (created if missing) every `HUB_UPLOAD_MINUTES` and when the process exits."""
     from huggingface_hub import CommitScheduler, HfApi
@@ -108,18 +111,23 @@ def hub_uploader(repo_id: str, folder: Path, private: bool | None):
         every=HUB_UPLOAD_MINUTES,
         private=private,
         allow_patterns=["*.parquet", "README.md"],
-        hf_api=HfApi(),
+        hf_api=HfApi(token=token),
     )
 
 
-def check_hub_token(repo_id: str) -> None:
+def hub_token(repo_id: str, hub_token: str | None) -> str:
+    """The token the upload uses: `hub_token` (a `TrainingArguments` field), else the one `hf auth login` stored or
+    HF_TOKEN; a `ValueError` naming the field when there is none."""
     from huggingface_hub import get_token
 
-    if get_token() is None:
+    token = hub_token or get_token()
+    if token is None:
         raise ValueError(
             f"log_completions_hub_repo={repo_id!r} uploads with a Hugging Face token, and none is set: run "
-            "`hf auth login` or set HF_TOKEN to a token with write access, or leave log_completions_hub_repo unset."
+            "`hf auth login`, set HF_TOKEN or hub_token to a token with write access, or leave "
+            "log_completions_hub_repo unset."
         )
+    return token
 
 
 class CompletionLog(TrainerCallback):
@@ -132,9 +140,9 @@ class CompletionLog(TrainerCallback):
         self.latest: tuple | None = None  # (rows, reward names, reward-function table, total rewards)
         self.uploader = None
         if args.log_completions_hub_repo is not None:
-            check_hub_token(args.log_completions_hub_repo)  # on every process, so that all of them stop
+            token = hub_token(args.log_completions_hub_repo, args.hub_token)  # every process: all of them stop
             if accelerator.is_main_process:
-                self.uploader = hub_uploader(args.log_completions_hub_repo, self.folder, args.hub_private_repo)
+                self.uploader = hub_uploader(args.log_completions_hub_repo, self.folder, args.hub_private_repo, token)
 
     def record(self, prompts, texts, scores, extra_columns: dict, reward_names: list[str], table) -> None:
         """Keep a scored rollout's rows (called on every process: it gathers them). `scores`: its
@@ -162,8 +170,15 @@ class CompletionLog(TrainerCallback):
             backend.log({"completions": backend.Table(dataframe=pd.DataFrame(shown))})
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.uploader is not None:
+        if self.uploader is None:
+            return
+        try:  # a failed upload must not lose the trained model: the script goes on to save it
             self.uploader.trigger().result()
+        except Exception as error:
+            logger.warning(
+                f"Uploading the completion tables to {self.uploader.repo_id} failed ({error}); they are in "
+                f"{self.folder}, and another upload is tried when the process exits."
+            )
 
 
 def tracking_backends(report_to: list[str]) -> list:

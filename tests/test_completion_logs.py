@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from datasets import Dataset
 from helpers import count_digits, small_config, text_dataset, worker_env
 
 from gspo_trl import GSPOConfig, GSPOTrainer
@@ -137,42 +138,126 @@ def test_trackio_gets_the_whole_completions_table_in_its_local_database(tmp_path
     assert [row["advantage"] for row in rows] == pytest.approx(full["advantage"].tolist())
 
 
-def test_hub_upload_sends_the_card_and_the_parquet_files(tmp_path, tiny_model_dir, monkeypatch):
-    """huggingface_hub's CommitScheduler runs for real; only HfApi's two calls that would reach the Hub record what
-    they were given."""
-    from huggingface_hub import HfApi, RepoUrl
+class TwoReplies:
+    """An environment that rewards each reply with 0.5 and ends an episode after its second reply."""
 
-    repos, commits = [], []
+    def reset(self, seed=None, options=None):
+        self.turns = 0
+        return "", {}
 
-    def create_repo(self, repo_id, **kwargs):
-        repos.append((repo_id, kwargs.get("repo_type"), kwargs.get("private")))
+    def step(self, action):
+        self.turns += 1
+        return "Again.", 0.5, self.turns == 2, False, {}
+
+
+@pytest.mark.slow  # episodes logged to two backends: 20-60 s on 2 cores
+def test_episodes_with_chat_prompts_give_wandb_and_trackio_the_same_table(tmp_path, tiny_model_dir, monkeypatch):
+    """Chat prompts (lists of messages) in every destination; the environment's return as the "env" column; with
+    per-turn advantages, each row's first turn's. Both backends from one run."""
+    import wandb
+    from trackio.sqlite_storage import SQLiteStorage
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # where a process's first wandb run writes
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    chat = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(8)]})
+    config = small_config(
+        tmp_path / "out",
+        log_completions=True,
+        report_to=["wandb", "trackio"],
+        run_name="gspo-episodes",
+        max_completion_length=48,
+        max_turns=3,
+        importance_sampling_level="turn",
+        advantage_granularity="turn",
+    )
+    config.project = project = f"gspo-trl-episode-tables-{tmp_path.name}"
+    trainer = GSPOTrainer(tiny_model_dir, None, args=config, train_dataset=chat, env_factory=TwoReplies)
+    trainer.train()
+    run_files = Path(wandb.run.dir)
+    wandb.finish()
+    table = parquet_tables(tmp_path / "out")["completions_00001.parquet"]
+    assert list(table.columns) == ["step", "prompt", "completion", "env", "advantage"]
+    prompts = [list(map(dict, p)) for p in table["prompt"]]  # parquet holds them as lists of structs
+    assert all(p == [{"role": "user", "content": p[0]["content"]}] and "Count to" in p[0]["content"] for p in prompts)
+    # a return is 0.5 per reply, and an episode has one or two (the budget can end it after the first)
+    assert set(table["env"]) <= {0.5, 1.0}
+    logged = json.loads(next(run_files.rglob("completions_*.table.json")).read_text())
+    assert logged["columns"] == list(table.columns)
+    assert [row[1] for row in logged["data"]] == prompts
+    tracked = [e["completions"] for e in SQLiteStorage.get_logs(project, "gspo-episodes") if "completions" in e]
+    assert [row["prompt"] for row in tracked[0]["_value"]] == prompts
+    assert [row["advantage"] for row in tracked[0]["_value"]] == pytest.approx(table["advantage"].tolist())
+
+
+class HubRecorder:
+    """Stands in for HfApi's two calls that would reach the Hub (create_repo, create_commit): records what they
+    were given, the files' bytes included; `fail`: each commit raises instead, as on a lost connection."""
+
+    def __init__(self, monkeypatch, fail: bool = False):
+        from huggingface_hub import HfApi
+
+        self.repos, self.commits, self.fail = [], [], fail
+        monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: self.create_repo(api, repo_id, **kw))
+        monkeypatch.setattr(
+            HfApi, "create_commit", lambda api, repo_id, operations, **_: self.commit(repo_id, operations)
+        )
+
+    def create_repo(self, api, repo_id, **kwargs):
+        from huggingface_hub import RepoUrl
+
+        self.repos.append((repo_id, kwargs.get("repo_type"), kwargs.get("private"), api.token))
         return RepoUrl(f"https://huggingface.co/datasets/{repo_id}")
 
-    def create_commit(self, repo_id, operations, **kwargs):
+    def commit(self, repo_id, operations):
+        if self.fail:
+            raise ConnectionError("the Hub is unreachable")
         files = {}
         for operation in operations:
             source = operation.path_or_fileobj
             files[operation.path_in_repo] = source.read() if hasattr(source, "read") else Path(source).read_bytes()
-        commits.append((repo_id, kwargs.get("repo_type"), files))
+        self.commits.append((repo_id, files))
 
-    monkeypatch.setenv("HF_TOKEN", "hf_test_token_not_sent_anywhere")
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+
+def test_hub_upload_sends_the_card_and_the_parquet_files(tmp_path, tiny_model_dir, monkeypatch):
+    """huggingface_hub's CommitScheduler runs for real; only HfApi's two calls that would reach the Hub record what
+    they were given. The token is the hub_token field's, and nothing is left to upload once training ends."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    hub = HubRecorder(monkeypatch)
     config = small_config(
-        tmp_path / "out", log_completions=True, log_completions_hub_repo="me/completions", hub_private_repo=True
+        tmp_path / "out",
+        log_completions=True,
+        log_completions_hub_repo="me/completions",
+        hub_private_repo=True,
+        hub_token="hf_test_token_not_sent_anywhere",
     )
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     try:
         trainer.train()  # its end uploads what the scheduler has not sent yet
     finally:
-        trainer.completion_log.uploader.stop()  # no upload at interpreter exit, after the recorders are gone
-    assert repos == [("me/completions", "dataset", True)]
-    uploaded = {name: content for _, _, files in commits for name, content in files.items()}
-    assert {repo for repo, _, _ in commits} == {"me/completions"} and {t for _, t, _ in commits} == {"dataset"}
+        trainer.completion_log.uploader.stop()  # no upload at interpreter exit, after the recorder is gone
+    assert hub.repos == [("me/completions", "dataset", True, "hf_test_token_not_sent_anywhere")]
+    uploaded = {name: content for _, files in hub.commits for name, content in files.items()}
+    assert {repo for repo, _ in hub.commits} == {"me/completions"}
     assert set(uploaded) == {"README.md", "completions_00001.parquet"}
     assert b"gspo-trl" in uploaded["README.md"] and b"trl-logs" in uploaded["README.md"]
     local = tmp_path / "out" / "completions" / "completions_00001.parquet"
     assert uploaded["completions_00001.parquet"] == local.read_bytes()
+
+
+def test_a_failed_upload_at_the_end_of_training_warns_and_keeps_the_files(
+    tmp_path, tiny_model_dir, monkeypatch, caplog
+):
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token_not_sent_anywhere")
+    HubRecorder(monkeypatch, fail=True)
+    config = small_config(tmp_path / "out", log_completions=True, log_completions_hub_repo="me/completions")
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    try:
+        trainer.train()  # returns: the model can still be saved
+    finally:
+        trainer.completion_log.uploader.stop()
+    assert "Uploading the completion tables to me/completions failed (the Hub is unreachable)" in caplog.text
+    assert (tmp_path / "out" / "completions" / "completions_00001.parquet").is_file()
 
 
 @pytest.mark.slow  # a torchrun launch
