@@ -71,11 +71,11 @@ def first_row_of_each_prompt(table: dict) -> dict:
     return {name: [column[i] for i in keep] for name, column in table.items()}
 
 
-def print_completions(table: dict, reward_names: list[str], totals: list[float], limit: int | None) -> None:
-    """The first `limit` rows (all: None) as one line each: total reward, advantage and `log_extra` columns, then the
-    prompt (a chat prompt's last message) and the completion."""
+def print_completions(table: dict, reward_names: list[str], totals: list[float], limit: int | None, title: str):
+    """Under `title`, the first `limit` rows (all: None) as one line each: total reward, advantage and `log_extra`
+    columns, then the prompt (a chat prompt's last message) and the completion."""
     extra_names = [name for name in table if name not in {"step", "prompt", "completion", "advantage", *reward_names}]
-    print(f"--- completions at step {table['step'][0] if table['step'] else '?'} ---")
+    print(f"--- {title} ---")
     for index in range(min(len(totals), limit or len(totals))):
         prompt = table["prompt"][index]
         if isinstance(prompt, list):
@@ -115,7 +115,7 @@ def hub_uploader(repo_id: str, folder: Path, private: bool | None, token: str):
     )
 
 
-def hub_token(repo_id: str, hub_token: str | None) -> str:
+def upload_token(repo_id: str, hub_token: str | None) -> str:
     """The token the upload uses: `hub_token` (a `TrainingArguments` field), else the one `hf auth login` stored or
     HF_TOKEN; a `ValueError` naming the field when there is none."""
     from huggingface_hub import get_token
@@ -137,37 +137,48 @@ class CompletionLog(TrainerCallback):
     def __init__(self, args, accelerator):
         self.args, self.accelerator = args, accelerator
         self.folder = Path(args.output_dir) / COMPLETIONS_FOLDER
-        self.latest: tuple | None = None  # (rows, reward names, reward-function table, total rewards)
+        self.latest: tuple | None = None  # (mode, rows, reward names, reward-function table, total rewards)
         self.uploader = None
         if args.log_completions_hub_repo is not None:
-            token = hub_token(args.log_completions_hub_repo, args.hub_token)  # every process: all of them stop
+            token = upload_token(args.log_completions_hub_repo, args.hub_token)  # every process: all of them stop
             if accelerator.is_main_process:
                 self.uploader = hub_uploader(args.log_completions_hub_repo, self.folder, args.hub_private_repo, token)
 
-    def record(self, prompts, texts, scores, extra_columns: dict, reward_names: list[str], table) -> None:
-        """Keep a scored rollout's rows (called on every process: it gathers them). `scores`: its
+    def record(self, mode: str, prompts, texts, scores, extra_columns: dict, reward_names: list[str], table):
+        """Keep a scored `mode` rollout's rows (called on every process: it gathers them), after the earlier batches'
+        of the same evaluation. `scores`: its
         `scoring.RolloutScores`; `table`: the (N, F) reward-function table over every process whose columns are
         `reward_names` (`metrics.reward_columns`)."""
         rows = gather_to_main(local_rows(prompts, texts, scores.advantages, extra_columns), self.accelerator)
-        if rows is not None:
-            self.latest = (rows, list(reward_names), table.tolist(), scores.rewards.tolist())
+        if rows is None:
+            return
+        rewards_per_func, totals = table.tolist(), scores.rewards.tolist()
+        if mode == "eval" and self.latest is not None and self.latest[0] == "eval":  # the evaluation's next batch
+            _, earlier_rows, _, earlier_rewards, earlier_totals = self.latest
+            rows, rewards_per_func = earlier_rows + rows, earlier_rewards + rewards_per_func
+            totals = earlier_totals + totals
+        self.latest = (mode, rows, list(reward_names), rewards_per_func, totals)
 
     def write(self, step: int) -> None:
         """At a log, on the main process: print the latest rollout's rows, write them as a parquet file and log
-        them as a table to wandb and trackio."""
+        them as a table to wandb and trackio. An evaluation rollout's go to `completions_<step>_eval.parquet` and
+        the `eval/completions` table, so that the training table of the same step stays."""
         if self.latest is None or not self.accelerator.is_main_process:
             return
-        rows, reward_names, rewards_per_func, totals = self.latest
+        mode, rows, reward_names, rewards_per_func, totals = self.latest
         self.latest = None
         table = completion_table(rows, step, reward_names, rewards_per_func)
-        print_completions(table, reward_names, totals, self.args.num_completions_to_print)
+        prefix, suffix = ("", "") if mode == "train" else ("eval ", "_eval")
+        title = f"{prefix}completions at step {step}"
+        print_completions(table, reward_names, totals, self.args.num_completions_to_print, title)
         import pandas as pd
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame(table).to_parquet(self.folder / f"completions_{step:05d}.parquet")
+        pd.DataFrame(table).to_parquet(self.folder / f"completions_{step:05d}{suffix}.parquet")
         shown = first_row_of_each_prompt(table) if self.args.log_unique_prompts else table
+        key = "completions" if mode == "train" else "eval/completions"
         for backend in tracking_backends(self.args.report_to):
-            backend.log({"completions": backend.Table(dataframe=pd.DataFrame(shown))})
+            backend.log({key: backend.Table(dataframe=pd.DataFrame(shown))})
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.uploader is None:

@@ -367,7 +367,7 @@ class GSPOTrainer(Trainer):
             self._num_tokens_seen += accelerator.gather(tokens.reshape(1)).sum().item()
         if self.completion_log is not None:  # every process: the rows are gathered to the main one
             columns = reward_columns(scores, reward_names, sampled.episodes, self.uses_tools)
-            self.completion_log.record(sampled.prompts, texts, scores, extra_columns, *columns)
+            self.completion_log.record(mode, sampled.prompts, texts, scores, extra_columns, *columns)
         return scored
 
     def _row_keys(self, num_rows: int, mode: str, step: int, group_size: int = 1) -> torch.Tensor:

@@ -95,6 +95,23 @@ def test_parquet_files_and_the_printout_hold_every_row_of_the_latest_rollout(tmp
     assert printed.count("--- completions at step 1 ---") == 1 and printed.count("[reward") == 3
 
 
+def test_an_evaluation_gets_its_own_file_with_all_its_batches(tmp_path, tiny_model_dir, capsys):
+    config = small_config(
+        tmp_path / "out", log_completions=True, max_steps=1, eval_strategy="steps", eval_steps=1
+    )  # per_device_eval_batch_size 8: the 4 eval prompts × 4 completions are two evaluation batches
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), eval_dataset=text_dataset(4)
+    )
+    trainer.train()
+    tables = parquet_tables(tmp_path / "out")
+    assert list(tables) == ["completions_00001.parquet", "completions_00001_eval.parquet"]
+    evaluated = tables["completions_00001_eval.parquet"]
+    assert len(evaluated) == 16 and sorted(set(evaluated["prompt"])) == sorted(text_dataset(4)["prompt"])
+    assert_rewards_and_advantages_match(evaluated, 4)
+    assert len(tables["completions_00001.parquet"]) == 16  # the training rollout's, not overwritten
+    assert "--- eval completions at step 1 ---" in capsys.readouterr().out
+
+
 def test_wandb_gets_a_completions_table_with_each_prompt_once_offline(tmp_path, tiny_model_dir, monkeypatch):
     import wandb
 
