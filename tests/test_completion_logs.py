@@ -65,6 +65,20 @@ def test_hub_repo_without_a_token_is_refused_when_the_trainer_is_built(tmp_path,
         GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
 
 
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """wandb writing offline runs under tmp_path/wandb; torn down afterwards, because wandb keeps the first
+    WANDB_DIR of a process otherwise (and a later test's runs would land here)."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield wandb
+    wandb.finish()
+    wandb.teardown()
+
+
 def parquet_tables(output_dir: Path) -> dict[str, pd.DataFrame]:
     return {p.name: pd.read_parquet(p) for p in sorted((output_dir / "completions").glob("*.parquet"))}
 
@@ -112,19 +126,14 @@ def test_an_evaluation_gets_its_own_file_with_all_its_batches(tmp_path, tiny_mod
     assert "--- eval completions at step 1 ---" in capsys.readouterr().out
 
 
-def test_wandb_gets_a_completions_table_with_each_prompt_once_offline(tmp_path, tiny_model_dir, monkeypatch):
-    import wandb
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_wandb_gets_a_completions_table_with_each_prompt_once_offline(tmp_path, tiny_model_dir, offline_wandb):
     config = small_config(
         tmp_path / "out", log_completions=True, log_unique_prompts=True, report_to="wandb", run_name="gspo-table"
     )
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.train()
-    run_files = Path(wandb.run.dir)  # wandb keeps the first WANDB_DIR of a process: ask the run where it writes
-    wandb.finish()
+    run_files = Path(offline_wandb.run.dir)
+    offline_wandb.finish()
     written = list(run_files.rglob("completions_*.table.json"))
     assert len(written) == 1, sorted(map(str, run_files.rglob("*")))
     logged = json.loads(written[0].read_text())
@@ -168,15 +177,11 @@ class TwoReplies:
 
 
 @pytest.mark.slow  # episodes logged to two backends: 20-60 s on 2 cores
-def test_episodes_with_chat_prompts_give_wandb_and_trackio_the_same_table(tmp_path, tiny_model_dir, monkeypatch):
+def test_episodes_with_chat_prompts_give_wandb_and_trackio_the_same_table(tmp_path, tiny_model_dir, offline_wandb):
     """Chat prompts (lists of messages) in every destination; the environment's return as the "env" column; with
     per-turn advantages, each row's first turn's. Both backends from one run."""
-    import wandb
     from trackio.sqlite_storage import SQLiteStorage
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # where a process's first wandb run writes
-    monkeypatch.setenv("WANDB_SILENT", "true")
     chat = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(8)]})
     config = small_config(
         tmp_path / "out",
@@ -191,8 +196,8 @@ def test_episodes_with_chat_prompts_give_wandb_and_trackio_the_same_table(tmp_pa
     config.project = project = f"gspo-trl-episode-tables-{tmp_path.name}"
     trainer = GSPOTrainer(tiny_model_dir, None, args=config, train_dataset=chat, env_factory=TwoReplies)
     trainer.train()
-    run_files = Path(wandb.run.dir)
-    wandb.finish()
+    run_files = Path(offline_wandb.run.dir)
+    offline_wandb.finish()
     table = parquet_tables(tmp_path / "out")["completions_00001.parquet"]
     assert list(table.columns) == ["step", "prompt", "completion", "env", "advantage"]
     prompts = [list(map(dict, p)) for p in table["prompt"]]  # parquet holds them as lists of structs
