@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from gspo_trl.metrics import (
     loss_metrics,
     metric_counts,
     reduce_across_processes,
+    reward_columns,
     reward_function_metrics,
 )
 
@@ -90,3 +92,13 @@ def test_reward_function_metrics_ignore_none_rows():
     metrics = reward_function_metrics(rewards, ["a", "b"])
     assert metrics["rewards/a/mean"] == 2.0 and metrics["rewards/a/std"] == pytest.approx(math.sqrt(2))
     assert metrics["rewards/b/mean"] == 2.0 and math.isnan(metrics["rewards/b/std"])  # one score: no spread
+
+
+def test_reward_columns_name_the_environments_return_and_drop_it_for_tools():
+    scores = SimpleNamespace(rewards_per_func=torch.tensor([[0.5, 1.0], [1.0, 0.0]]))  # with episodes: env first
+    names, table = reward_columns(scores, ["f", "g"], episodes=None, uses_tools=False)
+    assert names == ["f", "g"] and table is scores.rewards_per_func  # no episodes: the functions' own table
+    names, table = reward_columns(scores, ["f"], episodes=object(), uses_tools=False)
+    assert names == ["env", "f"] and table.tolist() == [[0.5, 1.0], [1.0, 0.0]]
+    names, table = reward_columns(scores, ["f"], episodes=object(), uses_tools=True)
+    assert names == ["f"] and table.tolist() == [[1.0], [0.0]]  # tool episodes have no step rewards
