@@ -25,7 +25,7 @@ from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
 from .checkpointing import enable_kept_attention
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
-from .dataset_checks import check_datasets, trainer_config
+from .dataset_checks import check_datasets, collate_rows, trainer_config
 from .distributed import (
     check_deepspeed_batch_fields,
     fsdp_deferral,
@@ -69,6 +69,7 @@ from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
 from .sampling_correction import correction_for
 from .schedule import RolloutSchedule, fill_old_logps, rollout_tokens
 from .scoring import completions_per_prompt, reward_and_score, scored_batch
+from .streaming import check_stream_resume, micro_steps_per_epoch, streamed
 
 logger = logging.get_logger(__name__)
 
@@ -125,7 +126,7 @@ class GSPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=list,  # rows stay python objects until generation: prompts may be chat messages
+            data_collator=collate_rows(needs_prompt=not episodes),  # lists of rows, each with a prompt
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
@@ -192,8 +193,12 @@ class GSPOTrainer(Trainer):
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
-        self.schedule.micro_steps_per_epoch = len(dataloader)  # the Trainer's steps_in_epoch
+        self.schedule.micro_steps_per_epoch = micro_steps_per_epoch(dataloader, self.train_dataset, self.args)
         return dataloader
+
+    def _get_dataloader(self, dataset, description, *args, **kwargs):
+        with streamed(dataset, description == "Training", self.args, self.accelerator) as dataset:  # a stream: ordered
+            return super()._get_dataloader(dataset, description, *args, **kwargs)
 
     def _get_train_sampler(self, dataset=None):
         return self.schedule.train_sampler(dataset if dataset is not None else self.train_dataset)
@@ -280,6 +285,7 @@ class GSPOTrainer(Trainer):
 
     def _inner_training_loop(self, *args, **kwargs):
         enable_kept_attention(self.model, self.args)  # Trainer.train has just enabled checkpointing without it
+        check_stream_resume(kwargs.get("resume_from_checkpoint"), self.train_dataset)
         restored = self.schedule.restore(kwargs.get("resume_from_checkpoint"), self.accelerator)
         if restored is not None:
             self._num_tokens_seen = restored.num_tokens_seen

@@ -212,6 +212,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         take_pass = gspo_trl.trainer.take_pass
         gspo_trl.trainer.take_pass = lambda batch, rows, last: passes.append(len(rows)) or take_pass(batch, rows, last)
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
+    if "stream" in options:  # the same prompts, streamed
+        dataset = dataset.to_iterable_dataset()
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
     trainer = GSPOTrainer(
         model_dir,
@@ -223,9 +225,10 @@ def main(model_dir: str, mode: str, out: str) -> None:
         env_factory=MoreDigits if "episodes" in options else None,
         rollout_func=scripted_rollout if "scripted" in options else None,
     )
-    generate, whole_at_generation = trainer.rollout_backend.generate, []
+    generate, whole_at_generation, sampled_prompts = trainer.rollout_backend.generate, [], []
 
-    def spy(prompts, *rest):  # under ZeRO-3 / FSDP2, were the weights gathered for the whole rollout?
+    def spy(prompts, *rest):
+        sampled_prompts.append(list(prompts))  # under ZeRO-3 / FSDP2, were the weights gathered for the whole rollout?
         params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
         if any(hasattr(p, "ds_numel") for p in params):
             whole_at_generation.append(all(p.numel() == p.ds_numel for p in params))
@@ -296,6 +299,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 "forced_products": len(forced_products),
                 "pass_rows": passes,
                 "grad_norms": [e.get("grad_norm") for e in trainer.state.log_history if "loss" in e],
+                "sampled_prompts": sampled_prompts,
             },
             handle,
         )
