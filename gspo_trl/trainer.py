@@ -62,6 +62,7 @@ from .models import (
 from .packing import padding_free_in_use
 from .passes import micro_batch_passes, pass_budget, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
+from .reference_sync import ReferenceSync
 from .rewards import RewardModelFunction, load_rewards
 from .rollout import EpisodeRunner, SampledRollout, create_rollout_backend, stream_keys
 from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
@@ -144,6 +145,7 @@ class GSPOTrainer(Trainer):
         for reward_func in self.reward_funcs:
             if isinstance(reward_func, RewardModelFunction):
                 reward_func.model = prepare_frozen_model(reward_func.model, self.accelerator)
+        self.reference_sync = ReferenceSync.for_run(self)  # TR-DPO's sync_ref_model
 
         unwrapped = self.accelerator.unwrap_model(self.model)
         base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
@@ -259,7 +261,7 @@ class GSPOTrainer(Trainer):
         loss = torch.zeros((), device=self.accelerator.device)
         for index, rows in enumerate(passes):
             last = index == len(passes) - 1
-            part = micro_batch if len(passes) == 1 else take_pass(micro_batch, rows, last)
+            part = micro_batch if len(passes) == 1 else take_pass(micro_batch, rows, last, self.args.pad_to_multiple_of)
             # Every pass but the last accumulates its gradient locally, like an earlier micro-step.
             held = contextlib.nullcontext() if last else gradients_held(self.accelerator, model, fsdp_deferral(self))
             with held:
@@ -286,6 +288,7 @@ class GSPOTrainer(Trainer):
     def _inner_training_loop(self, *args, **kwargs):
         enable_kept_attention(self.model, self.args)  # Trainer.train has just enabled checkpointing without it
         check_stream_resume(kwargs.get("resume_from_checkpoint"), self.train_dataset)
+        self.reference_sync.restore(kwargs.get("resume_from_checkpoint"))
         restored = self.schedule.restore(kwargs.get("resume_from_checkpoint"), self.accelerator)
         if restored is not None:
             self._num_tokens_seen = restored.num_tokens_seen

@@ -210,7 +210,9 @@ def main(model_dir: str, mode: str, out: str) -> None:
         import gspo_trl.trainer
 
         take_pass = gspo_trl.trainer.take_pass
-        gspo_trl.trainer.take_pass = lambda batch, rows, last: passes.append(len(rows)) or take_pass(batch, rows, last)
+        gspo_trl.trainer.take_pass = lambda batch, rows, *more: (
+            passes.append(len(rows)) or take_pass(batch, rows, *more)
+        )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     if "stream" in options:  # the same prompts, streamed
         dataset = dataset.to_iterable_dataset()

@@ -88,6 +88,7 @@ def recording(trainer) -> list[list[str]]:
     return sampled
 
 
+@pytest.mark.slow  # training runs
 def test_train_and_evaluate_on_streams(tmp_path, tiny_model_dir):
     args = small_config(tmp_path, max_steps=4, steps_per_generation=2, eval_strategy="steps", eval_steps=4)
     args.dataloader_num_workers = 2  # read by one worker all the same (a warning)
@@ -116,6 +117,7 @@ def test_a_stream_without_max_steps_is_refused_before_the_model_loads(tmp_path):
         )
 
 
+@pytest.mark.slow  # training runs
 def test_resuming_on_a_stream_continues_with_the_prompts_of_the_uninterrupted_run(tmp_path, tiny_model_dir):
     # Rollouts at steps 0, 2, 4 (steps_per_generation=2, one micro-step per optimizer step); a checkpoint at each step.
     args = small_config(tmp_path, max_steps=6, steps_per_generation=2, save_strategy="steps", save_steps=1)
