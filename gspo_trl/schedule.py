@@ -183,6 +183,12 @@ class RolloutSchedule:
             seed=args.seed,
         )
 
+    def eval_sampler(self, dataset) -> RepeatSampler:
+        """The order of evaluation prompts: each prompt `num_generations_eval` (default `num_generations`) times in a
+        row, shuffled by the seed."""
+        repeats = self.args.num_generations_eval or self.args.num_generations
+        return RepeatSampler(data_source=dataset, mini_repeat_count=repeats, seed=self.args.seed)
+
     @property
     def use(self) -> int:
         """The current micro-step's use of the rollout."""

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from transformers import Trainer, set_seed
 from transformers.utils import logging
-from trl.trainer.utils import RepeatSampler
 
 from . import __version__
 from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
@@ -71,11 +70,12 @@ from .sampling_correction import correction_for
 from .schedule import RolloutSchedule, fill_old_logps, rollout_tokens
 from .scoring import completions_per_prompt, reward_and_score, scored_batch
 from .streaming import check_stream_resume, micro_steps_per_epoch, streamed
+from .trl_compat import TRLAttributes
 
 logger = logging.get_logger(__name__)
 
 
-class GSPOTrainer(Trainer):
+class GSPOTrainer(TRLAttributes, Trainer):
     """Group Sequence Policy Optimization (arXiv 2507.18071) with TRL's `GRPOTrainer` interface."""
 
     _tag_names = ["gspo", "gspo-trl", "trl"]
@@ -91,6 +91,7 @@ class GSPOTrainer(Trainer):
         reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
         tools=None,
         rollout_func=None,
@@ -108,7 +109,7 @@ class GSPOTrainer(Trainer):
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
         set_seed(args.seed)
         model_source = model
-        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args)
+        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args, quantization_config)
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
@@ -206,8 +207,7 @@ class GSPOTrainer(Trainer):
         return self.schedule.train_sampler(dataset if dataset is not None else self.train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
-        repeats = completions_per_prompt(self.args, "eval")
-        return RepeatSampler(data_source=eval_dataset, mini_repeat_count=repeats, seed=self.args.seed)
+        return self.schedule.eval_sampler(eval_dataset)
 
     # --- schedule -----------------------------------------------------------------------------
 
