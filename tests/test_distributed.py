@@ -521,3 +521,12 @@ def test_two_processes_train_on_their_own_prompts_of_a_stream(tmp_path, tiny_mod
             prompts += [group[0] for group in groups]
     assert len(set(prompts)) == len(prompts) == 8  # no prompt on both processes, nor twice
     assert_same_run(ranks[0], ranks[1], 0)  # and the ranks train one model
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_two_processes_sync_the_reference_alike(tmp_path, tiny_model_dir):
+    ranks = launch(tmp_path, tiny_model_dir, "ddp+beta+sync")
+    before, after = ranks[0]["reference_checksums"]
+    assert after != before  # synced towards the trained policy after each of the 3 optimizer steps
+    assert ranks[1]["reference_checksums"] == [before, after]  # every process holds the same reference
+    assert_same_run(ranks[0], ranks[1], 0)
