@@ -64,6 +64,13 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
             "a path) when the `model` argument of `GSPOTrainer` is a string."
         },
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow models and tokenizers that ship their own Python code, where the trainer loads them from a "
+            "path or Hub id: the policy, its tokenizer, reward models and their tokenizers (as in TRL)."
+        },
+    )
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={
@@ -97,6 +104,13 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         default=512, metadata={"help": "Maximum number of tokens generated per completion."}
     )
     shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the training prompts."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "Pad the prompt and completion columns of each training rollout to a multiple of this, for fixed "
+            "shapes; packed rows (padding_free) are not padded. 'auto' (TRL's Neuron-only 128) and None: no padding."
+        },
+    )
     generation_batch_size: int | None = field(
         default=None,
         metadata={
@@ -296,6 +310,8 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         checks.check_vllm(self)
         checks.check_liger(self)
         checks.check_logging(self)
+        self.pad_to_multiple_of = checks.pad_to_multiple_of(self.pad_to_multiple_of)
+        checks.check_reference_sync(self)
         self.steps_per_generation, self.generation_batch_size = checks.batch_sizes(self, steps_per_generation_was_set)
         self.max_staleness = checks.max_staleness(self)
 

@@ -140,6 +140,35 @@ def check_objective(config) -> None:
         raise ValueError(f"num_iterations must be >= 1, got {config.num_iterations}.")
 
 
+def check_reference_sync(config) -> None:
+    """TR-DPO's reference syncing: a reference model to sync (beta > 0), α in [0, 1], a positive period."""
+    if not config.sync_ref_model:
+        return
+    if config.beta == 0.0:
+        raise ValueError(
+            "sync_ref_model=True needs a reference model, but beta=0.0 loads none: set beta > 0, or "
+            "sync_ref_model=False."
+        )
+    if not 0.0 <= config.ref_model_mixup_alpha <= 1.0:
+        raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {config.ref_model_mixup_alpha}.")
+    if not isinstance(config.ref_model_sync_steps, int) or config.ref_model_sync_steps < 1:
+        raise ValueError(f"ref_model_sync_steps must be an int >= 1, got {config.ref_model_sync_steps!r}.")
+
+
+def pad_to_multiple_of(value) -> int | None:
+    """`pad_to_multiple_of` as a number of columns or None: TRL's 'auto' pads only on Neuron devices, which gspo-trl
+    does not run on; 'none' / 'null' and digit strings come from the command line."""
+    if isinstance(value, str):
+        if value.lower() in ("auto", "none", "null"):
+            return None
+        if not value.isdigit():
+            raise ValueError(f"pad_to_multiple_of must be an int >= 1, 'auto' or None, got {value!r}.")
+        value = int(value)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"pad_to_multiple_of must be an int >= 1, 'auto' or None, got {value!r}.")
+    return value
+
+
 # --- Multi-turn episodes -----------------------------------------------------------------------
 
 

@@ -74,6 +74,21 @@ class ObjectiveFields:
             "reference model and skips its forward pass."
         },
     )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference model towards the policy, "
+            "ref ← α·π + (1 − α)·ref. Needs beta > 0 and full fine-tuning (as in TRL)."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6,
+        metadata={"help": "TR-DPO's α in [0, 1]: the policy's share of the synced reference model (sync_ref_model)."},
+    )
+    ref_model_sync_steps: int = field(
+        default=512,
+        metadata={"help": "TR-DPO's τ: optimizer steps between two syncs of the reference model (sync_ref_model)."},
+    )
     use_bias_correction_kl: bool = field(
         default=True,
         metadata={

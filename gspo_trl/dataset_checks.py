@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .config import GSPOConfig
 from .rollout.types import check_messages
+from .streaming import check_stream
 
 
 def trainer_config(args, model) -> GSPOConfig:
@@ -29,6 +30,8 @@ def check_datasets(train_dataset, eval_dataset, args, episodes: bool) -> None:
     instead of a prompt), enough training prompts for a rollout, and evaluation groups episodes can be scored in."""
     check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
     check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
+    check_stream(train_dataset, "train_dataset", args)
+    check_stream(eval_dataset, "eval_dataset", args)
     check_enough_prompts(train_dataset, args)
     if episodes and args.num_generations_eval == 1:
         raise ValueError(
@@ -85,3 +88,19 @@ def check_prompt_messages(prompts, name: str, batch_rows: int = 1024) -> None:
                     check_messages(prompt)
                 except ValueError as error:
                     raise ValueError(f"{name} row {start + offset}: {error}") from None
+
+
+def collate_rows(needs_prompt: bool):
+    """The dataloader's collator: a batch stays a list of rows (python objects until generation: prompts may be chat
+    messages). A row without 'prompt' is refused as it arrives; a stream's columns are known only then."""
+
+    def collate(rows: list[dict]) -> list[dict]:
+        for row in rows:
+            if needs_prompt and "prompt" not in row:
+                raise ValueError(
+                    f"A dataset row has no 'prompt' column (a string, or a list of chat messages); its columns are "
+                    f"{sorted(row)}. Rename your column with dataset.rename_column(old, 'prompt')."
+                )
+        return list(rows)
+
+    return collate

@@ -14,9 +14,10 @@ Each log-prob quantity has one name from where it is produced to where the loss 
 `loss.policy_loss` takes them under the same names; its `sampling_logps` are another engine's only (`engine_logps`:
 the decoding loop's own are π_old, not a sampler to correct for). The last two exist in the loss step only.
 
-Owns the record, cutting rows out of it (`select`: micro-batches, a process's share, a training pass) and its
-checkpoint form (`to_state` / `from_state`, which reads the key names of earlier checkpoints). What it does not own:
-which rows go where (`schedule`, `passes`) and what the loss does with them (`loss`).
+Owns the record, cutting rows out of it (`select`: micro-batches, a process's share, a training pass), padding its
+columns to a multiple (`padded_to_multiple`) and its checkpoint form (`to_state` / `from_state`, which reads the key
+names of earlier checkpoints). What it does not own: which rows go where (`schedule`, `passes`) and what the loss does
+with them (`loss`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,30 @@ class MicroBatch:
                 value = value[:, :cut]
             kept[name] = value
         return replace(self, **kept)
+
+    def padded_to_multiple(self, multiple: int | None, pad_token_id: int) -> MicroBatch:
+        """The same rows with the prompt columns (on the left) and the completion columns (on the right) each padded
+        to a multiple of `multiple` (TRL's `pad_to_multiple_of`): pad tokens, mask 0, zeros in completion-aligned
+        fields. Attended tokens keep their positions (counted from the mask); None or a fit: unchanged."""
+        width = self.completion_ids.shape[1]
+        prompt_width = self.input_ids.shape[1] - width
+        if multiple is None or (prompt_width % multiple == 0 and width % multiple == 0):
+            return self
+        left, right = -prompt_width % multiple, -width % multiple
+
+        def pad(value: torch.Tensor, fill, sides: tuple[int, int]) -> torch.Tensor:
+            return torch.nn.functional.pad(value, sides, value=fill)
+
+        padded = {
+            "input_ids": pad(self.input_ids, pad_token_id, (left, right)),
+            "attention_mask": pad(self.attention_mask, 0, (left, right)),
+            "completion_ids": pad(self.completion_ids, pad_token_id, (0, right)),
+        }
+        for name in _ROW_FIELDS:
+            value = getattr(self, name)
+            if name not in padded and value is not None and value.dim() == 2 and value.shape[1] == width:
+                padded[name] = pad(value, 0, (0, right))  # completion-aligned
+        return replace(self, **padded)
 
     def to_state(self) -> dict[str, Any]:
         """The record as a checkpoint stores it: field name → tensor or plain value."""

@@ -19,13 +19,29 @@ from .distributed import unwrap_model
 from .precision import cast_lm_head_to_fp32, check_precision
 
 
-def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
+def load_policy(
+    model, model_init_kwargs: dict | None, trust_remote_code: bool = False, quantization_config=None
+) -> PreTrainedModel:
+    """The policy: loaded from a path or Hub id (`model_init_kwargs`, whose `trust_remote_code` wins over the config
+    field's, and the trainer's `quantization_config`, as in TRL), or the model given, checked."""
     if isinstance(model, str):
         kwargs = dict(model_init_kwargs or {})
+        kwargs.setdefault("trust_remote_code", trust_remote_code)
+        if quantization_config is not None:
+            if "quantization_config" in kwargs:
+                raise ValueError(
+                    "quantization_config is given both to GSPOTrainer and in model_init_kwargs: keep one of them."
+                )
+            kwargs["quantization_config"] = quantization_config
         dtype = kwargs.get("dtype", "auto")
         if isinstance(dtype, str) and dtype != "auto":
             kwargs["dtype"] = getattr(torch, dtype)
         return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    if quantization_config is not None:
+        raise ValueError(
+            "quantization_config is given but `model` is already instantiated, so it could not be applied: pass the "
+            "model as a path/id string, or load it quantized yourself and drop quantization_config."
+        )
     if model_init_kwargs:
         raise ValueError(
             "model_init_kwargs is set but `model` is already instantiated: the kwargs would be ignored. Pass the "
@@ -40,10 +56,12 @@ def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
     return model
 
 
-def load_tokenizer(processing_class, model: PreTrainedModel) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    processing_class, model: PreTrainedModel, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     tokenizer = processing_class
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path, trust_remote_code=trust_remote_code)
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise TypeError(
             f"processing_class must be a transformers tokenizer, got {type(tokenizer).__name__}. Multimodal "
@@ -117,7 +135,7 @@ def create_reference_model(model: PreTrainedModel, source, args) -> PreTrainedMo
                 "beta > 0 under DeepSpeed ZeRO-3 needs the reference model loaded partitioned, from a path: pass "
                 "`model` to GSPOTrainer as a path or Hub id (with model_init_kwargs), not as an instance."
             )
-        reference = load_policy(source, args.model_init_kwargs)
+        reference = load_policy(source, args.model_init_kwargs, args.trust_remote_code)
         prepare_weights(reference, args)
     else:
         reference = copy.deepcopy(model)
@@ -136,11 +154,13 @@ def reference_weights(policy, reference):
         yield policy
 
 
-def load_policy_and_tokenizer(model, processing_class, peft_config, args) -> tuple[PreTrainedModel, object]:
-    """The policy to train (loaded, prepared, under a PEFT adapter with `peft_config`, its precision checked) and
-    its tokenizer."""
-    model = load_policy(model, args.model_init_kwargs)
-    tokenizer = load_tokenizer(processing_class, model)
+def load_policy_and_tokenizer(
+    model, processing_class, peft_config, args, quantization_config=None
+) -> tuple[PreTrainedModel, object]:
+    """The policy to train (loaded, quantized with `quantization_config`, prepared, under a PEFT adapter with
+    `peft_config`, its precision checked) and its tokenizer."""
+    model = load_policy(model, args.model_init_kwargs, args.trust_remote_code, quantization_config)
+    tokenizer = load_tokenizer(processing_class, model, args.trust_remote_code)
     prepare_weights(model, args)
     model = apply_peft(model, peft_config, args.activation_checkpointing)
     check_precision(model, args)

@@ -111,12 +111,14 @@ def plan_passes(row_positions: torch.Tensor, max_tokens: int | None, min_passes:
     return [order[part] for part in torch.arange(rows).tensor_split(passes)]
 
 
-def take_pass(micro_batch: MicroBatch, rows: torch.Tensor, last: bool) -> MicroBatch:
-    """The rows of one pass, without the completion columns after its rows' last trained token, and what the
-    loss of a part needs: the whole micro-batch's rows and valid completion tokens, and whether this pass is the
-    micro-batch's last."""
+def take_pass(micro_batch: MicroBatch, rows: torch.Tensor, last: bool, multiple: int | None = None) -> MicroBatch:
+    """The rows of one pass, without the completion columns after its rows' last trained token (rounded up to a
+    multiple of `multiple`: `pad_to_multiple_of`), and what the loss of a part needs: the whole micro-batch's rows and
+    valid completion tokens, and whether this pass is the micro-batch's last."""
     completion_mask = micro_batch.completion_mask
     completion_width = max(int(trained_lengths(completion_mask[rows.to(completion_mask.device)]).amax()), 1)
+    if multiple is not None:
+        completion_width = min(-(-completion_width // multiple) * multiple, completion_mask.shape[1])
     # Only the completion's tail is cut: positions after a row's last trained token change none of its scores
     # (causal attention), while the prompt's left padding stays, so that every token keeps the position ids of
     # the micro-batch's π_old forward.

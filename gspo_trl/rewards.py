@@ -108,6 +108,7 @@ def load_reward_funcs(
     reward_funcs: Any,
     reward_processing_classes: Any = None,
     model_init_kwargs: dict | None = None,
+    trust_remote_code: bool = False,
 ) -> list[RewardFunction]:
     """Turn reward items into ``RewardFunction`` objects (same order).
 
@@ -117,6 +118,8 @@ def load_reward_funcs(
         reward_processing_classes: None, one tokenizer, or a list aligned with ``reward_funcs``; only used for reward
             models. A None slot for a model loads ``AutoTokenizer`` from the model's ``_name_or_path``.
         model_init_kwargs: extra kwargs for ``AutoModelForSequenceClassification.from_pretrained``.
+        trust_remote_code: allow custom code in reward models and tokenizers loaded here (``model_init_kwargs``'s
+            own value wins for the models).
     """
     items = _as_list(reward_funcs)
     no_classes = reward_processing_classes is None
@@ -126,8 +129,10 @@ def load_reward_funcs(
             f"reward_processing_classes has {len(processing_classes)} entries but there are {len(items)} "
             "reward functions; pass one per reward function (None for non-model ones)"
         )
+    model_init_kwargs = dict(model_init_kwargs or {})
+    model_init_kwargs.setdefault("trust_remote_code", trust_remote_code)
     return [
-        _load_one(index, item, processing_class, model_init_kwargs or {})
+        _load_one(index, item, processing_class, model_init_kwargs, trust_remote_code)
         for index, (item, processing_class) in enumerate(zip(items, processing_classes))
     ]
 
@@ -145,7 +150,9 @@ def load_rewards(
     reward_funcs = _as_list(reward_funcs)
     if reward_processing_classes is not None and environment_rewards:
         reward_processing_classes = _as_list(reward_processing_classes) + [None] * len(environment_rewards)
-    loaded = load_reward_funcs(reward_funcs + environment_rewards, reward_processing_classes, args.model_init_kwargs)
+    loaded = load_reward_funcs(
+        reward_funcs + environment_rewards, reward_processing_classes, args.model_init_kwargs, args.trust_remote_code
+    )
     if not loaded and not steps_reward:
         raise ValueError(
             "reward_funcs is empty: pass at least one reward function, an env_factory whose step() "
@@ -157,13 +164,15 @@ def load_rewards(
     return loaded, weights
 
 
-def _load_one(index: int, item: Any, processing_class: Any, model_init_kwargs: dict) -> RewardFunction:
+def _load_one(
+    index: int, item: Any, processing_class: Any, model_init_kwargs: dict, trust_remote_code: bool
+) -> RewardFunction:
     if isinstance(item, RewardFunction):
         return item
     if isinstance(item, (str, os.PathLike)):
         item = AutoModelForSequenceClassification.from_pretrained(os.fspath(item), num_labels=1, **model_init_kwargs)
     if isinstance(item, PreTrainedModel):
-        return _wrap_reward_model(item, processing_class)
+        return _wrap_reward_model(item, processing_class, trust_remote_code)
     if callable(item) and not isinstance(item, torch.nn.Module):
         return RewardFunction(item)
     raise TypeError(
@@ -172,9 +181,11 @@ def _load_one(index: int, item: Any, processing_class: Any, model_init_kwargs: d
     )
 
 
-def _wrap_reward_model(model: PreTrainedModel, processing_class: Any) -> RewardModelFunction:
+def _wrap_reward_model(model: PreTrainedModel, processing_class: Any, trust_remote_code: bool) -> RewardModelFunction:
     if processing_class is None:
-        processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        processing_class = AutoTokenizer.from_pretrained(
+            model.config._name_or_path, trust_remote_code=trust_remote_code
+        )
     if processing_class.pad_token_id is None:
         processing_class.pad_token = processing_class.eos_token
     # The classifier reads the last non-pad token, so the model must know which id is padding.

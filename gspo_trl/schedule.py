@@ -183,6 +183,12 @@ class RolloutSchedule:
             seed=args.seed,
         )
 
+    def eval_sampler(self, dataset) -> RepeatSampler:
+        """The order of evaluation prompts: each prompt `num_generations_eval` (default `num_generations`) times in a
+        row, shuffled by the seed."""
+        repeats = self.args.num_generations_eval or self.args.num_generations
+        return RepeatSampler(data_source=dataset, mini_repeat_count=repeats, seed=self.args.seed)
+
     @property
     def use(self) -> int:
         """The current micro-step's use of the rollout."""
@@ -232,13 +238,15 @@ class RolloutSchedule:
         """This process's micro-batches of a scored rollout: its share of each global micro-batch, each with the
         rollout's token count (`num_items_in_batch`).
 
-        The rollout of all processes is cut into micro-batches of whole groups in one shuffled order (the generator
-        is seeded alike everywhere), and each process trains on its share of every one, so an optimizer step sees
-        the same rows whatever the number of processes.
+        The rollout of all processes (its columns padded to a multiple of `pad_to_multiple_of`) is cut into
+        micro-batches of whole groups in one shuffled order (the generator is seeded alike everywhere), and each
+        process trains on its share of every one, so an optimizer step sees the same rows whatever the number of
+        processes.
         """
         args, processes = self.args, accelerator.num_processes
         rollout.num_items_in_batch = rollout_tokens(rollout, accelerator)
         everything = rollout if processes == 1 else gather_rollout(rollout, accelerator, pad_token_id)
+        everything = everything.padded_to_multiple(args.pad_to_multiple_of, pad_token_id)
         global_micro_batches = split_into_micro_batches(
             everything, args.steps_per_generation, args.num_generations, self.shuffle_generator
         )

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from transformers import Trainer, set_seed
 from transformers.utils import logging
-from trl.trainer.utils import RepeatSampler
 
 from . import __version__
 from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
@@ -26,7 +25,7 @@ from .checkpointing import enable_kept_attention
 from .completion_logs import CompletionLog
 from .config import GSPOConfig
 from .cpu_memory import pool_freed_memory
-from .dataset_checks import check_datasets, trainer_config
+from .dataset_checks import check_datasets, collate_rows, trainer_config
 from .distributed import (
     check_deepspeed_batch_fields,
     fsdp_deferral,
@@ -62,6 +61,7 @@ from .models import (
 from .packing import padding_free_in_use
 from .passes import micro_batch_passes, pass_budget, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
+from .reference_sync import ReferenceSync
 from .rewards import RewardModelFunction, load_rewards
 from .rollout import EpisodeRunner, SampledRollout, create_rollout_backend, stream_keys
 from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
@@ -69,11 +69,13 @@ from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
 from .sampling_correction import correction_for
 from .schedule import RolloutSchedule, fill_old_logps, rollout_tokens
 from .scoring import completions_per_prompt, reward_and_score, scored_batch
+from .streaming import check_stream_resume, micro_steps_per_epoch, streamed
+from .trl_compat import TRLAttributes
 
 logger = logging.get_logger(__name__)
 
 
-class GSPOTrainer(Trainer):
+class GSPOTrainer(TRLAttributes, Trainer):
     """Group Sequence Policy Optimization (arXiv 2507.18071) with TRL's `GRPOTrainer` interface."""
 
     _tag_names = ["gspo", "gspo-trl", "trl"]
@@ -89,6 +91,7 @@ class GSPOTrainer(Trainer):
         reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
         tools=None,
         rollout_func=None,
@@ -106,7 +109,7 @@ class GSPOTrainer(Trainer):
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
         set_seed(args.seed)
         model_source = model
-        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args)
+        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args, quantization_config)
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
@@ -125,7 +128,7 @@ class GSPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=list,  # rows stay python objects until generation: prompts may be chat messages
+            data_collator=collate_rows(needs_prompt=not episodes),  # lists of rows, each with a prompt
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
@@ -143,6 +146,7 @@ class GSPOTrainer(Trainer):
         for reward_func in self.reward_funcs:
             if isinstance(reward_func, RewardModelFunction):
                 reward_func.model = prepare_frozen_model(reward_func.model, self.accelerator)
+        self.reference_sync = ReferenceSync.for_run(self)  # TR-DPO's sync_ref_model
 
         unwrapped = self.accelerator.unwrap_model(self.model)
         base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
@@ -194,15 +198,18 @@ class GSPOTrainer(Trainer):
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
-        self.schedule.micro_steps_per_epoch = len(dataloader)  # the Trainer's steps_in_epoch
+        self.schedule.micro_steps_per_epoch = micro_steps_per_epoch(dataloader, self.train_dataset, self.args)
         return dataloader
+
+    def _get_dataloader(self, dataset, description, *args, **kwargs):
+        with streamed(dataset, description == "Training", self.args, self.accelerator) as dataset:  # a stream: ordered
+            return super()._get_dataloader(dataset, description, *args, **kwargs)
 
     def _get_train_sampler(self, dataset=None):
         return self.schedule.train_sampler(dataset if dataset is not None else self.train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
-        repeats = completions_per_prompt(self.args, "eval")
-        return RepeatSampler(data_source=eval_dataset, mini_repeat_count=repeats, seed=self.args.seed)
+        return self.schedule.eval_sampler(eval_dataset)
 
     # --- schedule -----------------------------------------------------------------------------
 
@@ -256,7 +263,7 @@ class GSPOTrainer(Trainer):
         loss = torch.zeros((), device=self.accelerator.device)
         for index, rows in enumerate(passes):
             last = index == len(passes) - 1
-            part = micro_batch if len(passes) == 1 else take_pass(micro_batch, rows, last)
+            part = micro_batch if len(passes) == 1 else take_pass(micro_batch, rows, last, self.args.pad_to_multiple_of)
             # Every pass but the last accumulates its gradient locally, like an earlier micro-step.
             held = contextlib.nullcontext() if last else gradients_held(self.accelerator, model, fsdp_deferral(self))
             with held:
@@ -282,6 +289,8 @@ class GSPOTrainer(Trainer):
 
     def _inner_training_loop(self, *args, **kwargs):
         enable_kept_attention(self.model, self.args)  # Trainer.train has just enabled checkpointing without it
+        check_stream_resume(kwargs.get("resume_from_checkpoint"), self.train_dataset)
+        self.reference_sync.restore(kwargs.get("resume_from_checkpoint"))
         restored = self.schedule.restore(kwargs.get("resume_from_checkpoint"), self.accelerator)
         if restored is not None:
             self._num_tokens_seen = restored.num_tokens_seen

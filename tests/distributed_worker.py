@@ -36,6 +36,7 @@ from helpers import count_digits, leave_worker, length_reward
 from transformers import TrainerCallback
 
 from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl.distributed import unwrap_model
 
 DEEPSPEED = {
     "zero1": {
@@ -183,6 +184,9 @@ def main(model_dir: str, mode: str, out: str) -> None:
         fsdp=FSDP.get(mode, ("", None))[0],
         fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0,
+        sync_ref_model="sync" in options,  # TR-DPO: ref ← (π + ref) / 2 after every optimizer step
+        ref_model_mixup_alpha=0.5,
+        ref_model_sync_steps=1,
         ds3_gather_for_generation="nogather" not in options,
         # 4 rows of a prompt (about 10 tokens) and 6 completion tokens: passes of 2 rows
         max_tokens_per_pass=40 if "passes" in options else None,
@@ -210,8 +214,12 @@ def main(model_dir: str, mode: str, out: str) -> None:
         import gspo_trl.trainer
 
         take_pass = gspo_trl.trainer.take_pass
-        gspo_trl.trainer.take_pass = lambda batch, rows, last: passes.append(len(rows)) or take_pass(batch, rows, last)
+        gspo_trl.trainer.take_pass = lambda batch, rows, *more: (
+            passes.append(len(rows)) or take_pass(batch, rows, *more)
+        )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
+    if "stream" in options:  # the same prompts, streamed
+        dataset = dataset.to_iterable_dataset()
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
     trainer = GSPOTrainer(
         model_dir,
@@ -223,9 +231,10 @@ def main(model_dir: str, mode: str, out: str) -> None:
         env_factory=MoreDigits if "episodes" in options else None,
         rollout_func=scripted_rollout if "scripted" in options else None,
     )
-    generate, whole_at_generation = trainer.rollout_backend.generate, []
+    generate, whole_at_generation, sampled_prompts = trainer.rollout_backend.generate, [], []
 
-    def spy(prompts, *rest):  # under ZeRO-3 / FSDP2, were the weights gathered for the whole rollout?
+    def spy(prompts, *rest):
+        sampled_prompts.append(list(prompts))  # under ZeRO-3 / FSDP2, were the weights gathered for the whole rollout?
         params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
         if any(hasattr(p, "ds_numel") for p in params):
             whole_at_generation.append(all(p.numel() == p.ds_numel for p in params))
@@ -237,7 +246,16 @@ def main(model_dir: str, mode: str, out: str) -> None:
 
     if "episodes" not in options:
         trainer.rollout_backend.generate = spy
+
+    def reference_checksum():
+        reference = getattr(trainer, "ref_model", None)
+        if reference is None or "sync" not in options:
+            return None
+        return sum(p.detach().double().abs().sum().item() for p in unwrap_model(reference).parameters())
+
+    reference_checksums = [reference_checksum()]
     trainer.train(resume_from_checkpoint=True if "resume" in options else None)
+    reference_checksums.append(reference_checksum())
     logs = [
         {
             k: e[k]
@@ -296,6 +314,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 "forced_products": len(forced_products),
                 "pass_rows": passes,
                 "grad_norms": [e.get("grad_norm") for e in trainer.state.log_history if "loss" in e],
+                "sampled_prompts": sampled_prompts,
+                "reference_checksums": reference_checksums,
             },
             handle,
         )

@@ -110,3 +110,16 @@ def test_vllm_request_fields_the_trainer_sets_are_refused_in_generation_kwargs(n
     with pytest.raises(ValueError, match=f"generation_kwargs sets '{name}'"):
         config_checks.check_generation_kwargs({name: 2, "top_k": 5}, use_vllm=True)
     config_checks.check_generation_kwargs({"top_k": 5, "presence_penalty": 0.1}, use_vllm=True)
+
+
+@pytest.mark.parametrize(
+    "given, expected", [("auto", None), (None, None), ("None", None), ("null", None), ("64", 64), (8, 8)]
+)
+def test_pad_to_multiple_of_spellings(given, expected):
+    assert config_checks.pad_to_multiple_of(given) == expected
+
+
+@pytest.mark.parametrize("given", [0, -8, "eight", True, 2.5])
+def test_pad_to_multiple_of_refuses_what_is_not_a_positive_int(given):
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be an int >= 1"):
+        config_checks.pad_to_multiple_of(given)

@@ -506,3 +506,27 @@ def test_example_accelerate_configs_load():
     assert loaded["deepspeed_zero3"].deepspeed_config["zero_stage"] == 3
     assert loaded["deepspeed_zero3"].deepspeed_config["zero3_init_flag"] is True
     assert loaded["fsdp2"].fsdp_config["fsdp_version"] == 2
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_two_processes_train_on_their_own_prompts_of_a_stream(tmp_path, tiny_model_dir):
+    ranks = launch(tmp_path, tiny_model_dir, "ddp+stream")
+    # 3 optimizer steps, a rollout every 2 (steps_per_generation=2): 2 rollouts, each of 8 rows per process
+    assert [[len(rollout) for rollout in rank["sampled_prompts"]] for rank in ranks] == [[8, 8], [8, 8]]
+    prompts = []
+    for rank in ranks:
+        for rollout in rank["sampled_prompts"]:
+            groups = [rollout[start : start + 4] for start in range(0, 8, 4)]  # num_generations=4
+            assert all(len(set(group)) == 1 for group in groups), rollout  # every group whole, on one process
+            prompts += [group[0] for group in groups]
+    assert len(set(prompts)) == len(prompts) == 8  # no prompt on both processes, nor twice
+    assert_same_run(ranks[0], ranks[1], 0)  # and the ranks train one model
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_two_processes_sync_the_reference_alike(tmp_path, tiny_model_dir):
+    ranks = launch(tmp_path, tiny_model_dir, "ddp+beta+sync")
+    before, after = ranks[0]["reference_checksums"]
+    assert after != before  # synced towards the trained policy after each of the 3 optimizer steps
+    assert ranks[1]["reference_checksums"] == [before, after]  # every process holds the same reference
+    assert_same_run(ranks[0], ranks[1], 0)

@@ -3,18 +3,22 @@ claims that docs/migrating-from-trl.md makes about TRL's `GRPOConfig` (checked a
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
+import inspect
 import json
 import re
+import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from trl import GRPOConfig
+from transformers import Trainer
+from trl import GRPOConfig, GRPOTrainer
 
-from gspo_trl import GSPOConfig
+from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.metrics import LOSS_STAT_NAMES, SAMPLING_STAT_NAMES, completion_length_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,10 +226,79 @@ def test_migration_lists_exactly_the_missing_trl_fields(migration_text):
     rows = _table(migration_text, ["TRL fields"])
     listed = {name for row in rows for name in _code_spans(row[0])}
     missing_in_gspo = _field_names(GRPOConfig) - _field_names(GSPOConfig)
-    assert not missing_in_gspo - listed, f"GRPOConfig fields missing from the guide: {sorted(missing_in_gspo - listed)}"
+    assert not missing_in_gspo - listed, (
+        f"{MIGRATION.name}: GRPOConfig fields that GSPOConfig lacks, missing from the table 'GRPOConfig fields that "
+        f"GSPOConfig does not have' (add each with the reason): {sorted(missing_in_gspo - listed)}"
+    )
     assert not listed - missing_in_gspo, (
         f"listed as unsupported but GSPOConfig has them (or TRL dropped them): {sorted(listed - missing_in_gspo)}"
     )
+
+
+def _assigned_in_init(cls) -> set[str]:
+    """The public attributes `cls.__init__` assigns (`self.<name> = ...`, on any branch)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):
+            if node.value.id == "self" and not node.attr.startswith("_"):
+                names.add(node.attr)
+    return names
+
+
+def trainer_differences() -> dict[str, str]:
+    """Every way `GSPOTrainer` differs from TRL's `GRPOTrainer`, name → what differs: `__init__` parameters missing,
+    added, at another position or with another default; public attributes (assigned by `__init__`, or on the class)
+    that TRL has and gspo-trl lacks. What `transformers.Trainer` provides to both is left out."""
+    ours, theirs = (list(inspect.signature(cls.__init__).parameters.values()) for cls in (GSPOTrainer, GRPOTrainer))
+    our_index, their_index = ({p.name: i for i, p in enumerate(params)} for params in (ours, theirs))
+    differences = {}
+    for parameter in theirs:
+        if parameter.name not in our_index:
+            differences[parameter.name] = "a GRPOTrainer.__init__ parameter that GSPOTrainer.__init__ lacks"
+        elif our_index[parameter.name] != their_index[parameter.name]:
+            differences[parameter.name] = (
+                f"parameter at position {our_index[parameter.name]} here, {their_index[parameter.name]} in TRL"
+            )
+        elif ours[our_index[parameter.name]].default != parameter.default:
+            differences[parameter.name] = (
+                f"default {ours[our_index[parameter.name]].default!r}, TRL's {parameter.default!r}"
+            )
+    for parameter in ours:
+        if parameter.name not in their_index:
+            differences[parameter.name] = "a GSPOTrainer.__init__ parameter that TRL does not have"
+    trainer_names = _assigned_in_init(Trainer) | set(dir(Trainer))
+    their_attributes = _assigned_in_init(GRPOTrainer) | {n for n in vars(GRPOTrainer) if not n.startswith("_")}
+    our_attributes = _assigned_in_init(GSPOTrainer) | set(dir(GSPOTrainer))
+    for name in their_attributes - trainer_names - our_attributes:
+        differences.setdefault(name, "a public GRPOTrainer attribute that GSPOTrainer lacks")
+    return differences
+
+
+def test_trainer_signature_and_attributes_differ_from_trl_only_where_documented(migration_text):
+    rows = _table(migration_text, ["TRL argument or attribute", "in gspo-trl"])
+    documented = {name: row[1] for row in rows for name in _code_spans(row[0])}
+    assert all(len(reason.split()) >= 5 for reason in documented.values()), "each row says why, in a sentence"
+    differences = trainer_differences()
+    undocumented = {name: what for name, what in differences.items() if name not in documented}
+    assert not undocumented, (
+        f"{MIGRATION.name}: add a row for each of these to the table '## `GRPOTrainer` arguments and attributes that "
+        f"differ', saying why: {undocumented}"
+    )
+    stale = sorted(set(documented) - set(differences))
+    assert not stale, f"{MIGRATION.name}: these rows no longer differ from TRL's GRPOTrainer, remove them: {stale}"
+
+
+def test_trl_attribute_copies_read_the_config(tmp_path, tiny_model_dir):
+    from helpers import count_digits, small_config, text_dataset
+
+    args = small_config(tmp_path, num_generations=4, beta=0.0, epsilon=0.1, epsilon_high=0.3, temperature=0.7)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    assert (trainer.num_generations, trainer.beta, trainer.temperature) == (4, 0.0, 0.7)
+    assert (trainer.epsilon_low, trainer.epsilon_high, trainer.num_generations_eval) == (0.1, 0.3, 4)
+    assert trainer.reward_func_names == ["count_digits"] and trainer.generation_kwargs == {}
+    with pytest.raises(AttributeError):  # read-only: the run reads args
+        trainer.beta = 0.5
 
 
 def test_migration_mentions_gspo_only_fields(migration_text):

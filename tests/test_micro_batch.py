@@ -71,3 +71,17 @@ def test_the_checkpoint_form_round_trips_and_reads_the_earlier_key_names():
     engine = {**earlier, "sampling_per_token_logps": torch.full((3, 4), -2.0), "decoding_per_token_logps": None}
     loaded = MicroBatch.from_state(engine)
     assert not loaded.sampled_by_policy and torch.equal(loaded.engine_logps, engine["sampling_per_token_logps"])
+
+
+def test_padded_to_multiple_pads_prompts_left_and_completions_right():
+    # P = 2, C = 4; multiple 3 → P' = 3 (one column on the left), C' = 6 (two on the right); pad id 99
+    record = batch(old_logps=-torch.ones(3, 4), advantages=torch.tensor([0.5, -1.0, 0.25]))
+    padded = record.padded_to_multiple(3, pad_token_id=99)
+    assert padded.input_ids.tolist()[0] == [99, 0, 7, 0, 1, 2, 3, 99, 99]
+    assert padded.attention_mask.tolist()[0] == [0, 0, 1, 1, 1, 0, 0, 0, 0]
+    assert padded.completion_ids.tolist()[1] == [4, 5, 6, 7, 99, 99]
+    assert padded.completion_mask.tolist()[1] == [1, 1, 1, 1, 0, 0]
+    assert padded.old_logps.tolist()[2] == [-1.0, -1.0, -1.0, -1.0, 0.0, 0.0]
+    assert torch.equal(padded.advantages, record.advantages)  # per row: unchanged
+    assert record.padded_to_multiple(2, 99) is record  # 2 and 4 fit already
+    assert record.padded_to_multiple(None, 99) is record

@@ -83,3 +83,17 @@ def test_a_pass_keeps_its_rows_cut_to_their_longest_completion_and_the_micro_bat
     assert (part.micro_batch_rows, part.micro_batch_tokens.item(), part.last_pass) == (3, 7, False)
     assert take_pass(batch, torch.tensor([1]), last=True).completion_ids.shape == (1, 4)
     assert batch.micro_batch_rows is None and batch.last_pass  # the micro-batch itself is left as it was
+
+
+def test_a_pass_keeps_a_multiple_of_pad_to_multiple_of_completion_columns():
+    completion_mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
+    completion_ids = torch.arange(12).reshape(2, 6)
+    batch = MicroBatch(
+        input_ids=torch.cat([torch.ones(2, 2, dtype=torch.long), completion_ids], 1),
+        attention_mask=torch.cat([torch.ones(2, 2, dtype=torch.long), completion_mask], 1),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+    )
+    assert take_pass(batch, torch.tensor([0]), last=False, multiple=4).completion_ids.shape == (1, 4)  # 2 → 4
+    assert take_pass(batch, torch.tensor([1]), last=True, multiple=4).completion_ids.shape == (1, 6)  # 5 → 8, all 6
+    assert take_pass(batch, torch.tensor([0]), last=False).completion_ids.shape == (1, 2)

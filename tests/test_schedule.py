@@ -396,3 +396,33 @@ def test_the_buffer_saves_the_rollout_only_inside_it_and_takes_it_up_on_resume(t
     assert resumed.restore(str(tmp_path), accelerator).num_tokens_seen == 12
     assert not resumed.start(global_step=1)  # one micro-step into the epoch: the saved rollout continues
     assert resumed.use == 1 and torch.equal(resumed.current().old_logps, torch.zeros(2, 2))
+
+
+@pytest.mark.slow  # training runs
+@pytest.mark.parametrize("max_tokens_per_pass", [None, 12])  # one pass per micro-batch; passes of single rows
+def test_pad_to_multiple_of_pads_each_micro_batch_and_trains_the_same(tmp_path, tiny_model_dir, max_tokens_per_pass):
+    # Padded rows (padding_free=False) train on the same tokens: the extra columns are masked and positions come
+    # from the mask, so only the kernels' summation order may differ: fp32 rounding, far inside 1e-6 of values of
+    # order one. The weights are not compared: Adam divides by √v, so a rounding-sized gradient where the exact one
+    # is 0 moves a weight by up to lr; the gradient norm and the ratios after each update are compared instead.
+    options = dict(padding_free=False, max_tokens_per_pass=max_tokens_per_pass)
+    shapes = []
+    compute_loss = GSPOTrainer.compute_loss
+
+    def spy(self, model, inputs, *rest, **kwargs):
+        shapes.append((inputs.input_ids.shape[1] - inputs.completion_ids.shape[1], inputs.completion_ids.shape[1]))
+        return compute_loss(self, model, inputs, *rest, **kwargs)
+
+    GSPOTrainer.compute_loss = spy
+    try:
+        padded = train(tmp_path, tiny_model_dir, "padded", 3, pad_to_multiple_of=16, **options)
+    finally:
+        GSPOTrainer.compute_loss = compute_loss
+    plain = train(tmp_path, tiny_model_dir, "plain", 3, **options)
+    assert shapes and all(prompt % 16 == 0 and completion % 16 == 0 for prompt, completion in shapes), shapes
+    logs = [[e for e in trainer.state.log_history if "loss" in e] for trainer in (padded, plain)]
+    assert len(logs[0]) == len(logs[1]) == 3
+    for step, (a, b) in enumerate(zip(*logs)):
+        assert a.keys() == b.keys()
+        for name in {*STAT_NAMES, "grad_norm", "entropy"} & a.keys():  # rewards: on the steps that sample
+            assert a[name] == close(b[name], 1e-6), (step, name)

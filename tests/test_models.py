@@ -1,0 +1,149 @@
+"""gspo_trl/models.py (and the reward models of gspo_trl/rewards.py) loading custom-code models (a directory whose
+model, tokenizer and reward head are classes defined in its own Python files, loaded only with `trust_remote_code`)
+and quantized ones (`quantization_config`, 4-bit bitsandbytes on CPU, trained through a LoRA adapter)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+
+import pytest
+from helpers import count_digits, small_config
+
+from gspo_trl import GSPOTrainer
+
+CONFIGURATION = """
+from transformers import LlamaConfig
+
+
+class TinyCustomConfig(LlamaConfig):
+    model_type = "{model_type}"
+"""
+
+MODELING = """
+import torch
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel, LlamaPreTrainedModel
+
+from .configuration_tiny import TinyCustomConfig
+
+
+class TinyCustomForCausalLM(LlamaForCausalLM):
+    config_class = TinyCustomConfig
+
+
+class TinyCustomForSequenceClassification(LlamaForSequenceClassification):
+    config_class = TinyCustomConfig
+
+    def __init__(self, config):  # its body built directly: AutoModel does not know the custom config
+        LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = LlamaModel(config)
+        self.score = torch.nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+"""
+
+TOKENIZATION = """
+from transformers import PreTrainedTokenizerFast
+
+
+class TinyCustomTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+@pytest.fixture()
+def custom_code_dir(tmp_path, tiny_model_dir):
+    """The tiny Llama as a custom-code model: its config, causal LM, sequence classifier and tokenizer classes live in
+    the directory (`auto_map`), under a model type transformers does not know."""
+    path = tmp_path / "custom"
+    shutil.copytree(tiny_model_dir, path)
+    model_type = f"tiny_custom_{uuid.uuid4().hex[:8]}"  # dynamic modules are cached per process: one name per test
+    (path / "configuration_tiny.py").write_text(CONFIGURATION.format(model_type=model_type))
+    (path / "modeling_tiny.py").write_text(MODELING)
+    (path / "tokenization_tiny.py").write_text(TOKENIZATION)
+    config = json.loads((path / "config.json").read_text())
+    config.update(
+        model_type=model_type,
+        num_labels=1,
+        auto_map={
+            "AutoConfig": "configuration_tiny.TinyCustomConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyCustomForCausalLM",
+            "AutoModelForSequenceClassification": "modeling_tiny.TinyCustomForSequenceClassification",
+        },
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config.update(
+        tokenizer_class="TinyCustomTokenizer",
+        auto_map={"AutoTokenizer": [None, "tokenization_tiny.TinyCustomTokenizer"]},
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return str(path)
+
+
+@pytest.mark.slow  # training runs
+def test_custom_code_models_load_only_with_trust_remote_code(tmp_path, custom_code_dir):
+    from helpers import text_dataset
+
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        GSPOTrainer(custom_code_dir, count_digits, args=small_config(tmp_path), train_dataset=text_dataset())
+    args = small_config(tmp_path, trust_remote_code=True, max_steps=1)
+    trainer = GSPOTrainer(custom_code_dir, [count_digits, custom_code_dir], args=args, train_dataset=text_dataset())
+    assert type(trainer.model).__name__ == "TinyCustomForCausalLM"
+    assert type(trainer.processing_class).__name__ == "TinyCustomTokenizer"
+    reward_model = trainer.reward_funcs[1]
+    assert type(reward_model.model).__name__ == "TinyCustomForSequenceClassification"
+    assert type(reward_model.processing_class).__name__ == "TinyCustomTokenizer"
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_model_init_kwargs_trust_remote_code_wins_over_the_field(tmp_path, custom_code_dir):
+    from helpers import text_dataset
+
+    args = small_config(tmp_path, trust_remote_code=True, model_init_kwargs={"trust_remote_code": False})
+    with pytest.raises(ValueError, match="trust_remote_code"):  # the model refuses; TRL's precedence
+        GSPOTrainer(custom_code_dir, count_digits, args=args, train_dataset=text_dataset())
+
+
+@pytest.mark.slow  # a training run
+def test_quantization_config_loads_the_policy_in_4_bits_and_trains_its_adapter(tmp_path, tiny_model_dir):
+    import torch
+    from helpers import text_dataset
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        count_digits,
+        args=small_config(tmp_path, max_steps=1),
+        train_dataset=text_dataset(),
+        quantization_config=quantization,  # TRL's 10th parameter: QLoRA
+        peft_config=LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    base = trainer.model.get_base_model()
+    assert type(base.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
+    trainer.train()  # check_logprobs="raise": the sampled log-probs agree with a plain forward of the 4-bit model
+    assert trainer.state.global_step == 1
+
+
+def test_quantization_config_is_refused_where_it_cannot_apply(tmp_path, tiny_model_dir, tiny_model):
+    from helpers import text_dataset
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True)
+    with pytest.raises(ValueError, match="already instantiated"):
+        GSPOTrainer(
+            tiny_model,
+            count_digits,
+            args=small_config(tmp_path),
+            train_dataset=text_dataset(),
+            quantization_config=quantization,
+        )
+    args = small_config(tmp_path, model_init_kwargs={"quantization_config": quantization})
+    with pytest.raises(ValueError, match="both to GSPOTrainer and in model_init_kwargs"):
+        GSPOTrainer(
+            tiny_model_dir, count_digits, args=args, train_dataset=text_dataset(), quantization_config=quantization
+        )
