@@ -109,6 +109,26 @@ def test_parquet_files_and_the_printout_hold_every_row_of_the_latest_rollout(tmp
     assert printed.count("--- completions at step 1 ---") == 1 and printed.count("[reward") == 3
 
 
+@pytest.mark.slow  # two rollouts, one sampled ahead, with LoRA and a reference pass under bf16 autocast
+def test_rollouts_sampled_ahead_under_bf16_lora_and_kl_each_log_their_own_rows(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    config = small_config(
+        tmp_path / "out", log_completions=True, max_steps=5, async_rollouts=True, bf16=True, beta=0.04
+    )  # steps_per_generation=4: the rollouts of steps 1-4 and 5-8, logged at steps 1 and 5
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=lora)
+    trainer.train()
+    tables = parquet_tables(tmp_path / "out")
+    assert list(tables) == ["completions_00001.parquet", "completions_00005.parquet"]
+    for table in tables.values():
+        assert len(table) == 16 and table["prompt"].nunique() == 4
+        assert_rewards_and_advantages_match(table, config.num_generations)
+    first, second = tables.values()
+    assert set(first["prompt"]).isdisjoint(second["prompt"])  # the 8 prompts, an epoch: each rollout has 4
+
+
+@pytest.mark.slow  # a training step and an evaluation of two batches
 def test_an_evaluation_gets_its_own_file_with_all_its_batches(tmp_path, tiny_model_dir, capsys):
     config = small_config(
         tmp_path / "out", log_completions=True, max_steps=1, eval_strategy="steps", eval_steps=1
