@@ -3,7 +3,7 @@
 Owns turning the `model` argument (a path/id or a `PreTrainedModel`) into a trainable causal LM,
 wrapping it with PEFT, switching dropout off, and providing reference log-probabilities for the KL
 term: the base weights with the adapter disabled under PEFT (no second copy), otherwise a frozen
-copy. What it does not own: generation and the objective.
+copy. What it does not own: generation, the objective, a quantized base's details (`quantization`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .distributed import unwrap_model
 from .precision import cast_lm_head_to_fp32, check_precision
+from .quantization import prepare_quantized, quantized_load_kwargs
 
 
-def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
+def load_policy(model, model_init_kwargs: dict | None, quantization_config=None) -> PreTrainedModel:
     if isinstance(model, str):
-        kwargs = dict(model_init_kwargs or {})
+        kwargs = quantized_load_kwargs(model_init_kwargs, quantization_config)
         dtype = kwargs.get("dtype", "auto")
         if isinstance(dtype, str) and dtype != "auto":
             kwargs["dtype"] = getattr(torch, dtype)
@@ -30,6 +31,12 @@ def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
         raise ValueError(
             "model_init_kwargs is set but `model` is already instantiated: the kwargs would be ignored. Pass the "
             "model as a path/id string, or drop model_init_kwargs."
+        )
+    if quantization_config is not None:
+        raise ValueError(
+            "quantization_config is set but `model` is already instantiated: it would be ignored. Pass the model as a "
+            "path/id string, or pass the model already quantized (e.g. loaded with from_pretrained(..., "
+            "quantization_config=...)) without quantization_config."
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
@@ -136,10 +143,13 @@ def reference_weights(policy, reference):
         yield policy
 
 
-def load_policy_and_tokenizer(model, processing_class, peft_config, args) -> tuple[PreTrainedModel, object]:
-    """The policy to train (loaded, prepared, under a PEFT adapter with `peft_config`, its precision checked) and
-    its tokenizer."""
-    model = load_policy(model, args.model_init_kwargs)
+def load_policy_and_tokenizer(
+    model, processing_class, peft_config, args, quantization_config=None
+) -> tuple[PreTrainedModel, object]:
+    """The policy to train (loaded, quantized with `quantization_config` if given, prepared, under a PEFT adapter with
+    `peft_config`, its precision checked) and its tokenizer."""
+    model = load_policy(model, args.model_init_kwargs, quantization_config)
+    model = prepare_quantized(model, peft_config, has_adapter=is_peft_model(model))
     tokenizer = load_tokenizer(processing_class, model)
     prepare_weights(model, args)
     model = apply_peft(model, peft_config, args.activation_checkpointing)

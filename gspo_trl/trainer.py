@@ -89,6 +89,7 @@ class GSPOTrainer(Trainer):
         reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
         tools=None,
         rollout_func=None,
@@ -106,7 +107,7 @@ class GSPOTrainer(Trainer):
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
         set_seed(args.seed)
         model_source = model
-        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args)
+        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args, quantization_config)
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
