@@ -213,6 +213,23 @@ def test_cpu_decoding_kernels_leave_the_4bit_layers_alone(monkeypatch, tiny_mode
     torch.testing.assert_close(accelerated.logps, plain.logps, rtol=0, atol=1e-5)
 
 
+def test_an_8bit_weight_is_dequantized_within_half_a_step_of_its_row(tiny_model, tiny_model_dir):
+    """LLM.int8 stores each row as round(127 · w / absmax(row)) of an fp16 copy of the weight: off by at most half a
+    step, absmax(row) / 254, plus fp16's rounding of w, |w| · 2⁻¹¹."""
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, quantization_config=BitsAndBytesConfig(load_in_8bit=True)
+    )
+    assert is_quantized(model)
+    layer = model.model.layers[1].self_attn.o_proj
+    original = tiny_model.model.layers[1].self_attn.o_proj.weight.detach()
+    weight = dequantized(layer.weight)
+    assert layer.weight.dtype == torch.int8 and weight.dtype == torch.float32
+    # Half a step (with fp32 rounding of the scale product, 1e-5 relative), plus the fp16 copy's rounding.
+    step = original.abs().amax(dim=1, keepdim=True) / 127
+    assert ((weight - original).abs() <= step / 2 * (1 + 1e-5) + original.abs() * 2**-11).all()
+    assert (weight != original).any()
+
+
 # --- memory --------------------------------------------------------------------------------------------------------
 
 
@@ -276,13 +293,16 @@ def test_qlora_trains_the_adapter_in_bf16_with_the_disabled_adapter_as_reference
     """bf16 autocast over a 4-bit base with bf16 compute, beta > 0: the LoRA weights move, the base stays quantized
     and unchanged, the reference is the base with the adapter off (no second copy), and the first rollout's
     log-probs pass the trainer's own check against a plain forward (π_old, sampling and training agree)."""
-    args = small_config(tmp_path, bf16=True, beta=0.1, model_init_kwargs={"quantization_config": nf4(torch.bfloat16)})
+    # The config as a YAML or JSON file gives it: a dict.
+    quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}
+    args = small_config(tmp_path, bf16=True, beta=0.1, model_init_kwargs={"quantization_config": quantization})
     trainer = GSPOTrainer(
         tiny_model_dir, count_digits, args=args, train_dataset=text_dataset(), peft_config=LoraConfig(**LORA)
     )
     assert is_quantized(trainer.model) and trainer.ref_model is None
     layers = quantized_layers(trainer.model)
     assert len(layers) == 14  # 7 projections × 2 layers
+    assert all(layer.compute_dtype == torch.bfloat16 for layer in layers)
     codes = [layer.weight.detach().clone() for layer in layers]
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
