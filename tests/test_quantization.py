@@ -290,12 +290,19 @@ def test_the_synced_weights_merge_the_adapter_into_the_dequantized_base(tiny_mod
 
 
 def test_qlora_trains_the_adapter_in_bf16_with_the_disabled_adapter_as_reference(tmp_path, tiny_model_dir):
-    """bf16 autocast over a 4-bit base with bf16 compute, beta > 0: the LoRA weights move, the base stays quantized
-    and unchanged, the reference is the base with the adapter off (no second copy), and the first rollout's
-    log-probs pass the trainer's own check against a plain forward (π_old, sampling and training agree)."""
+    """bf16 autocast over a 4-bit base with bf16 compute, activation checkpointing, beta > 0: the LoRA weights move,
+    the base stays quantized and unchanged, the reference is the base with the adapter off (no second copy), and the
+    first rollout's log-probs pass the trainer's own check against a plain forward (π_old, sampling and training
+    agree)."""
     # The config as a YAML or JSON file gives it: a dict.
     quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}
-    args = small_config(tmp_path, bf16=True, beta=0.1, model_init_kwargs={"quantization_config": quantization})
+    args = small_config(
+        tmp_path,
+        bf16=True,
+        beta=0.1,
+        activation_checkpointing=True,  # TRL's default (gradient_checkpointing=True)
+        model_init_kwargs={"quantization_config": quantization},
+    )
     trainer = GSPOTrainer(
         tiny_model_dir, count_digits, args=args, train_dataset=text_dataset(), peft_config=LoraConfig(**LORA)
     )
@@ -307,8 +314,9 @@ def test_qlora_trains_the_adapter_in_bf16_with_the_disabled_adapter_as_reference
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(before[name], p.detach())}
-    assert moved and all("lora_" in name for name in moved)
-    assert any("lora_A" in name for name in moved) and any("lora_B" in name for name in moved)
+    # Every LoRA matrix moves, the first layer's too: gradients flow back through the checkpointed quantized layers
+    # (A moves from the second step on, once B is no longer zero).
+    assert moved == {name for name in before if "lora_" in name}
     assert all(layer.weight.dtype == torch.uint8 for layer in quantized_layers(trainer.model))
     assert all(torch.equal(code, layer.weight) for code, layer in zip(codes, quantized_layers(trainer.model)))
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
