@@ -77,19 +77,25 @@ def keep_one_cpu_path(model: torch.nn.Module) -> None:
     without grad (a rollout's) and from then on multiplies in bf16 with a kernel that has no backward: measured on the
     tiny test Llama, log-probs then differ from the training forward's by bf16 rounding (logits by 2e-3), and the
     gradient that flows back through the quantized layers to the earlier LoRA layers is silently wrong (an input
-    gradient's norm 389 instead of 1229). Switching the repacking off (and undoing one already done) keeps sampling,
-    π_old, the reference and the training forward on one path, equal bit for bit.
+    gradient's norm 389 instead of 1229). Switching the repacking off keeps sampling, π_old, the reference and the
+    training forward on one path, equal bit for bit. A model repacked already is refused: the repacking rounds the
+    block scales to bf16, and bitsandbytes' own inverse does not restore them.
     """
+    repacked = [name for name, module in model.named_modules() if _repacked(getattr(module, "weight", None))]
+    if repacked:
+        raise ValueError(
+            f"{len(repacked)} 4-bit layers of the model (e.g. {repacked[0]!r}) were repacked by bitsandbytes for its "
+            "bf16 CPU kernel, which a forward in eval mode without gradients does on a CPU with AVX512-BF16; that "
+            "kernel has no backward and the repacking rounds the weights' scales. Pass the quantized model before "
+            "running it, or pass its path with quantization_config."
+        )
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-        weight = getattr(module, "weight", None)
-        if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
-            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
-            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
-            if hasattr(module, "quant_state"):
-                module.quant_state = weight.quant_state
+
+def _repacked(weight) -> bool:
+    return bool(getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False))
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
@@ -99,10 +105,9 @@ def dequantized(weight: torch.Tensor) -> torch.Tensor:
     if quant_state is not None:  # Params4bit: packed nf4/fp4 codes and their per-block scales
         import bitsandbytes.functional as bnb_functional
 
-        data = weight.data
-        if getattr(quant_state, "packing_format_for_cpu", False):
-            data, quant_state = bnb_functional._convert_weight_packed_for_cpu_inverse(data.clone(), quant_state)
-        return bnb_functional.dequantize_4bit(data, quant_state)
+        if _repacked(weight):  # never in training (`keep_one_cpu_path`)
+            raise ValueError("dequantized: a 4-bit weight in bitsandbytes' repacked CPU layout (keep_one_cpu_path).")
+        return bnb_functional.dequantize_4bit(weight.data, quant_state)
     if getattr(weight, "SCB", None) is not None and weight.dtype == torch.int8:  # Int8Params: int8 rows, row scales
         import bitsandbytes.functional as bnb_functional
 

@@ -191,6 +191,23 @@ def test_sampling_and_training_forwards_stay_on_one_path(tiny_model_dir):
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not bnb.functional.has_avx512bf16(), reason="bitsandbytes repacks only on AVX512-BF16 CPUs")
+def test_a_model_repacked_before_the_trainer_got_it_is_refused(tmp_path, tiny_model_dir):
+    """bitsandbytes repacks at an eval-mode forward without grad and rounds the scales to bf16 (its inverse does not
+    restore them): such a model is refused, naming what to do."""
+    used = load_4bit(tiny_model_dir)
+    with torch.no_grad():
+        used.eval()(torch.tensor([[5, 17, 42]]))
+    with pytest.raises(ValueError, match="were repacked by bitsandbytes.*Pass the quantized model before running it"):
+        GSPOTrainer(
+            used,
+            count_digits,
+            args=small_config(tmp_path),
+            train_dataset=text_dataset(),
+            peft_config=LoraConfig(**LORA),
+        )
+
+
 def test_cpu_decoding_kernels_leave_the_4bit_layers_alone(monkeypatch, tiny_model_dir, tiny_tokenizer):
     from helpers import force_choices, sampler_with_rows_ending_apart
 
