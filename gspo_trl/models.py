@@ -3,7 +3,7 @@
 Owns turning the `model` argument (a path/id or a `PreTrainedModel`) into a trainable causal LM,
 wrapping it with PEFT, switching dropout off, and providing reference log-probabilities for the KL
 term: the base weights with the adapter disabled under PEFT (no second copy), otherwise a frozen
-copy. What it does not own: generation and the objective.
+copy. What it does not own: generation, the objective, a quantized base's details (`quantization`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .distributed import unwrap_model
 from .precision import cast_lm_head_to_fp32, check_precision
+from .quantization import prepare_quantized, quantized_load_kwargs
 
 
 def load_policy(
@@ -25,27 +26,22 @@ def load_policy(
     """The policy: loaded from a path or Hub id (`model_init_kwargs`, whose `trust_remote_code` wins over the config
     field's, and the trainer's `quantization_config`, as in TRL), or the model given, checked."""
     if isinstance(model, str):
-        kwargs = dict(model_init_kwargs or {})
+        kwargs = quantized_load_kwargs(model_init_kwargs, quantization_config)
         kwargs.setdefault("trust_remote_code", trust_remote_code)
-        if quantization_config is not None:
-            if "quantization_config" in kwargs:
-                raise ValueError(
-                    "quantization_config is given both to GSPOTrainer and in model_init_kwargs: keep one of them."
-                )
-            kwargs["quantization_config"] = quantization_config
         dtype = kwargs.get("dtype", "auto")
         if isinstance(dtype, str) and dtype != "auto":
             kwargs["dtype"] = getattr(torch, dtype)
         return AutoModelForCausalLM.from_pretrained(model, **kwargs)
-    if quantization_config is not None:
-        raise ValueError(
-            "quantization_config is given but `model` is already instantiated, so it could not be applied: pass the "
-            "model as a path/id string, or load it quantized yourself and drop quantization_config."
-        )
     if model_init_kwargs:
         raise ValueError(
             "model_init_kwargs is set but `model` is already instantiated: the kwargs would be ignored. Pass the "
             "model as a path/id string, or drop model_init_kwargs."
+        )
+    if quantization_config is not None:
+        raise ValueError(
+            "quantization_config is set but `model` is already instantiated: it would be ignored. Pass the model as a "
+            "path/id string, or pass the model already quantized (e.g. loaded with from_pretrained(..., "
+            "quantization_config=...)) without quantization_config."
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
@@ -157,9 +153,10 @@ def reference_weights(policy, reference):
 def load_policy_and_tokenizer(
     model, processing_class, peft_config, args, quantization_config=None
 ) -> tuple[PreTrainedModel, object]:
-    """The policy to train (loaded, quantized with `quantization_config`, prepared, under a PEFT adapter with
+    """The policy to train (loaded, quantized with `quantization_config` if given, prepared, under a PEFT adapter with
     `peft_config`, its precision checked) and its tokenizer."""
     model = load_policy(model, args.model_init_kwargs, args.trust_remote_code, quantization_config)
+    model = prepare_quantized(model, peft_config, has_adapter=is_peft_model(model))
     tokenizer = load_tokenizer(processing_class, model, args.trust_remote_code)
     prepare_weights(model, args)
     model = apply_peft(model, peft_config, args.activation_checkpointing)

@@ -13,6 +13,7 @@ two-turn episodes of a text environment with turn-level ratios and advantages, `
 rollout in the background during the first one's training (async_rollouts), `+linears` decodes with
 `cpu.linear`'s transposed products at every row count (the tiny model is too small to qualify by itself),
 `+compiled` with its compiled (`cpu.kernel`) products at every row count up to 8,
+`+qlora` loads the base in 4 bits (NF4, bitsandbytes) under the `+lora` adapter,
 `+passes` trains each micro-batch in passes of at most 2 rows (max_tokens_per_pass), `+scripted` gets its completions
 from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
@@ -226,6 +227,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         rewards,
         args=config,
         train_dataset=dataset,
+        quantization_config={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if "qlora" in options else None,
         peft_config=peft_config,
         callbacks=[KillRank1MidWindow()] if "kill" in options else None,
         env_factory=MoreDigits if "episodes" in options else None,

@@ -1,7 +1,7 @@
 """Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
 the GPU suite's CPU mode, with both libraries' workers, the static-decoding agreement check, the sharded and offload
-cells of the distributed benchmark, the decoding, async-rollouts and training-length benchmarks, and the training
-micro-batch's settings."""
+cells of the distributed benchmark, the decoding, async-rollouts and training-length benchmarks, the training
+micro-batch's settings, and the QLoRA memory benchmark."""
 
 from __future__ import annotations
 
@@ -387,3 +387,20 @@ def test_train_microbatch_benchmark_smoke_times_every_setting(tmp_path, tiny_mod
     assert set(record["times_s"]) == {"default", "recompute", "one_row", "one_row_recompute"}
     assert all(len(times) == 1 and times[0] > 0 for times in record["times_s"].values())
     assert record["layouts"]["one_row"][0][0] == 1  # attention free: the whole micro-batch in one row
+
+
+@pytest.mark.slow  # a benchmark's smoke run
+def test_qlora_memory_benchmark_smoke_run(tmp_path):
+    pytest.importorskip("bitsandbytes")  # the dev extra installs it (CI's set-up)
+    out = tmp_path / "qlora_memory.json"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "qlora_memory.py"), "--smoke", "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    rows = {row["weights"]: row for row in json.loads(out.read_text())["rows"]}
+    per_parameter = {name: row["linear_bytes"] / row["linear_parameters"] for name, row in rows.items()}
+    assert per_parameter["fp32"] == 4 and per_parameter["bf16"] == 2
+    # NF4: 0.5 for the codes + 4/64 for the block scales, plus each layer's 16-entry fp32 code table: 14 layers × 64
+    # bytes over the tiny model's 73,728 linear weights (2 layers × (64·64·2 + 64·32·2 + 3·64·128)).
+    assert per_parameter["NF4"] == pytest.approx(0.5 + 4 / 64 + 14 * 64 / 73728, rel=1e-12)
+    assert len({row["parameters"] for row in rows.values()}) == 1  # the same model, counted alike each way
+    assert rows["fp32"]["model_bytes"] > rows["bf16"]["model_bytes"] > rows["NF4"]["model_bytes"]

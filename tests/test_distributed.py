@@ -257,6 +257,7 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
         "ddp+seeded",
         "ddp+seeded+family",
         "ddp+seeded+lora+beta",
+        "ddp+seeded+lora+beta+qlora",
         "zero3+seeded",
         "ddp+seeded+episodes",
         "ddp+seeded+async",
@@ -268,7 +269,8 @@ def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode
     # 8 completions per micro-step: one process of 8, or two of 4, with layout-independent sampling. Both
     # sample the same rollouts and cut them into the same global micro-batches (each process its slice).
     # +family: a token-mean loss, an entropy quantile and an entropy bonus, all over both processes' tokens.
-    # +lora+beta: the adapter and the KL to the disabled-adapter reference; zero3: partitioned on 2 processes.
+    # +lora+beta: the adapter and the KL to the disabled-adapter reference (+qlora: over a 4-bit base); zero3:
+    # partitioned on 2 processes.
     # +scripted: TRL's rollout_func on each process's prompts (its tokens do not depend on the layout).
     one = launch(tmp_path, tiny_model_dir, mode, processes=1, name="one")
     two = launch(tmp_path, tiny_model_dir, mode, processes=2, name="two")

@@ -301,6 +301,20 @@ def test_trl_attribute_copies_read_the_config(tmp_path, tiny_model_dir):
         trainer.beta = 0.5
 
 
+def test_trainer_takes_trl_constructor_arguments_in_trls_order(migration_text):
+    """The guide says GSPOTrainer takes GRPOTrainer's arguments in the same order (a positional call carries over)."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    from gspo_trl import GSPOTrainer
+
+    trl_names = list(inspect.signature(GRPOTrainer.__init__).parameters)
+    ours = list(inspect.signature(GSPOTrainer.__init__).parameters)
+    assert ours[: len(trl_names)] == trl_names
+    assert "in the same order" in migration_text
+
+
 def test_migration_mentions_gspo_only_fields(migration_text):
     for name in _field_names(GSPOConfig) - _field_names(GRPOConfig):
         assert f"`{name}`" in migration_text, name

@@ -1,6 +1,6 @@
 """gspo_trl/models.py (and the reward models of gspo_trl/rewards.py) loading custom-code models (a directory whose
-model, tokenizer and reward head are classes defined in its own Python files, loaded only with `trust_remote_code`)
-and quantized ones (`quantization_config`, 4-bit bitsandbytes on CPU, trained through a LoRA adapter)."""
+model, tokenizer and reward head are classes defined in its own Python files, loaded only with `trust_remote_code`).
+Quantized bases are tested in test_quantization.py."""
 
 from __future__ import annotations
 
@@ -105,45 +105,3 @@ def test_model_init_kwargs_trust_remote_code_wins_over_the_field(tmp_path, custo
     args = small_config(tmp_path, trust_remote_code=True, model_init_kwargs={"trust_remote_code": False})
     with pytest.raises(ValueError, match="trust_remote_code"):  # the model refuses; TRL's precedence
         GSPOTrainer(custom_code_dir, count_digits, args=args, train_dataset=text_dataset())
-
-
-@pytest.mark.slow  # a training run
-def test_quantization_config_loads_the_policy_in_4_bits_and_trains_its_adapter(tmp_path, tiny_model_dir):
-    import torch
-    from helpers import text_dataset
-    from peft import LoraConfig
-    from transformers import BitsAndBytesConfig
-
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
-    trainer = GSPOTrainer(
-        tiny_model_dir,
-        count_digits,
-        args=small_config(tmp_path, max_steps=1),
-        train_dataset=text_dataset(),
-        quantization_config=quantization,  # TRL's 10th parameter: QLoRA
-        peft_config=LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"),
-    )
-    base = trainer.model.get_base_model()
-    assert type(base.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
-    trainer.train()  # check_logprobs="raise": the sampled log-probs agree with a plain forward of the 4-bit model
-    assert trainer.state.global_step == 1
-
-
-def test_quantization_config_is_refused_where_it_cannot_apply(tmp_path, tiny_model_dir, tiny_model):
-    from helpers import text_dataset
-    from transformers import BitsAndBytesConfig
-
-    quantization = BitsAndBytesConfig(load_in_4bit=True)
-    with pytest.raises(ValueError, match="already instantiated"):
-        GSPOTrainer(
-            tiny_model,
-            count_digits,
-            args=small_config(tmp_path),
-            train_dataset=text_dataset(),
-            quantization_config=quantization,
-        )
-    args = small_config(tmp_path, model_init_kwargs={"quantization_config": quantization})
-    with pytest.raises(ValueError, match="both to GSPOTrainer and in model_init_kwargs"):
-        GSPOTrainer(
-            tiny_model_dir, count_digits, args=args, train_dataset=text_dataset(), quantization_config=quantization
-        )

@@ -203,14 +203,14 @@ def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, serve
     torch.testing.assert_close(rollout.sampling_logps[valid], ours[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "lora merged"])
+@pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "lora merged", "qlora adapter + KL", "qlora merged"])
 @pytest.mark.slow  # the real vLLM server
 def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
     peft_config = (
-        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
-        if setup.startswith("lora")
-        else None
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
     )
+    # QLoRA: a 4-bit base, which the server (started from the unquantized checkpoint) gets dequantized.
+    quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if setup.startswith("qlora") else None
     args = vllm_config(
         tmp_path,
         server,
@@ -218,12 +218,17 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
         steps_per_generation=2,
         learning_rate=3e-2 if peft_config else 1e-2,
         beta=0.05 if "KL" in setup else 0.0,
-        vllm_lora_adapter_sync=False if setup == "lora merged" else None,
+        vllm_lora_adapter_sync=False if setup.endswith("merged") else None,
     )
     trainer = GSPOTrainer(
-        served_model_dir, count_digits, args=args, train_dataset=text_dataset(), peft_config=peft_config
+        served_model_dir,
+        count_digits,
+        args=args,
+        train_dataset=text_dataset(),
+        quantization_config=quantization,
+        peft_config=peft_config,
     )
-    assert trainer.rollout_backend.sends_adapter == (setup == "lora adapter + KL")
+    assert trainer.rollout_backend.sends_adapter == setup.endswith("adapter + KL")
     syncs = record_syncs(trainer)
     trainer.train()
     assert [step for step, _, _ in syncs] == [0, 2, 4]  # one sync per rollout, before it, with the new weights

@@ -1,9 +1,9 @@
 """The policy's weights as a vLLM server loads them: Hugging Face names, LoRA merged in, written as safetensors.
 
-Owns turning the training model (plain, PEFT/LoRA, ZeRO-3-partitioned) into (name, tensor) pairs in the base
-model's checkpoint names, without changing the training weights (LoRA deltas are added to a copy, never merged
-in and out of the live weights, which would leave rounding drift behind), gathering one module at a time under
-ZeRO-3 (never the whole model at once), and writing the snapshot directory the server reloads from.
+Owns turning the training model (plain, PEFT/LoRA, ZeRO-3-partitioned, a 4-bit/8-bit base dequantized) into (name,
+tensor) pairs in the base model's checkpoint names, without changing the training weights (LoRA deltas are added to
+a copy, never merged in and out of the live weights, which would leave rounding drift behind), gathering one module
+at a time under ZeRO-3 (never the whole model at once), and writing the snapshot directory the server reloads from.
 What it does not own: telling the server to load it (`client`), deciding when to sync (`backend`).
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from ..distributed import unwrap_model
+from ..quantization import dequantized
 
 SHARD_BYTES = 2 * 1024**3
 
@@ -41,8 +42,8 @@ def _peft_classes():
 
 
 def _lora_merged_weight(layer) -> torch.Tensor:
-    """W + Σ ΔW of the active, unmerged adapters, computed on a copy."""
-    weight = layer.get_base_layer().weight.detach().clone()
+    """W + Σ ΔW of the active, unmerged adapters, computed on a copy (W dequantized from a quantized base)."""
+    weight = dequantized(layer.get_base_layer().weight).detach().clone()
     if not getattr(layer, "merged", False) and not getattr(layer, "disable_adapters", False):
         adapters = layer.active_adapters if isinstance(layer.active_adapters, list) else [layer.active_adapters]
         for adapter in adapters:
@@ -67,7 +68,7 @@ def named_weights(
     done_prefixes: list[str] = []
 
     def out(tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.detach()
+        tensor = dequantized(tensor).detach()  # a 4-bit/8-bit base weight as the floats its layer multiplies by
         if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor): all-gathered, a collective like ZeRO-3's
             tensor = tensor.full_tensor()
         if dtype is not None and tensor.is_floating_point():
