@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .multimodal import VisionInputs
+
 # Key names of checkpoints written before the record (gspo-trl 0.2.0 and earlier): their names here; the sampler's
 # log-probs were two keys, by whether they were the trained policy's own (the decoding loop's) or another engine's.
 LEGACY_NAMES = {
@@ -53,6 +55,7 @@ class MicroBatch:
     old_logps: torch.Tensor | None = None  # (B, C) π_old; None: the weights still are the sampling ones
     ref_logps: torch.Tensor | None = None  # (B, C) the reference model's (beta > 0)
     turn_ids: torch.Tensor | None = None  # (B, C) assistant turn of each token (multi-turn episodes)
+    vision: VisionInputs | None = None  # a vision-language prompt's images, once per prompt (`multimodal`)
     num_items_in_batch: torch.Tensor | None = None  # () completion tokens of the whole rollout, every process
     # Set on one training pass of a micro-batch (`passes.take_pass`): the whole micro-batch's counts.
     micro_batch_rows: int | None = None
@@ -89,10 +92,18 @@ class MicroBatch:
             elif value.dim() == 2 and value.shape[1] == width:  # completion-aligned
                 value = value[:, :cut]
             kept[name] = value
+        if self.vision is not None:
+            kept["vision"] = self.vision.select(rows if isinstance(rows, slice) else rows.to(self.vision.groups.device))
         return replace(self, **kept)
 
     def to_state(self) -> dict[str, Any]:
         """The record as a checkpoint stores it: field name → tensor or plain value."""
+        if self.vision is not None:
+            raise ValueError(
+                "A checkpoint fell inside a rollout of a vision-language model, whose images cannot be saved with "
+                "the rollout yet: set save_steps to a multiple of the optimizer steps one rollout lasts "
+                "(steps_per_generation × num_iterations / gradient_accumulation_steps), or save_strategy='no'."
+            )
         return {field.name: getattr(self, field.name) for field in fields(self)}
 
     @classmethod

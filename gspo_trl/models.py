@@ -12,10 +12,19 @@ import contextlib
 import copy
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .distributed import unwrap_model
+from .multimodal import is_processor, is_vision_config
 from .precision import cast_lm_head_to_fp32, check_precision
 
 
@@ -25,7 +34,9 @@ def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
         dtype = kwargs.get("dtype", "auto")
         if isinstance(dtype, str) and dtype != "auto":
             kwargs["dtype"] = getattr(torch, dtype)
-        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=kwargs.get("trust_remote_code", False))
+        auto_class = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+        return auto_class.from_pretrained(model, **kwargs)
     if model_init_kwargs:
         raise ValueError(
             "model_init_kwargs is set but `model` is already instantiated: the kwargs would be ignored. Pass the "
@@ -40,18 +51,23 @@ def load_policy(model, model_init_kwargs: dict | None) -> PreTrainedModel:
     return model
 
 
-def load_tokenizer(processing_class, model: PreTrainedModel) -> PreTrainedTokenizerBase:
-    tokenizer = processing_class
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+def load_tokenizer(processing_class, model: PreTrainedModel) -> tuple[PreTrainedTokenizerBase, object]:
+    """(the tokenizer every text step uses, the multimodal processor or None): a vision-language model's processor
+    renders and encodes prompts with images; its `tokenizer` does everything else."""
+    if processing_class is None:
+        path = model.config._name_or_path
+        loader = AutoProcessor if is_vision_config(model.config) else AutoTokenizer
+        processing_class = loader.from_pretrained(path)
+    processor = processing_class if is_processor(processing_class) else None
+    tokenizer = processor.tokenizer if processor is not None else processing_class
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise TypeError(
-            f"processing_class must be a transformers tokenizer, got {type(tokenizer).__name__}. Multimodal "
-            "processors are not supported yet."
+            "processing_class must be a transformers tokenizer or a multimodal processor holding one (a "
+            f"ProcessorMixin with a `tokenizer`), got {type(processing_class).__name__}."
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return tokenizer, processor
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -136,12 +152,12 @@ def reference_weights(policy, reference):
         yield policy
 
 
-def load_policy_and_tokenizer(model, processing_class, peft_config, args) -> tuple[PreTrainedModel, object]:
-    """The policy to train (loaded, prepared, under a PEFT adapter with `peft_config`, its precision checked) and
-    its tokenizer."""
+def load_policy_and_tokenizer(model, processing_class, peft_config, args) -> tuple[PreTrainedModel, object, object]:
+    """The policy to train (loaded, prepared, under a PEFT adapter with `peft_config`, its precision checked), its
+    tokenizer, and its multimodal processor (None for a text model)."""
     model = load_policy(model, args.model_init_kwargs)
-    tokenizer = load_tokenizer(processing_class, model)
+    tokenizer, processor = load_tokenizer(processing_class, model)
     prepare_weights(model, args)
     model = apply_peft(model, peft_config, args.activation_checkpointing)
     check_precision(model, args)
-    return model, tokenizer
+    return model, tokenizer, processor

@@ -59,6 +59,7 @@ from .models import (
     reference_weights,
     router_aux_loss_coef,
 )
+from .multimodal import IMAGE_COLUMNS, check_vision_support, prompts_with_images
 from .packing import padding_free_in_use
 from .passes import micro_batch_passes, pass_budget, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
@@ -106,7 +107,9 @@ class GSPOTrainer(Trainer):
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
         set_seed(args.seed)
         model_source = model
-        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args)
+        model, tokenizer, processor = load_policy_and_tokenizer(model, processing_class, peft_config, args)
+        check_vision_support(processor, args, episodes, rollout_func)
+        self.tokenizer = tokenizer  # a vision-language model's processor is `processing_class`, its tokenizer this
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
@@ -128,7 +131,7 @@ class GSPOTrainer(Trainer):
             data_collator=list,  # rows stay python objects until generation: prompts may be chat messages
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
-            processing_class=tokenizer,
+            processing_class=processor or tokenizer,
             callbacks=callbacks,
             optimizers=optimizers,
         )
@@ -149,7 +152,7 @@ class GSPOTrainer(Trainer):
         self.padding_free = padding_free_in_use(args.padding_free, self.accelerator.device.type, base)
         self.max_tokens_per_pass = pass_budget(args, self.accelerator.device.type, self.router_aux_loss_coef != 0.0)
         self.rollout_backend = create_rollout_backend(
-            args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model)
+            args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model), processor
         )
         self.uses_tools = tool_episodes is not None
         if tool_episodes is not None:
@@ -181,7 +184,7 @@ class GSPOTrainer(Trainer):
     def _set_signature_columns_if_needed(self):
         # With remove_unused_columns=True, keep the prompt (the model's forward signature has none of ours).
         if self._signature_columns is None:
-            self._signature_columns = ["prompt"]
+            self._signature_columns = ["prompt", *IMAGE_COLUMNS]
 
     def get_train_dataloader(self):
         # One dataloader batch is a whole local generation batch (steps_per_generation micro-batches).
@@ -237,7 +240,7 @@ class GSPOTrainer(Trainer):
                 generation_batch, self.state.global_step, self._launch_rollout
             )
             rollout = self._score(generation_batch, sampled, "train")
-        micro_batches = self.schedule.cut(rollout, self.accelerator, self.processing_class.pad_token_id)
+        micro_batches = self.schedule.cut(rollout, self.accelerator, self.tokenizer.pad_token_id)
         fill_old_logps(
             micro_batches,
             self.schedule.needs_old_logps(),
@@ -326,7 +329,7 @@ class GSPOTrainer(Trainer):
         keyed = keyed or self.args.layout_independent_sampling
         keys = self._row_keys(len(batch), mode, step) if keyed else None
         if runner is None:
-            rollout = backend.generate([row["prompt"] for row in batch], keys)
+            rollout = backend.generate(prompts_with_images(batch), keys)  # a row's images in its prompt
             return SampledRollout(rollout, [row["prompt"] for row in batch])
         group = completions_per_prompt(self.args, mode)
         seeds = (self._row_keys(len(batch), mode, step, group) & 0x7FFFFFFF).tolist()
@@ -341,7 +344,7 @@ class GSPOTrainer(Trainer):
             sampled,
             self.reward_funcs,
             self.reward_weights,
-            self.processing_class,
+            self.tokenizer,
             self.state,
             args,
             accelerator,
@@ -405,6 +408,7 @@ class GSPOTrainer(Trainer):
             padding_free=self.padding_free,
             entropy_grad=self.entropy_coefficient.enabled,
             router_aux_loss=self.router_aux_loss_coef != 0.0,
+            vision=inputs.vision,
         )
         policy_token_mask, learned, entropy_normalizer = learned_tokens(
             scores.entropy.detach(),
