@@ -97,19 +97,18 @@ class MicroBatch:
         return replace(self, **kept)
 
     def to_state(self) -> dict[str, Any]:
-        """The record as a checkpoint stores it: field name → tensor or plain value."""
+        """The record as a checkpoint stores it: field name → tensor or plain value (the images as tensors named
+        `vision.*`, see `VisionInputs.to_state`)."""
+        state = {field.name: getattr(self, field.name) for field in fields(self) if field.name != "vision"}
         if self.vision is not None:
-            raise ValueError(
-                "A checkpoint fell inside a rollout of a vision-language model, whose images cannot be saved with "
-                "the rollout yet: set save_steps to a multiple of the optimizer steps one rollout lasts "
-                "(steps_per_generation × num_iterations / gradient_accumulation_steps), or save_strategy='no'."
-            )
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+            state.update(self.vision.to_state())
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> MicroBatch:
         """The record of a saved micro-batch, from this version's names or an earlier checkpoint's keys."""
         state = dict(state)
+        state["vision"] = VisionInputs.from_state(state)  # pops its keys
         for key, by_policy in _LEGACY_SAMPLING.items():
             value = state.pop(key, None)
             if value is not None:

@@ -161,3 +161,25 @@ def load_policy_and_tokenizer(model, processing_class, peft_config, args) -> tup
     model = apply_peft(model, peft_config, args.activation_checkpointing)
     check_precision(model, args)
     return model, tokenizer, processor
+
+
+def load_vision_language_checkpoint(model, checkpoint_dir: str) -> bool:
+    """Load the weights of a full (not PEFT) vision-language policy from a checkpoint to resume from; False for any
+    other model, which `Trainer` loads itself.
+
+    transformers saves these models under their checkpoint's original key names (`model.layers.*`, `visual.*` for
+    Qwen2.5-VL) and renames them back only in `from_pretrained`, while `Trainer` loads the file with
+    `load_state_dict`: every weight would be reported missing and stay as it was. The checkpoint is loaded with
+    `from_pretrained` instead and copied parameter by parameter."""
+    model = unwrap_model(model)
+    if is_peft_model(model) or not is_vision_config(model.config):
+        return False
+    saved = type(model).from_pretrained(checkpoint_dir, dtype=model.dtype).state_dict()
+    state = model.state_dict()
+    missing = sorted(set(state) - set(saved))
+    if missing:
+        raise ValueError(f"{checkpoint_dir} lacks weights of the policy, e.g. {missing[:3]}: cannot resume from it.")
+    with torch.no_grad():
+        for name, value in state.items():
+            value.copy_(saved[name])
+    return True

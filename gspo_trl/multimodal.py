@@ -20,6 +20,7 @@ from trl.data_utils import prepare_multimodal_messages
 # Processor outputs aligned with the prompt's tokens (B, P): padded like the ids, zero on completion tokens.
 TOKEN_ALIGNED_FIELDS = ("mm_token_type_ids", "token_type_ids")
 IMAGE_COLUMNS = ("image", "images")
+STATE_PREFIX = "vision."  # the checkpoint keys of a micro-batch's `VisionInputs`
 
 
 def is_processor(processing_class) -> bool:
@@ -110,6 +111,27 @@ class VisionInputs:
             else:
                 inputs[name] = _concatenated(parts)
         return inputs
+
+    def to_state(self) -> dict[str, torch.Tensor]:
+        """Flat tensors for a checkpoint: `vision.groups`, and `vision.<prompt>.<field>` for each prompt's fields."""
+        state = {f"{STATE_PREFIX}groups": self.groups}
+        for index, prompt_fields in enumerate(self.prompts):
+            state.update({f"{STATE_PREFIX}{index}.{name}": value for name, value in prompt_fields.items()})
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict) -> VisionInputs | None:
+        """The inputs saved by `to_state`, their keys popped from `state`; None where it holds none."""
+        keys = [key for key in state if key.startswith(STATE_PREFIX)]
+        if not keys:
+            return None
+        saved = {key[len(STATE_PREFIX) :]: state.pop(key) for key in keys}
+        groups = saved.pop("groups")
+        prompts = [{} for _ in range(int(groups.max()) + 1)]
+        for key, value in saved.items():
+            index, name = key.split(".", 1)
+            prompts[int(index)][name] = value
+        return cls(prompts, groups)
 
     def stored_bytes(self) -> int:
         """Bytes held by the fields (each prompt once)."""

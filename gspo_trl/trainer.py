@@ -56,6 +56,7 @@ from .models import (
     create_reference_model,
     is_peft_model,
     load_policy_and_tokenizer,
+    load_vision_language_checkpoint,
     reference_weights,
     router_aux_loss_coef,
 )
@@ -280,6 +281,10 @@ class GSPOTrainer(Trainer):
             processes = self.accelerator.num_processes
             resume_from_checkpoint = checkpoint_to_resume(self.args.output_dir, processes, logger.warning)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not load_vision_language_checkpoint(model or self.model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _inner_training_loop(self, *args, **kwargs):
         enable_kept_attention(self.model, self.args)  # Trainer.train has just enabled checkpointing without it

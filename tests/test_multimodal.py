@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import count_digits, small_config
+from helpers import close, count_digits, small_config
 from vlm_models import BUILDERS, build_tiny_llava, build_tiny_qwen2_5_vl, image_dataset, noise_image
 
 from gspo_trl import GSPOTrainer
@@ -288,13 +288,34 @@ def test_not_a_processor_is_refused(tmp_path):
         GSPOTrainer(model, count_digits, args=_config(tmp_path), train_dataset=image_dataset(4), processing_class=1)
 
 
-def test_checkpoint_inside_a_rollout_is_refused(tmp_path):
-    model, processor = build_tiny_qwen2_5_vl()
-    # steps_per_generation=2 with no accumulation: a rollout lasts two optimizer steps, and step 1 saves inside it.
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resume_inside_a_rollout_continues_it_with_its_images(family, tmp_path):
+    # steps_per_generation=2 without accumulation: a rollout lasts two optimizer steps, and step 1 saves inside it.
     args = _config(tmp_path, save_strategy="steps", save_steps=1)
+    model, processor = BUILDERS[family]()
     trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=image_dataset(4), processing_class=processor)
-    with pytest.raises(ValueError, match="save_steps"):
-        trainer.train()
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    assert (checkpoint / "processor_config.json").exists()
+
+    model, processor = BUILDERS[family]()
+    resumed = GSPOTrainer(model, count_digits, args=args, train_dataset=image_dataset(4), processing_class=processor)
+    sampled = []
+    generate = resumed.rollout_backend.generate
+    resumed.rollout_backend.generate = lambda prompts, *rest: sampled.append(prompts) or generate(prompts, *rest)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert sampled == []  # step 2 trains on the saved rollout, images included, not on a new one
+    first, again = trainer.state.log_history[1], resumed.state.log_history[1]
+    assert first["step"] == again["step"] == 2
+    # The same micro-batch on the same restored weights: equal up to float32 rounding of a tiny model's forward
+    # (1e-5 relative is ~100× that rounding); a rollout restored without its images would score other log-probs.
+    for name in ("ratio/mean", "entropy", "loss"):
+        assert again[name] == close(first[name], 1e-5), name
+    # The weights were restored (transformers saves these models under other key names than it loads with
+    # `load_state_dict`), so both runs end on the same weights.
+    final = dict(trainer.model.named_parameters())
+    for name, value in resumed.model.named_parameters():
+        torch.testing.assert_close(value, final[name], atol=1e-6, rtol=1e-5)
 
 
 def test_checkpoint_between_rollouts_saves_the_processor(tmp_path):
