@@ -44,12 +44,14 @@ def row_images(row: dict) -> list | None:
     return None
 
 
-def prompts_with_images(batch: list[dict]) -> list:
+def prompts_with_images(batch: list[dict], processing_class) -> list:
     """Each row's prompt, with its images put into the prompt's image content parts (`{"type": "image"}`, or before
-    the first user message's text when it has none); rows without images keep their prompt as it is."""
+    the first user message's text when it has none); rows without images, and every row when `processing_class` is
+    not a multimodal processor (a text model, whose image columns are only reward inputs), keep their prompt."""
     prompts = []
+    vision = is_processor(processing_class)
     for row in batch:
-        images = row_images(row)
+        images = row_images(row) if vision else None
         if images is None:
             prompts.append(row["prompt"])
             continue

@@ -334,7 +334,7 @@ class GSPOTrainer(Trainer):
         keyed = keyed or self.args.layout_independent_sampling
         keys = self._row_keys(len(batch), mode, step) if keyed else None
         if runner is None:
-            rollout = backend.generate(prompts_with_images(batch), keys)  # a row's images in its prompt
+            rollout = backend.generate(prompts_with_images(batch, self.processing_class), keys)  # images inlined
             return SampledRollout(rollout, [row["prompt"] for row in batch])
         group = completions_per_prompt(self.args, mode)
         seeds = (self._row_keys(len(batch), mode, step, group) & 0x7FFFFFFF).tolist()

@@ -3,6 +3,8 @@ trainer on tiny random Qwen2.5-VL and LLaVA models built offline (`vlm_models`).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import close, count_digits, small_config
@@ -44,14 +46,17 @@ def test_row_images_and_prompts_with_images():
     # Arrow stores {"type": "image"} as {"type": "image", "text": None}: the placeholder is still filled.
     arrow_prompt = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "hi"}]}]
     text_row = {"prompt": "plain"}
-    prompts = prompts_with_images([{"prompt": arrow_prompt, "image": image_a}, text_row])
+    _, processor = build_tiny_llava()
+    prompts = prompts_with_images([{"prompt": arrow_prompt, "image": image_a}, text_row], processor)
     assert message_images(prompts[0]) == [image_a]
     assert prompts[1] == "plain"
     # A string-content prompt gets its images before the first user message's text (TRL's convention).
-    prompts = prompts_with_images([{"prompt": [{"role": "user", "content": "hi"}], "images": [image_a, image_b]}])
-    assert message_images(prompts[0]) == [image_a, image_b]
+    string_row = {"prompt": [{"role": "user", "content": "hi"}], "images": [image_a, image_b]}
+    assert message_images(prompts_with_images([string_row], processor)[0]) == [image_a, image_b]
+    # A text model's image column is a reward input only: its prompts stay as they are.
+    assert prompts_with_images([string_row], processor.tokenizer)[0] is string_row["prompt"]
     with pytest.raises(ValueError, match="conversational prompt"):
-        prompts_with_images([{"prompt": "plain text", "image": image_a}])
+        prompts_with_images([{"prompt": "plain text", "image": image_a}], processor)
 
 
 def test_vision_inputs_rows_select_and_pad():
@@ -200,17 +205,20 @@ def test_trains_two_steps_with_an_image_column(family, tmp_path):
     assert any("lm_head" in name or "language_model" in name for name in moved)
 
 
-def test_trains_with_two_images_per_prompt(tmp_path):
+def test_trains_and_evaluates_with_two_images_per_prompt(tmp_path):
     model, processor = build_tiny_qwen2_5_vl()
     trainer = GSPOTrainer(
         model,
         count_digits,
-        args=_config(tmp_path, max_steps=1),
+        args=_config(tmp_path, max_steps=1, per_device_eval_batch_size=4),
         train_dataset=image_dataset(4, column="images"),
+        eval_dataset=image_dataset(2, column="images"),
         processing_class=processor,
     )
     trainer.train()
     assert trainer.state.global_step == 1
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_reward"]) and math.isfinite(metrics["eval_loss"])
 
 
 def test_lora_bf16_and_reference(tmp_path):
