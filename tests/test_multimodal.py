@@ -205,6 +205,7 @@ def test_trains_two_steps_with_an_image_column(family, tmp_path):
     assert any("lm_head" in name or "language_model" in name for name in moved)
 
 
+@pytest.mark.slow  # a full training run of several seconds
 def test_trains_and_evaluates_with_two_images_per_prompt(tmp_path):
     model, processor = build_tiny_qwen2_5_vl()
     trainer = GSPOTrainer(
@@ -221,6 +222,7 @@ def test_trains_and_evaluates_with_two_images_per_prompt(tmp_path):
     assert math.isfinite(metrics["eval_reward"]) and math.isfinite(metrics["eval_loss"])
 
 
+@pytest.mark.slow  # a full training run of several seconds
 def test_lora_bf16_and_reference(tmp_path):
     from peft import LoraConfig
 
@@ -249,6 +251,7 @@ def test_lora_bf16_and_reference(tmp_path):
     assert vision_after and all(torch.equal(vision_after[n], p) for n, p in vision_before.items())
 
 
+@pytest.mark.slow  # a full training run of several seconds
 def test_model_loaded_from_a_path(tmp_path):
     model, processor = build_tiny_llava()
     model.save_pretrained(tmp_path / "model")
@@ -296,6 +299,7 @@ def test_not_a_processor_is_refused(tmp_path):
         GSPOTrainer(model, count_digits, args=_config(tmp_path), train_dataset=image_dataset(4), processing_class=1)
 
 
+@pytest.mark.slow  # two training runs
 @pytest.mark.parametrize("family", FAMILIES)
 def test_resume_inside_a_rollout_continues_it_with_its_images(family, tmp_path):
     # steps_per_generation=2 without accumulation: a rollout lasts two optimizer steps, and step 1 saves inside it.
