@@ -1,10 +1,12 @@
 """Tiny random vision-language models and their processors, built offline from the tokenizer of `conftest`.
 
-Two families: Qwen2.5-VL (patches flattened over the batch, `image_grid_thw` splits them; M-RoPE positions from
-`mm_token_type_ids`) and LLaVA (one (C, H, W) tensor per image, a CLIP tower). No torchvision here: the processors
+Three families: Qwen2.5-VL (patches flattened over the batch, `image_grid_thw` splits them; M-RoPE positions from
+`mm_token_type_ids`), LLaVA (one (C, H, W) tensor per image, a CLIP tower) and Gemma 3 (a SigLIP tower; bidirectional
+attention over an image's tokens from `token_type_ids`, sliding-window layers). No torchvision here: the processors
 use the `*ImageProcessorPil` classes, and Qwen2.5-VL's processor is built without its video processor (which needs
 torchvision). Image token counts match the configs: a 56×56 image is a 4×4 grid of 14-pixel patches, merged 2×2 into
-4 Qwen tokens; LLaVA resizes to 28×28, 2×2 patches of 14, 4 tokens (the CLS token is dropped).
+4 Qwen tokens; LLaVA and Gemma 3 resize to 28×28, 2×2 patches of 14, 4 tokens (LLaVA drops its CLS token; Gemma 3's
+`image_seq_length` = `mm_tokens_per_image` = 4).
 """
 
 from __future__ import annotations
@@ -140,7 +142,47 @@ def build_tiny_llava(seed: int = 0):
     return _finish(AutoModelForImageTextToText.from_config(config), tokenizer), processor
 
 
-BUILDERS = {"qwen2_5_vl": build_tiny_qwen2_5_vl, "llava": build_tiny_llava}
+def build_tiny_gemma3(seed: int = 0):
+    """(model, processor): a random Gemma 3 with a one-layer SigLIP tower (no pooling head, as released)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = build_tiny_tokenizer()
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer.add_special_tokens({"additional_special_tokens": list(named.values())})
+    tokenizer._set_model_specific_special_tokens(special_tokens=named)  # what the processor reads
+    template = IMAGE_TEMPLATE.replace("{{ IMAGE }}", "<start_of_image>")
+    tokenizer.chat_template = template
+    image_processor = Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=False)
+    processor = Gemma3Processor(image_processor, tokenizer, chat_template=template, image_seq_length=4)
+    ids = tokenizer.convert_tokens_to_ids
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=dict(model_type="gemma3_text", **_text_config(tokenizer, head_dim=16, sliding_window=64)),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            vision_use_head=False,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"),
+        image_token_index=ids("<image_soft_token>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    # transformers initialises the image projection to zeros: every image would give the same (zero) features.
+    model.model.multi_modal_projector.mm_input_projection_weight.data.normal_(std=0.5)
+    return _finish(model, tokenizer), processor
+
+
+BUILDERS = {"qwen2_5_vl": build_tiny_qwen2_5_vl, "llava": build_tiny_llava, "gemma3": build_tiny_gemma3}
 
 
 def solid_image(color: tuple[int, int, int], size: int = 56) -> Image.Image:

@@ -297,10 +297,11 @@ class HFGenerateBackend(RolloutBackend):
 
 
 def image_token_id(processor, model) -> int:
-    """The token id a vision-language model's image features take the place of."""
-    token_id = getattr(processor, "image_token_id", None)
+    """The token id a vision-language model's image features take the place of: the model config's (Gemma 3's
+    processor names its begin-of-image token instead), else the processor's."""
+    token_id = getattr(model.config, "image_token_id", None)
     if token_id is None:
-        token_id = getattr(model.config, "image_token_id", None) or getattr(model.config, "image_token_index", None)
+        token_id = getattr(model.config, "image_token_index", None) or getattr(processor, "image_token_id", None)
     if token_id is None:
         raise ValueError(
             f"{type(processor).__name__} and the model's config name no image token id (image_token_id): the "
