@@ -180,6 +180,16 @@ def test_training_forward_matches_sampling_logits(family, tmp_path):
     assert (without_images[mask] - sampled[mask]).abs().max() > 1e-2
 
 
+def test_sampler_uses_generate_and_never_samples_the_image_token(tmp_path):
+    model, processor = BUILDERS["gemma3"]()
+    args, dataset = _config(tmp_path), image_dataset(4)
+    trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=dataset, processing_class=processor)
+    backend = trainer.rollout_backend
+    assert not backend.use_decode_loop  # the decoding loops prefill text only
+    # The model config's image token (Gemma 3's processor names its begin-of-image token image_token_id instead).
+    assert backend.generation_config.suppress_tokens == [model.config.image_token_id] != [processor.image_token_id]
+
+
 # --- training -----------------------------------------------------------------------------------------------------
 
 
