@@ -183,7 +183,13 @@ def encode_prompts(
                 continue
             kept[name] = F.pad(value, (length - value.shape[1], 0)) if name in TOKEN_ALIGNED_FIELDS else value
         per_prompt.append(kept)
-    has_images = any(message_images(prompt) for prompt in distinct)
+    with_images = [bool(message_images(prompt)) for prompt in distinct]
+    if any(with_images) and not all(with_images):
+        raise ValueError(
+            "A batch mixes prompts with images and prompts without: give every row of the dataset an image (its "
+            "'image' or 'images' column), or none."
+        )
+    has_images = all(with_images)
     return ids[index], mask[index], VisionInputs(per_prompt, index) if has_images else None
 
 

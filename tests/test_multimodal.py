@@ -103,6 +103,8 @@ def test_encode_prompts_stores_each_prompt_once():
     assert (ids[mask == 0] == processor.tokenizer.pad_token_id).all()
     with pytest.raises(ValueError, match="max_prompt_length"):
         encode_prompts(processor, prompts, max_prompt_length=8)
+    with pytest.raises(ValueError, match="mixes prompts with images"):
+        encode_prompts(processor, [prompts[0], [{"role": "user", "content": "no image"}]], max_prompt_length=None)
 
 
 def test_is_processor():

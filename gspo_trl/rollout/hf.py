@@ -104,7 +104,7 @@ class HFGenerateBackend(RolloutBackend):
         )
         max_new_tokens = self.generation_config.max_new_tokens
         rollout = self._sample(prompt_ids, prompt_mask, stream_keys, max_new_tokens, vision=vision)
-        rollout.vision = vision
+        rollout.vision = None if vision is None else vision.to(rollout.prompt_ids.device)  # where training reads it
         return rollout
 
     def generate_from_ids(
