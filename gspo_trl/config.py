@@ -52,7 +52,7 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         default=False,
         metadata={
             "help": "False passes every dataset column to the reward functions as keyword arguments; True keeps only "
-            "the 'prompt' column."
+            "the 'prompt' column (and 'image'/'images', which a vision-language model reads)."
         },
     )
 

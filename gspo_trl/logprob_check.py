@@ -309,6 +309,9 @@ class FirstRolloutCheck:
         if not self.pending:
             return padding_free
         self.pending = False
+        if scored.vision is not None:  # its plain forward takes no images; a VLM samples with generate, on padded rows
+            logger.info("check_logprobs: vision-language rollouts are not checked.")
+            return padding_free
         # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are those of
         # weights trained past since, not the model's: only the scoring path is checked.
         loop = sampled.rollout.decoding_loop if sampled.old_logps is None else None

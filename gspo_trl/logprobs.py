@@ -9,7 +9,8 @@ checkpointed, so their logits exist only while that chunk is being processed (fo
 backward). What it does not own: which tokens count (the caller's mask) and anything about the
 objective. With `padding_free`, the forward runs on the packed layout built by `packing` instead of
 padded rows (two forwards when `packing.plan_forwards` cuts the micro-batch); padded rows take the position ids
-of `positions`, as the decoding loop samples with them.
+of `positions`, as the decoding loop samples with them. A vision-language prompt's images (`multimodal.VisionInputs`)
+go to the forward of padded rows, where the model computes its own positions (M-RoPE).
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def completion_logprobs(
     max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
     entropy_grad: bool = False,
     router_aux_loss: bool = False,
+    vision=None,
 ) -> CompletionScores:
     """Log-probabilities and entropies of the completion tokens, each (B, C), zero where masked.
 
@@ -149,6 +151,7 @@ def completion_logprobs(
 
     `entropy_grad` keeps the entropies in the graph (for an entropy bonus); `router_aux_loss` asks a
     Mixture-of-Experts model for its load-balancing loss (padded rows only: the loss reads a 2-D mask).
+    `vision` (a `multimodal.VisionInputs` of these rows) gives each row its prompt's images, on padded rows.
     """
     valid = completion_mask.bool()
     labels_valid = completion_ids[valid]  # (N,)
@@ -156,6 +159,7 @@ def completion_logprobs(
     prompt_length = input_ids.shape[1] - completion_ids.shape[1]
     if (
         padding_free
+        and vision is None
         and not router_aux_loss
         and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask)
     ):
@@ -200,6 +204,8 @@ def completion_logprobs(
         # The positions the decoding loop sampled with: a left-padded row counts from its first token, not its first
         # pad (models with learned absolute positions, GPT-2, would otherwise score it at shifted positions).
         positions = {"position_ids": positions_from_mask(attention_mask)} if takes_position_ids(model) else {}
+        if vision is not None:  # the model's own positions (M-RoPE counts image patches by their grid)
+            positions = vision.rows_inputs(input_ids.shape[1])
         hidden, aux_loss = _final_hidden_states(
             model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss, **positions
         )
@@ -345,6 +351,7 @@ def logprobs_without_grad(model, batch, rows_per_forward: int, context, **option
                 batch.attention_mask[rows],
                 batch.completion_ids[rows],
                 batch.completion_mask[rows],
+                vision=None if getattr(batch, "vision", None) is None else batch.vision.select(rows),
                 **options,
             )
         chunks.append(scores.logps)

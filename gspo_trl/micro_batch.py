@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .multimodal import VisionInputs
+
 # Key names of checkpoints written before the record (gspo-trl 0.2.0 and earlier): their names here; the sampler's
 # log-probs were two keys, by whether they were the trained policy's own (the decoding loop's) or another engine's.
 LEGACY_NAMES = {
@@ -54,6 +56,7 @@ class MicroBatch:
     old_logps: torch.Tensor | None = None  # (B, C) π_old; None: the weights still are the sampling ones
     ref_logps: torch.Tensor | None = None  # (B, C) the reference model's (beta > 0)
     turn_ids: torch.Tensor | None = None  # (B, C) assistant turn of each token (multi-turn episodes)
+    vision: VisionInputs | None = None  # a vision-language prompt's images, once per prompt (`multimodal`)
     num_items_in_batch: torch.Tensor | None = None  # () completion tokens of the whole rollout, every process
     # Set on one training pass of a micro-batch (`passes.take_pass`): the whole micro-batch's counts.
     micro_batch_rows: int | None = None
@@ -90,6 +93,8 @@ class MicroBatch:
             elif value.dim() == 2 and value.shape[1] == width:  # completion-aligned
                 value = value[:, :cut]
             kept[name] = value
+        if self.vision is not None:
+            kept["vision"] = self.vision.select(rows if isinstance(rows, slice) else rows.to(self.vision.groups.device))
         return replace(self, **kept)
 
     def padded_to_multiple(self, multiple: int | None, pad_token_id: int) -> MicroBatch:
@@ -117,13 +122,18 @@ class MicroBatch:
         return replace(self, **padded)
 
     def to_state(self) -> dict[str, Any]:
-        """The record as a checkpoint stores it: field name → tensor or plain value."""
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+        """The record as a checkpoint stores it: field name → tensor or plain value (the images as tensors named
+        `vision.*`, see `VisionInputs.to_state`)."""
+        state = {field.name: getattr(self, field.name) for field in fields(self) if field.name != "vision"}
+        if self.vision is not None:
+            state.update(self.vision.to_state())
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> MicroBatch:
         """The record of a saved micro-batch, from this version's names or an earlier checkpoint's keys."""
         state = dict(state)
+        state["vision"] = VisionInputs.from_state(state)  # pops its keys
         for key, by_policy in _LEGACY_SAMPLING.items():
             value = state.pop(key, None)
             if value is not None:

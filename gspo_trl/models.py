@@ -12,10 +12,19 @@ import contextlib
 import copy
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .distributed import unwrap_model
+from .multimodal import is_processor, is_vision_config
 from .precision import cast_lm_head_to_fp32, check_precision
 from .quantization import prepare_quantized, quantized_load_kwargs
 
@@ -31,7 +40,9 @@ def load_policy(
         dtype = kwargs.get("dtype", "auto")
         if isinstance(dtype, str) and dtype != "auto":
             kwargs["dtype"] = getattr(torch, dtype)
-        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=kwargs.get("trust_remote_code", False))
+        auto_class = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+        return auto_class.from_pretrained(model, **kwargs)
     if model_init_kwargs:
         raise ValueError(
             "model_init_kwargs is set but `model` is already instantiated: the kwargs would be ignored. Pass the "
@@ -54,18 +65,23 @@ def load_policy(
 
 def load_tokenizer(
     processing_class, model: PreTrainedModel, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
-    tokenizer = processing_class
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path, trust_remote_code=trust_remote_code)
+) -> tuple[PreTrainedTokenizerBase, object]:
+    """(the tokenizer every text step uses, the multimodal processor or None): a vision-language model's processor
+    renders and encodes prompts with images; its `tokenizer` does everything else."""
+    if processing_class is None:
+        path = model.config._name_or_path
+        loader = AutoProcessor if is_vision_config(model.config) else AutoTokenizer
+        processing_class = loader.from_pretrained(path, trust_remote_code=trust_remote_code)
+    processor = processing_class if is_processor(processing_class) else None
+    tokenizer = processor.tokenizer if processor is not None else processing_class
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise TypeError(
-            f"processing_class must be a transformers tokenizer, got {type(tokenizer).__name__}. Multimodal "
-            "processors are not supported yet."
+            "processing_class must be a transformers tokenizer or a multimodal processor holding one (a "
+            f"ProcessorMixin with a `tokenizer`), got {type(processing_class).__name__}."
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return tokenizer, processor
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -152,13 +168,35 @@ def reference_weights(policy, reference):
 
 def load_policy_and_tokenizer(
     model, processing_class, peft_config, args, quantization_config=None
-) -> tuple[PreTrainedModel, object]:
+) -> tuple[PreTrainedModel, object, object]:
     """The policy to train (loaded, quantized with `quantization_config` if given, prepared, under a PEFT adapter with
-    `peft_config`, its precision checked) and its tokenizer."""
+    `peft_config`, its precision checked), its tokenizer, and its multimodal processor (None for a text model)."""
     model = load_policy(model, args.model_init_kwargs, args.trust_remote_code, quantization_config)
     model = prepare_quantized(model, peft_config, has_adapter=is_peft_model(model))
-    tokenizer = load_tokenizer(processing_class, model, args.trust_remote_code)
+    tokenizer, processor = load_tokenizer(processing_class, model, args.trust_remote_code)
     prepare_weights(model, args)
     model = apply_peft(model, peft_config, args.activation_checkpointing)
     check_precision(model, args)
-    return model, tokenizer
+    return model, tokenizer, processor
+
+
+def load_vision_language_checkpoint(model, checkpoint_dir: str) -> bool:
+    """Load the weights of a full (not PEFT) vision-language policy from a checkpoint to resume from; False for any
+    other model, which `Trainer` loads itself.
+
+    transformers saves these models under their checkpoint's original key names (`model.layers.*`, `visual.*` for
+    Qwen2.5-VL) and renames them back only in `from_pretrained`, while `Trainer` loads the file with
+    `load_state_dict`: every weight would be reported missing and stay as it was. The checkpoint is loaded with
+    `from_pretrained` instead and copied parameter by parameter."""
+    model = unwrap_model(model)
+    if is_peft_model(model) or not is_vision_config(model.config):
+        return False
+    saved = type(model).from_pretrained(checkpoint_dir, dtype=model.dtype).state_dict()
+    state = model.state_dict()
+    missing = sorted(set(state) - set(saved))
+    if missing:
+        raise ValueError(f"{checkpoint_dir} lacks weights of the policy, e.g. {missing[:3]}: cannot resume from it.")
+    with torch.no_grad():
+        for name, value in state.items():
+            value.copy_(saved[name])
+    return True

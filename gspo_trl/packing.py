@@ -382,6 +382,8 @@ def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model"
+    if getattr(config, "vision_config", None) is not None:
+        return "it is a vision-language model, whose image inputs are per padded row"
     implementation = getattr(config, "_attn_implementation", None)
     if not takes_dense_masks(implementation):
         return f"its attention implementation is {implementation!r} (padding-free {DENSE_MASKS_NEEDED})"

@@ -55,9 +55,11 @@ from .models import (
     create_reference_model,
     is_peft_model,
     load_policy_and_tokenizer,
+    load_vision_language_checkpoint,
     reference_weights,
     router_aux_loss_coef,
 )
+from .multimodal import IMAGE_COLUMNS, check_vision_support, prompts_with_images
 from .packing import padding_free_in_use
 from .passes import micro_batch_passes, pass_budget, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
@@ -109,7 +111,11 @@ class GSPOTrainer(TRLAttributes, Trainer):
         # Seed before anything random is built (LoRA weights), as Trainer only seeds in its own __init__.
         set_seed(args.seed)
         model_source = model
-        model, tokenizer = load_policy_and_tokenizer(model, processing_class, peft_config, args, quantization_config)
+        model, tokenizer, processor = load_policy_and_tokenizer(
+            model, processing_class, peft_config, args, quantization_config
+        )
+        check_vision_support(processor, args, episodes, rollout_func)
+        self.tokenizer = tokenizer  # a vision-language model's processor is `processing_class`, its tokenizer this
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
@@ -131,7 +137,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             data_collator=collate_rows(needs_prompt=not episodes),  # lists of rows, each with a prompt
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
-            processing_class=tokenizer,
+            processing_class=processor or tokenizer,
             callbacks=callbacks,
             optimizers=optimizers,
         )
@@ -153,7 +159,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         self.padding_free = padding_free_in_use(args.padding_free, self.accelerator.device.type, base)
         self.max_tokens_per_pass = pass_budget(args, self.accelerator.device.type, self.router_aux_loss_coef != 0.0)
         self.rollout_backend = create_rollout_backend(
-            args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model)
+            args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model), processor
         )
         self.uses_tools = tool_episodes is not None
         if tool_episodes is not None:
@@ -187,7 +193,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
     def _set_signature_columns_if_needed(self):
         # With remove_unused_columns=True, keep the prompt (the model's forward signature has none of ours).
         if self._signature_columns is None:
-            self._signature_columns = ["prompt"]
+            self._signature_columns = ["prompt", *IMAGE_COLUMNS]
 
     def get_train_dataloader(self):
         # One dataloader batch is a whole local generation batch (steps_per_generation micro-batches).
@@ -246,7 +252,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
                 generation_batch, self.state.global_step, self._launch_rollout
             )
             rollout = self._score(generation_batch, sampled, "train")
-        micro_batches = self.schedule.cut(rollout, self.accelerator, self.processing_class.pad_token_id)
+        micro_batches = self.schedule.cut(rollout, self.accelerator, self.tokenizer.pad_token_id)
         fill_old_logps(
             micro_batches,
             self.schedule.needs_old_logps(),
@@ -286,6 +292,10 @@ class GSPOTrainer(TRLAttributes, Trainer):
             processes = self.accelerator.num_processes
             resume_from_checkpoint = checkpoint_to_resume(self.args.output_dir, processes, logger.warning)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not load_vision_language_checkpoint(model or self.model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _inner_training_loop(self, *args, **kwargs):
         enable_kept_attention(self.model, self.args)  # Trainer.train has just enabled checkpointing without it
@@ -337,7 +347,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         keyed = keyed or self.args.layout_independent_sampling
         keys = self._row_keys(len(batch), mode, step) if keyed else None
         if runner is None:
-            rollout = backend.generate([row["prompt"] for row in batch], keys)
+            rollout = backend.generate(prompts_with_images(batch, self.processing_class), keys)  # images inlined
             return SampledRollout(rollout, [row["prompt"] for row in batch])
         group = completions_per_prompt(self.args, mode)
         seeds = (self._row_keys(len(batch), mode, step, group) & 0x7FFFFFFF).tolist()
@@ -352,7 +362,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             sampled,
             self.reward_funcs,
             self.reward_weights,
-            self.processing_class,
+            self.tokenizer,
             self.state,
             args,
             accelerator,
@@ -416,6 +426,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             padding_free=self.padding_free,
             entropy_grad=self.entropy_coefficient.enabled,
             router_aux_loss=self.router_aux_loss_coef != 0.0,
+            vision=inputs.vision,
         )
         policy_token_mask, learned, entropy_normalizer = learned_tokens(
             scores.entropy.detach(),

@@ -47,10 +47,13 @@ __all__ = [
 ]
 
 
-def create_rollout_backend(args, tokenizer: PreTrainedTokenizerBase, accelerator, model_getter) -> RolloutBackend:
-    """The backend `args` asks for: a vLLM server (`use_vllm`), or the trained model itself."""
+def create_rollout_backend(
+    args, tokenizer: PreTrainedTokenizerBase, accelerator, model_getter, processor=None
+) -> RolloutBackend:
+    """The backend `args` asks for: a vLLM server (`use_vllm`), or the trained model itself (`processor`: a
+    vision-language model's multimodal processor, which encodes its prompts)."""
     if args.use_vllm:
         from .vllm_server import VLLMServerBackend  # the server's client is imported only where one is used
 
         return VLLMServerBackend(tokenizer, args, accelerator, model_getter())
-    return HFGenerateBackend(model_getter, tokenizer, args)
+    return HFGenerateBackend(model_getter, tokenizer, args, processor)

@@ -19,6 +19,7 @@ from transformers.utils import logging
 from ..decoding import cpu, dynamic, memory, static
 from ..decoding.kv_cache import cache_kwargs
 from ..decoding.prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
+from ..multimodal import VisionInputs, encode_prompts
 from ..packing import padding_free_unsupported_reason
 from .streams import KeyedGumbelSampler, keyed_uniform
 from .types import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, left_pad, tokenize_prompts
@@ -30,11 +31,12 @@ class HFGenerateBackend(RolloutBackend):
     """Sampling on the training model itself (KV cache on, eval mode), with gspo-trl's decoding loop
     (`dynamic.sample`) or, for `decode_loop="generate"` and settings the loop does not implement, `model.generate`."""
 
-    def __init__(self, model_getter, tokenizer: PreTrainedTokenizerBase, args):
+    def __init__(self, model_getter, tokenizer: PreTrainedTokenizerBase, args, processor=None):
         # `model_getter` returns the current, unwrapped policy: weights change between rollouts and
         # wrappers (DDP, DeepSpeed) can be replaced after construction.
         self.model_getter = model_getter
         self.tokenizer = tokenizer
+        self.processor = processor  # a vision-language model's: it encodes prompts with their images
         self.max_prompt_length = args.max_prompt_length
         self.chat_template_kwargs = args.chat_template_kwargs
         model = model_getter()
@@ -52,13 +54,16 @@ class HFGenerateBackend(RolloutBackend):
             "eos_token_id": model.generation_config.eos_token_id or tokenizer.eos_token_id,
             "use_cache": True,
         }
+        if processor is not None:  # an image token sampled in a completion would have no image features
+            sampling["suppress_tokens"] = [image_token_id(processor, model)]
         sampling.update(args.generation_kwargs or {})
         self.generation_config = GenerationConfig(**sampling)
         self.eos_token_ids = eos_token_ids_of(self.generation_config, tokenizer)
-        # gspo-trl's loop unless the user asked for generate or for something only generate implements.
+        # gspo-trl's loop unless the user asked for generate or for something only generate implements. The loops
+        # prefill text only: a vision-language model samples with generate, which passes the images to its prefill.
         unsupported = dynamic.unsupported_settings(self.generation_config)
-        self.use_decode_loop = args.decode_loop == "gspo" and not unsupported
-        if args.decode_loop == "gspo" and unsupported:
+        self.use_decode_loop = args.decode_loop == "gspo" and not unsupported and processor is None
+        if args.decode_loop == "gspo" and unsupported and processor is None:
             logger.warning(
                 f"decode_loop='gspo' does not implement {', '.join(unsupported)} (from generation_kwargs "
                 "or cache_implementation): sampling uses transformers' generate instead, which decodes "
@@ -91,8 +96,16 @@ class HFGenerateBackend(RolloutBackend):
             self.use_decode_loop, self.logp_temperature = False, None
 
     def generate(self, prompts: list[Any], stream_keys: torch.Tensor | None = None) -> Rollout:
-        prompt_ids, prompt_mask = self.tokenize_prompts(prompts)
-        return self._sample(prompt_ids, prompt_mask, stream_keys, self.generation_config.max_new_tokens)
+        if self.processor is None:
+            prompt_ids, prompt_mask = self.tokenize_prompts(prompts)
+            return self._sample(prompt_ids, prompt_mask, stream_keys, self.generation_config.max_new_tokens)
+        prompt_ids, prompt_mask, vision = encode_prompts(
+            self.processor, prompts, self.max_prompt_length, self.chat_template_kwargs
+        )
+        max_new_tokens = self.generation_config.max_new_tokens
+        rollout = self._sample(prompt_ids, prompt_mask, stream_keys, max_new_tokens, vision=vision)
+        rollout.vision = None if vision is None else vision.to(rollout.prompt_ids.device)  # where training reads it
+        return rollout
 
     def generate_from_ids(
         self,
@@ -106,7 +119,14 @@ class HFGenerateBackend(RolloutBackend):
 
     @torch.no_grad()
     def _sample(
-        self, prompt_ids, prompt_mask, stream_keys, max_new_tokens: int, states=None, keep_states: bool = False
+        self,
+        prompt_ids,
+        prompt_mask,
+        stream_keys,
+        max_new_tokens: int,
+        states=None,
+        keep_states: bool = False,
+        vision: VisionInputs | None = None,
     ) -> Rollout:
         model = self.model_getter()
         prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
@@ -127,6 +147,7 @@ class HFGenerateBackend(RolloutBackend):
                     max_new_tokens,
                     None if states is None else states[part],
                     keep_states,
+                    None if vision is None else vision.select(part).to(model.device),
                 )
                 for part in (slice(start, start + step) for start in range(0, max(rows, 1), step))
             ]
@@ -178,12 +199,13 @@ class HFGenerateBackend(RolloutBackend):
         return step
 
     def _sample_rows(
-        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
+        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states, vision=None
     ) -> tuple[dynamic.Decoded, str | None]:
         """One slice of rows, decoded together, and the decoding loop that sampled them (None: generate)."""
         if self.use_decode_loop:
             return self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states)
-        return dynamic.Decoded(self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens)), None
+        sampled = self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens, vision)
+        return dynamic.Decoded(sampled), None
 
     def _sample_with_loop(
         self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
@@ -234,7 +256,7 @@ class HFGenerateBackend(RolloutBackend):
         # The static loop pays on a GPU only (CUDA graphs); tests run it on CPU by replacing this.
         return self.cuda_graphs and device.type == "cuda"
 
-    def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens) -> torch.Tensor:
+    def _sample_with_generate(self, model, prompt_ids, prompt_mask, keys, max_new_tokens, vision=None) -> torch.Tensor:
         generation_config, processors = self.generation_config, None
         if max_new_tokens != generation_config.max_new_tokens:
             generation_config = GenerationConfig(**{**generation_config.to_dict(), "max_new_tokens": max_new_tokens})
@@ -258,17 +280,34 @@ class HFGenerateBackend(RolloutBackend):
                     )
                 ]
             )
-        cache = None
-        if self.generation_config.cache_implementation is None:
+        cache, images = None, {}
+        if vision is not None:  # generate's own prefill reads the images (a row's prompt fields for each row)
+            images = vision.rows_inputs(prompt_ids.shape[1])
+        elif self.generation_config.cache_implementation is None:
             cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)
         sequences = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
+            **images,
             **cache_kwargs(model, cache),
             generation_config=generation_config,
             logits_processor=processors,
         )
         return sequences[:, prompt_ids.shape[1] :]
+
+
+def image_token_id(processor, model) -> int:
+    """The token id a vision-language model's image features take the place of: the model config's (Gemma 3's
+    processor names its begin-of-image token instead), else the processor's."""
+    token_id = getattr(model.config, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(model.config, "image_token_index", None) or getattr(processor, "image_token_id", None)
+    if token_id is None:
+        raise ValueError(
+            f"{type(processor).__name__} and the model's config name no image token id (image_token_id): the "
+            "sampler could not keep completions free of image tokens."
+        )
+    return int(token_id)
 
 
 def records_decode_logprobs(args, model) -> bool:

@@ -17,6 +17,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
+from ..multimodal import VisionInputs
+
 if TYPE_CHECKING:
     from .episodes import EpisodeBatch
 
@@ -49,6 +51,8 @@ class Rollout:
     # "static" (a static KV cache, `decoding.static`) or "dynamic" (`decoding.dynamic`); None for others (generate,
     # vLLM).
     decoding_loop: str | None = None
+    # A vision-language model's prompt images (the processor's fields), once per prompt (`multimodal`); None for text.
+    vision: VisionInputs | None = None
 
     @property
     def sampled_mask(self) -> torch.Tensor:
@@ -58,7 +62,7 @@ class Rollout:
     def to(self, device) -> Rollout:
         return Rollout(
             **{
-                name: value.to(device) if isinstance(value, torch.Tensor) else value
+                name: value.to(device) if isinstance(value, torch.Tensor | VisionInputs) else value
                 for name, value in vars(self).items()
             }
         )
