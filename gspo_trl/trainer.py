@@ -61,11 +61,11 @@ from .models import (
 )
 from .multimodal import IMAGE_COLUMNS, check_vision_support, prompts_with_images
 from .packing import padding_free_in_use
-from .passes import micro_batch_passes, pass_budget, take_pass
+from .passes import pass_budget, passes_on_every_process, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
 from .reference_sync import ReferenceSync
 from .rewards import RewardModelFunction, load_rewards
-from .rollout import EpisodeRunner, SampledRollout, create_rollout_backend, stream_keys
+from .rollout import SampledRollout, create_rollout_backend, episode_runner_for, stream_keys
 from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
 from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
 from .sampling_correction import correction_for
@@ -162,12 +162,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model), processor
         )
         self.uses_tools = tool_episodes is not None
-        if tool_episodes is not None:
-            iterations = args.max_tool_calling_iterations
-            max_turns = args.max_turns if iterations is None else min(args.max_turns or iterations + 1, iterations + 1)
-            self.episode_runner = EpisodeRunner(tool_episodes, tokenizer, args, max_turns=max_turns)
-        else:
-            self.episode_runner = None if env_factory is None else EpisodeRunner(env_factory, tokenizer, args)
+        self.episode_runner = episode_runner_for(tool_episodes, env_factory, tokenizer, args)
         self.rollout_func = rollout_func
         self.rollout_pipeline = None
         if args.async_rollouts:
@@ -265,7 +260,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         model.train()  # before the rollout: _prepare_inputs samples for training only in train mode
         self._metrics.passes = []  # nothing left over from a micro-step that raised
         micro_batch = self._prepare_inputs(inputs)
-        passes = self._plan_passes(micro_batch)
+        passes = passes_on_every_process(micro_batch, self.max_tokens_per_pass, self.accelerator)
         loss = torch.zeros((), device=self.accelerator.device)
         for index, rows in enumerate(passes):
             last = index == len(passes) - 1
@@ -276,16 +271,6 @@ class GSPOTrainer(TRLAttributes, Trainer):
                 loss = loss + super().training_step(model, part, num_items_in_batch)
         self.schedule.advance()
         return loss
-
-    def _plan_passes(self, micro_batch: MicroBatch) -> list[torch.Tensor]:
-        accelerator = self.accelerator
-
-        def most_of_all(passes: int) -> int:  # every process runs as many passes as the one that needs most
-            return int(accelerator.reduce(torch.tensor(passes, device=accelerator.device), "max"))
-
-        return micro_batch_passes(
-            micro_batch, self.max_tokens_per_pass, most_of_all if accelerator.num_processes > 1 else None
-        )
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:

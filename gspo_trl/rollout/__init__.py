@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from .episodes import EpisodeBatch, EpisodeRunner
+from .episodes import EpisodeBatch, EpisodeRunner, episode_runner_for
 from .hf import HFGenerateBackend, records_decode_logprobs
 from .streams import KeyedGumbelSampler, keyed_uniform, stream_keys
 from .types import (
@@ -29,6 +29,7 @@ from .types import (
 __all__ = [
     "EpisodeBatch",
     "EpisodeRunner",
+    "episode_runner_for",
     "HFGenerateBackend",
     "KeyedGumbelSampler",
     "Rollout",

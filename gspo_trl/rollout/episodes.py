@@ -72,6 +72,16 @@ class EpisodeBatch:
     tool_failures: torch.Tensor  # (N,) tool calls that failed (an error result)
 
 
+def episode_runner_for(tool_episodes, env_factory, tokenizer, args) -> EpisodeRunner | None:
+    """The runner of a trainer's episodes: TRL's tools/environments (turns bounded by `max_tool_calling_iterations`
+    + 1 and `max_turns`), a gym-style `env_factory`, or None for single-turn rollouts."""
+    if tool_episodes is not None:
+        iterations = args.max_tool_calling_iterations
+        max_turns = args.max_turns if iterations is None else min(args.max_turns or iterations + 1, iterations + 1)
+        return EpisodeRunner(tool_episodes, tokenizer, args, max_turns=max_turns)
+    return None if env_factory is None else EpisodeRunner(env_factory, tokenizer, args)
+
+
 class EpisodeRunner:
     """Plays gym-style text environments from `env_factory` (`text_env`); environments are reused across rollouts."""
 
