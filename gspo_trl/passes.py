@@ -74,6 +74,15 @@ def micro_batch_passes(
     return plan_passes(positions, max_tokens, min_passes=passes)
 
 
+def passes_of(micro_batch: MicroBatch, max_tokens: int | None, accelerator) -> list[torch.Tensor]:
+    """`micro_batch_passes` with every process running as many passes as the one that needs most."""
+
+    def most_of_all(passes: int) -> int:
+        return int(accelerator.reduce(torch.tensor(passes, device=accelerator.device), "max"))
+
+    return micro_batch_passes(micro_batch, max_tokens, most_of_all if accelerator.num_processes > 1 else None)
+
+
 def trained_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
     """(B,) the completion columns each row needs: up to and including its last trained token (0 for none)."""
     positions = torch.arange(1, completion_mask.shape[1] + 1, device=completion_mask.device)

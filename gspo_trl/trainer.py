@@ -35,6 +35,7 @@ from .distributed import (
     set_up_process_group,
     warn_if_fsdp_dropped,
 )
+from .dynamic_sampling import DynamicSampler
 from .entropy_control import EntropyCoefficient
 from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprob_check import FirstRolloutCheck
@@ -60,7 +61,7 @@ from .models import (
     router_aux_loss_coef,
 )
 from .packing import padding_free_in_use
-from .passes import micro_batch_passes, pass_budget, take_pass
+from .passes import pass_budget, passes_of, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
 from .rewards import RewardModelFunction, load_rewards
 from .rollout import EpisodeRunner, SampledRollout, create_rollout_backend, stream_keys
@@ -168,6 +169,7 @@ class GSPOTrainer(Trainer):
         self.schedule = RolloutSchedule(args)  # the buffered rollout, the window position, π_old per micro-batch
         self._num_tokens_seen = 0
         self.first_rollout_check = FirstRolloutCheck(args)
+        self.dynamic_sampler = DynamicSampler.create(args, train_dataset, tokenizer.pad_token_id, self._metrics)
 
     # --- precision ----------------------------------------------------------------------------
 
@@ -237,6 +239,8 @@ class GSPOTrainer(Trainer):
                 generation_batch, self.state.global_step, self._launch_rollout
             )
             rollout = self._score(generation_batch, sampled, "train")
+        if self.dynamic_sampler is not None:  # informative groups only, sampling more prompts where needed
+            rollout = self.dynamic_sampler.fill(rollout, self.state.global_step, self.accelerator, self._score_more)
         micro_batches = self.schedule.cut(rollout, self.accelerator, self.processing_class.pad_token_id)
         fill_old_logps(
             micro_batches,
@@ -250,7 +254,7 @@ class GSPOTrainer(Trainer):
         model.train()  # before the rollout: _prepare_inputs samples for training only in train mode
         self._metrics.passes = []  # nothing left over from a micro-step that raised
         micro_batch = self._prepare_inputs(inputs)
-        passes = self._plan_passes(micro_batch)
+        passes = passes_of(micro_batch, self.max_tokens_per_pass, self.accelerator)
         loss = torch.zeros((), device=self.accelerator.device)
         for index, rows in enumerate(passes):
             last = index == len(passes) - 1
@@ -261,16 +265,6 @@ class GSPOTrainer(Trainer):
                 loss = loss + super().training_step(model, part, num_items_in_batch)
         self.schedule.advance()
         return loss
-
-    def _plan_passes(self, micro_batch: MicroBatch) -> list[torch.Tensor]:
-        accelerator = self.accelerator
-
-        def most_of_all(passes: int) -> int:  # every process runs as many passes as the one that needs most
-            return int(accelerator.reduce(torch.tensor(passes, device=accelerator.device), "max"))
-
-        return micro_batch_passes(
-            micro_batch, self.max_tokens_per_pass, most_of_all if accelerator.num_processes > 1 else None
-        )
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
@@ -306,30 +300,39 @@ class GSPOTrainer(Trainer):
 
     # --- rollout ------------------------------------------------------------------------------
 
-    def _generate_and_score(self, batch: list[dict], mode: str) -> MicroBatch:
-        """Sample a synchronous rollout on the current weights and score it (eval; train without async_rollouts)."""
+    def _generate_and_score(self, batch: list[dict], mode: str, first_row: int = 0) -> MicroBatch:
+        """Sample a synchronous rollout on the current weights and score it (eval; train without async_rollouts);
+        `first_row`: the global row index of this rollout's first row (a dynamic sampling round's)."""
         if self.rollout_pipeline is not None:
             # a server must not change weights under a rollout being sampled ahead
             self.rollout_pipeline.prefetcher.wait()
         self.rollout_backend.update_weights(self.model_wrapped, self.state.global_step)
         on_model = self.rollout_backend.samples_with_training_model
         with generation_context(self.model_wrapped, self.accelerator, self.args, on_model):
-            sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, self.state.global_step)
+            step = self.state.global_step
+            sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, step, False, first_row)
         return self._score(batch, sampled, mode)
 
-    def _sample(self, backend, runner, batch: list[dict], mode: str, step: int, keyed: bool = False) -> SampledRollout:
+    def _score_more(self, batch: list[dict], first_row: int) -> MicroBatch:
+        """A dynamic sampling round: `batch` sampled as the global rows from `first_row` on, and scored."""
+        if self.rollout_pipeline is None:
+            return self._generate_and_score(batch, "train", first_row)
+        return self._score(batch, self.rollout_pipeline.sample_more(batch, first_row), "train")
+
+    def _sample(self, backend, runner, batch, mode: str, step: int, keyed=False, first_row=0) -> SampledRollout:
         """Completions (or episodes) for `batch`, with the sampling streams and seeds of optimizer step `step`
-        (`keyed`: per-completion streams even without layout_independent_sampling)."""
+        (`keyed`: per-completion streams even without layout_independent_sampling; `first_row`: see
+        `_row_keys`)."""
         if self.rollout_func is not None:
             return sample_with_rollout_func(self.rollout_func, self, [row["prompt"] for row in batch])
         # Per-completion sampling streams (None: the global RNG); one environment seed per group.
         keyed = keyed or self.args.layout_independent_sampling
-        keys = self._row_keys(len(batch), mode, step) if keyed else None
+        keys = self._row_keys(len(batch), mode, step, 1, first_row) if keyed else None
         if runner is None:
             rollout = backend.generate([row["prompt"] for row in batch], keys)
             return SampledRollout(rollout, [row["prompt"] for row in batch])
         group = completions_per_prompt(self.args, mode)
-        seeds = (self._row_keys(len(batch), mode, step, group) & 0x7FFFFFFF).tolist()
+        seeds = (self._row_keys(len(batch), mode, step, group, first_row) & 0x7FFFFFFF).tolist()
         episodes = runner.run(backend, batch, seeds, keys)
         return SampledRollout(episodes.rollout, episodes.prompts, episodes)
 
@@ -348,7 +351,7 @@ class GSPOTrainer(Trainer):
             log_metric=lambda name, value: self._metrics.add(mode, name, value),
             group_size=completions_per_prompt(args, mode),
         )
-        scored = scored_batch(sampled, scores.advantages, args.mask_truncated_completions)
+        scored = scored_batch(sampled, scores, args.mask_truncated_completions)
         if mode == "train":  # the first rollout, before a π_old or reference pass scores on a path
             pipeline = self.rollout_pipeline
             backends = [self.rollout_backend, *(pipeline.backends if pipeline is not None else [])]
@@ -368,10 +371,11 @@ class GSPOTrainer(Trainer):
             self._completion_samples = completion_samples(sampled.prompts, texts, scores, rows, extra_columns)
         return scored
 
-    def _row_keys(self, num_rows: int, mode: str, step: int, group_size: int = 1) -> torch.Tensor:
+    def _row_keys(self, num_rows: int, mode: str, step: int, group_size: int = 1, first_row: int = 0) -> torch.Tensor:
         """A key per row (or per group of `group_size` rows) of this process's slice of the global generation
-        batch (ranks hold consecutive slices), drawn for optimizer step `step`: whatever the process layout."""
-        rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
+        batch (ranks hold consecutive slices; a dynamic sampling round's rows follow the earlier rounds' from
+        `first_row`), drawn for optimizer step `step`: whatever the process layout."""
+        rows = first_row + self.accelerator.process_index * num_rows + torch.arange(num_rows)
         return stream_keys(self.args.seed, step, 0 if mode == "train" else 1, rows // group_size)
 
     def _score_without_grad(self, model, inputs: MicroBatch) -> torch.Tensor:
