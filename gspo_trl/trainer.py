@@ -310,7 +310,7 @@ class GSPOTrainer(Trainer):
         on_model = self.rollout_backend.samples_with_training_model
         with generation_context(self.model_wrapped, self.accelerator, self.args, on_model):
             step = self.state.global_step
-            sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, step, False, first_row)
+            sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, step, first_row=first_row)
         return self._score(batch, sampled, mode)
 
     def _score_more(self, batch: list[dict], first_row: int) -> MicroBatch:
