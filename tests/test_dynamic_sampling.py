@@ -10,6 +10,7 @@ import torch
 from helpers import close, small_config, text_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl.advantages import group_advantages
 from gspo_trl.dynamic_sampling import (
     DynamicSampler,
     choose_groups,
@@ -260,3 +261,38 @@ def test_a_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, tiny_mod
         assert got[step] == close(expected[step], 1e-6), step
     for (name, a), b in zip(uninterrupted.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("setting", ["batch", "lora+beta+bf16"])
+def test_dynamic_sampling_in_the_configurations_users_run(tmp_path, tiny_model_dir, setting):
+    from peft import LoraConfig
+
+    overrides = dict(scale_rewards="batch") if setting == "batch" else dict(beta=0.04, bf16=True)
+    peft = (
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM") if "lora" in setting else None
+    )
+    config = small_config(
+        tmp_path,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=8,
+        per_device_train_batch_size=4,
+        steps_per_generation=2,  # rollouts of 2 groups of 4 in 2 micro-batches
+        max_steps=4,
+        **overrides,
+    )
+    trainer = GSPOTrainer(tiny_model_dir, [half_constant], args=config, train_dataset=text_dataset(8), peft_config=peft)
+    rollouts = trained_rollouts(trainer)
+    trainer.train()
+    assert len(rollouts) == 2 and max(metric(trainer, "rollout/dynamic_sampling_rounds")) >= 2
+    assert_only_informative_groups(rollouts, 4)
+    for micro_batches in rollouts:
+        rewards = torch.cat([batch.rewards for batch in micro_batches])
+        advantages = torch.cat([batch.advantages for batch in micro_batches])
+        if setting == "batch":  # scaled by the std of the trained rollout's rewards, not of a round's
+            expected, _ = group_advantages(rewards, 4, "batch")
+            torch.testing.assert_close(advantages, expected)
+        else:
+            assert all(batch.ref_logps is not None and torch.isfinite(batch.ref_logps).all() for batch in micro_batches)
+    assert all(math.isfinite(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry)
+    if setting != "batch":
+        assert any(entry["kl"] > 0 for entry in trainer.state.log_history if "kl" in entry)
