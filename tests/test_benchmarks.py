@@ -387,3 +387,21 @@ def test_train_microbatch_benchmark_smoke_times_every_setting(tmp_path, tiny_mod
     assert set(record["times_s"]) == {"default", "recompute", "one_row", "one_row_recompute"}
     assert all(len(times) == 1 and times[0] > 0 for times in record["times_s"].values())
     assert record["layouts"]["one_row"][0][0] == 1  # attention free: the whole micro-batch in one row
+
+
+@pytest.mark.slow  # a benchmark's smoke run
+def test_dynamic_sampling_benchmark_smoke_runs_both_variants(tmp_path, tiny_model_dir):
+    out = tmp_path / "dynamic_sampling.json"
+    script = str(REPO_ROOT / "benchmarks" / "dynamic_sampling.py")
+    flags = ["--max_steps", "1", "--max_completion_length", "4", "--model_name_or_path", tiny_model_dir]
+    completed = subprocess.run(
+        [sys.executable, script, *flags, "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["variant"] for run in runs] == ["off", "on"]
+    off, on = (run["steps"][0] for run in runs)
+    assert off["wall_s"] > 0 and on["wall_s"] > 0 and "rollout/dynamic_sampling_rounds" not in off
+    assert 1 <= on["rollout/dynamic_sampling_rounds"] <= 4  # dynamic_sampling_max_rounds=4
+    assert 0 <= on["rollout/dynamic_sampling_filler_groups"] <= 8  # a rollout of 8 groups
+    assert on["rollout/sampled_tokens_per_trained_token"] >= 1

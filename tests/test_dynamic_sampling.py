@@ -263,6 +263,7 @@ def test_a_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, tiny_mod
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["batch", "lora+beta+bf16"])
 def test_dynamic_sampling_in_the_configurations_users_run(tmp_path, tiny_model_dir, setting):
     from peft import LoraConfig
