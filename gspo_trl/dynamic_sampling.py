@@ -102,9 +102,10 @@ def concat_rollouts(batches: list[MicroBatch], pad_token_id: int) -> MicroBatch:
             elif value is not None and value.dim() == 2:  # completion-aligned
                 value = padded(value, completion_width, pad_token_id if name == "completion_ids" else 0, left=False)
             parts[name].append(value)
-    joined = {
-        name: None if any(value is None for value in values) else torch.cat(values) for name, values in parts.items()
-    }
+    for name, values in parts.items():
+        if any(value is None for value in values) and not all(value is None for value in values):
+            raise ValueError(f"concat_rollouts: {name} is set in some batches only; they were not scored alike.")
+    joined = {name: None if values[0] is None else torch.cat(values) for name, values in parts.items()}
     return replace(batches[0], **joined)
 
 
@@ -150,7 +151,7 @@ class DynamicSampler:
                 parts.append(batch.select(torch.cat([torch.arange(g * group, (g + 1) * group) for g in groups])))
         trained = concat_rollouts(parts, self.pad_token_id)
         self._rescale(trained)
-        self._log(rounds, informative, chosen, trained, target)
+        self._log(rounds, informative, trained, target, warn=accelerator.is_main_process)
         return trained.select(mine)
 
     def _row(self, index: int) -> dict:
@@ -166,7 +167,7 @@ class DynamicSampler:
         advantages, _ = group_advantages(torch.nan_to_num(trained.rewards), self.args.num_generations, "batch", valid)
         trained.advantages = advantages.to(trained.advantages.dtype)
 
-    def _log(self, rounds, informative, chosen, trained, target) -> None:
+    def _log(self, rounds, informative, trained, target, warn: bool) -> None:
         num_informative = sum(int(flags.sum()) for flags in informative)
         filler = max(target - num_informative, 0)
         sampled_tokens = sum(float(batch.completion_mask.sum()) for batch in rounds)
@@ -175,7 +176,7 @@ class DynamicSampler:
         self.log_metric("rollout/dynamic_sampling_groups_dropped", float(sum(f.numel() for f in informative) - target))
         self.log_metric("rollout/dynamic_sampling_filler_groups", float(filler))
         self.log_metric("rollout/sampled_tokens_per_trained_token", sampled_tokens / max(trained_tokens, 1.0))
-        if filler:
+        if filler and warn:  # once, not per process
             logger.warning(
                 f"dynamic_sampling: {len(rounds)} generation rounds (dynamic_sampling_max_rounds) found "
                 f"{num_informative} of {target} informative groups; the rollout is filled up with {filler} groups of "

@@ -99,6 +99,10 @@ def test_concat_pads_prompts_on_the_left_and_completions_on_the_right():
     assert joined.sampling_logps.tolist() == [[-1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]]
     assert joined.advantages.tolist() == [0.5, -0.5] and joined.rewards.tolist() == [1.5, 0.5]
     assert joined.old_logps is None and joined.ref_logps is None
+    with_old = _batch([[1]], [[2]], [0.0])
+    with_old.old_logps = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="old_logps is set in some batches only"):
+        concat_rollouts([with_old, _batch([[1]], [[2]], [0.0])], pad)
 
 
 def test_batch_scaled_advantages_are_recomputed_over_the_kept_rollout(tmp_path):
