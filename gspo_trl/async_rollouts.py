@@ -176,6 +176,7 @@ class RolloutPipeline:
         )
         self.snapshot = WeightSnapshot() if backend.samples_with_training_model else None
         self.snapshot_backend: HFGenerateBackend | None = None  # samples on the weight snapshot, once made
+        self.sample_rows: Callable | None = None  # the last launch's sampling, for more rows on the same weights
 
     @property
     def backends(self) -> list[HFGenerateBackend]:
@@ -236,11 +237,11 @@ class RolloutPipeline:
         backend, runner, frozen = self.engines(*models, weights_step)
         ahead = for_step != weights_step  # sampling overlaps training
 
-        def sample_ahead():  # runs on the pipeline's thread
+        def sample_rows(rows, first_row: int = 0):  # on the pipeline's thread (or `sample_more`'s caller)
             with context():
                 # Overlapping training, which rewinds the global random state (checkpointed recomputation), it
                 # draws from per-completion streams of its own.
-                sampled = sample(backend, runner, batch, "train", for_step, keyed=ahead)
+                sampled = sample(backend, runner, rows, "train", for_step, keyed=ahead, first_row=first_row)
                 if frozen is not None and ahead:
                     rollout = sampled.rollout
                     sampled.old_logps = (
@@ -250,4 +251,10 @@ class RolloutPipeline:
                     )
             return sampled
 
-        self.prefetcher.submit(for_step, weights_step, sample_ahead)
+        self.sample_rows = sample_rows
+        self.prefetcher.submit(for_step, weights_step, lambda: sample_rows(batch))
+
+    def sample_more(self, batch, first_row: int):
+        """`batch` sampled like the rollout taken last, on its weights (a dynamic sampling round; the next launch
+        comes after it, so the snapshot or the server still holds them), as the global rows from `first_row` on."""
+        return self.sample_rows(batch, first_row)

@@ -145,6 +145,20 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
             "docs/async_rollouts.md#what-happens."
         },
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "Train only on groups whose rewards differ (DAPO's dynamic sampling): drop groups of equal rewards "
+            "and sample more prompts until the rollout is full. See docs/objective.md#dynamic-sampling."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "With dynamic_sampling: the most generation rounds of one rollout, the first included (verl's "
+            "max_num_gen_batches); when they run out, the rollout is filled up with dropped groups."
+        },
+    )
     always_compute_old_logprobs: bool = field(
         default=False,
         metadata={
@@ -312,6 +326,7 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         checks.check_logging(self)
         self.pad_to_multiple_of = checks.pad_to_multiple_of(self.pad_to_multiple_of)
         checks.check_reference_sync(self)
+        checks.check_dynamic_sampling(self)
         self.steps_per_generation, self.generation_batch_size = checks.batch_sizes(self, steps_per_generation_was_set)
         self.max_staleness = checks.max_staleness(self)
 

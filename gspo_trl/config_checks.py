@@ -271,6 +271,27 @@ def check_sampling(config) -> None:
 VLLM_REQUEST_FIELDS_REFUSED = ("n", "best_of", "use_beam_search", "logprobs", "prompt_logprobs")
 
 
+def check_dynamic_sampling(config) -> None:
+    """Dynamic sampling's bound, and the advantages it cannot recompute over the rollout it keeps."""
+    rounds = config.dynamic_sampling_max_rounds
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"dynamic_sampling_max_rounds must be an int >= 1 (the first round included), got {rounds!r}.")
+    if not config.dynamic_sampling:
+        return
+    if config.multi_objective_aggregation == "normalize_then_sum":
+        raise ValueError(
+            "dynamic_sampling=True keeps the groups whose total reward varies, while "
+            "multi_objective_aggregation='normalize_then_sum' (GDPO) scores each reward function apart and scales "
+            "over the whole batch: use multi_objective_aggregation='sum_then_normalize' or dynamic_sampling=False."
+        )
+    if config.scale_rewards == "batch" and config.advantage_granularity == "turn":
+        raise ValueError(
+            "dynamic_sampling=True with scale_rewards='batch' rescales the kept rollout's advantages from each "
+            "episode's return, which per-turn advantages (advantage_granularity='turn') are not made of: use "
+            "scale_rewards='group' or 'none', or advantage_granularity='trajectory'."
+        )
+
+
 def check_generation_kwargs(generation_kwargs, use_vllm: bool = False) -> None:
     """Refuse the settings that do not sample one completion per prompt row from the policy: beam search and
     contrastive search keep the likeliest continuations (not draws from π, which the importance ratio assumes),

@@ -51,6 +51,7 @@ class MicroBatch:
     completion_ids: torch.Tensor  # (B, C)
     completion_mask: torch.Tensor  # (B, C) 1 on the tokens trained on
     advantages: torch.Tensor | None = None  # (B,), or (B, C) per token (per-turn advantages)
+    rewards: torch.Tensor | None = None  # (B,) each row's total reward (an episode's return), NaN where none
     sampling_logps: torch.Tensor | None = None  # (B, C) the sampler's, recorded as it sampled; NaN where none
     sampled_by_policy: bool = False  # sampling_logps are the trained model's own (decoding loop), not an engine's
     old_logps: torch.Tensor | None = None  # (B, C) π_old; None: the weights still are the sampling ones
@@ -151,6 +152,7 @@ _ROW_FIELDS = (
     "completion_ids",
     "completion_mask",
     "advantages",
+    "rewards",
     "sampling_logps",
     "old_logps",
     "ref_logps",

@@ -35,6 +35,7 @@ class RolloutScores:
     stats: dict[str, float]  # reward, reward_std, frac_reward_zero_std, num_invalid (over every process)
     rewards_per_func: torch.Tensor  # (N, F) over every process; with episodes the environment's return first
     rewards: torch.Tensor  # (N,) each row's total reward
+    row_rewards: torch.Tensor | None = None  # (n,) this process's rows' total reward, NaN where none was given
 
 
 def completions_per_prompt(args, mode: str) -> int:
@@ -67,6 +68,7 @@ def score_rollout(
     rewards, valid = aggregate_rewards(function_table, reward_weights.to(device))  # (N,), NaN-free
     aggregation = args.multi_objective_aggregation
     if episodes is None:
+        row_rewards = torch.where(valid, rewards, torch.full_like(rewards, float("nan")))  # (N,)
         if not valid.any():
             names = ", ".join(function_names) or f"all {function_table.shape[1]}"
             raise ValueError(
@@ -75,12 +77,12 @@ def score_rollout(
             )
         if group_size == 1:  # no group to compare within
             stats = {**reward_stats(rewards, valid), "frac_reward_zero_std": 1.0}
-            return RolloutScores(torch.zeros_like(rewards)[local], stats, function_table, rewards)
+            return RolloutScores(torch.zeros_like(rewards)[local], stats, function_table, rewards, row_rewards[local])
         advantages, stats = group_advantages(rewards, group_size, args.scale_rewards, valid)
         if aggregation == "normalize_then_sum":  # GDPO; the statistics stay those of the summed reward
             decoupled, _ = decoupled_rewards(function_table, reward_weights.to(device), group_size)
             advantages = batch_advantages(decoupled, valid)
-        return RolloutScores(advantages[local], stats, function_table, rewards)
+        return RolloutScores(advantages[local], stats, function_table, rewards, row_rewards[local])
     if aggregation != "sum_then_normalize":  # refused at construction (`dataset_checks.check_datasets`)
         raise ValueError(f"multi_objective_aggregation={aggregation!r} is for single-turn rollouts.")
 
@@ -102,7 +104,8 @@ def score_rollout(
     else:
         advantages = per_turn[local, 0]  # (n,)
     env_return = discounted_returns(turn_rewards, reached, args.turn_discount)[:, :1]  # (N, 1)
-    return RolloutScores(advantages, stats, torch.cat([env_return, function_table], dim=1), returns)
+    table = torch.cat([env_return, function_table], dim=1)
+    return RolloutScores(advantages, stats, table, returns, returns[local])
 
 
 def completions_for_rewards(batch: list[dict], sampled, tokenizer) -> tuple[list, list, list[str], dict]:
@@ -123,8 +126,8 @@ def completions_for_rewards(batch: list[dict], sampled, tokenizer) -> tuple[list
     return completions, completion_ids, texts, columns
 
 
-def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: bool) -> MicroBatch:
-    """The record of a scored `SampledRollout`: trained on the tokens the model sampled (not an environment's
+def scored_batch(sampled, scores: RolloutScores, mask_truncated_completions: bool) -> MicroBatch:
+    """The record of a `SampledRollout` with its `scores`: trained on the tokens the model sampled (not an environment's
     observations), without truncated completions when `mask_truncated_completions`. π_old is set where the sampling
     weights will be gone (`old_logps`, async_rollouts), else by the schedule per micro-batch."""
     rollout = sampled.rollout
@@ -133,7 +136,8 @@ def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: 
         completion_mask = completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
     return MicroBatch(
         **{**rollout.model_inputs(), "completion_mask": completion_mask},
-        advantages=advantages,
+        advantages=scores.advantages,
+        rewards=scores.row_rewards,
         sampling_logps=rollout.sampling_logps,
         sampled_by_policy=rollout.sampled_by_policy,
         old_logps=sampled.old_logps,

@@ -35,6 +35,7 @@ from .distributed import (
     set_up_process_group,
     warn_if_fsdp_dropped,
 )
+from .dynamic_sampling import DynamicSampler
 from .entropy_control import EntropyCoefficient
 from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprob_check import FirstRolloutCheck
@@ -175,6 +176,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         self.schedule = RolloutSchedule(args)  # the buffered rollout, the window position, π_old per micro-batch
         self._num_tokens_seen = 0
         self.first_rollout_check = FirstRolloutCheck(args)
+        self.dynamic_sampler = DynamicSampler.create(args, train_dataset, tokenizer.pad_token_id, self._metrics)
 
     # --- precision ----------------------------------------------------------------------------
 
@@ -247,6 +249,8 @@ class GSPOTrainer(TRLAttributes, Trainer):
                 generation_batch, self.state.global_step, self._launch_rollout
             )
             rollout = self._score(generation_batch, sampled, "train")
+        if self.dynamic_sampler is not None:  # informative groups only, sampling more prompts where needed
+            rollout = self.dynamic_sampler.fill(rollout, self.state.global_step, self.accelerator, self._score_more)
         micro_batches = self.schedule.cut(rollout, self.accelerator, self.tokenizer.pad_token_id)
         fill_old_logps(
             micro_batches,
@@ -312,30 +316,39 @@ class GSPOTrainer(TRLAttributes, Trainer):
 
     # --- rollout ------------------------------------------------------------------------------
 
-    def _generate_and_score(self, batch: list[dict], mode: str) -> MicroBatch:
-        """Sample a synchronous rollout on the current weights and score it (eval; train without async_rollouts)."""
+    def _generate_and_score(self, batch: list[dict], mode: str, first_row: int = 0) -> MicroBatch:
+        """Sample a synchronous rollout on the current weights and score it (eval; train without async_rollouts);
+        `first_row`: the global row index of this rollout's first row (a dynamic sampling round's)."""
         if self.rollout_pipeline is not None:
             # a server must not change weights under a rollout being sampled ahead
             self.rollout_pipeline.prefetcher.wait()
         self.rollout_backend.update_weights(self.model_wrapped, self.state.global_step)
         on_model = self.rollout_backend.samples_with_training_model
         with generation_context(self.model_wrapped, self.accelerator, self.args, on_model):
-            sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, self.state.global_step)
+            step = self.state.global_step
+            sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, step, first_row=first_row)
         return self._score(batch, sampled, mode)
 
-    def _sample(self, backend, runner, batch: list[dict], mode: str, step: int, keyed: bool = False) -> SampledRollout:
+    def _score_more(self, batch: list[dict], first_row: int) -> MicroBatch:
+        """A dynamic sampling round: `batch` sampled as the global rows from `first_row` on, and scored."""
+        if self.rollout_pipeline is None:
+            return self._generate_and_score(batch, "train", first_row)
+        return self._score(batch, self.rollout_pipeline.sample_more(batch, first_row), "train")
+
+    def _sample(self, backend, runner, batch, mode: str, step: int, keyed=False, first_row=0) -> SampledRollout:
         """Completions (or episodes) for `batch`, with the sampling streams and seeds of optimizer step `step`
-        (`keyed`: per-completion streams even without layout_independent_sampling)."""
+        (`keyed`: per-completion streams even without layout_independent_sampling; `first_row`: see
+        `_row_keys`)."""
         if self.rollout_func is not None:
             return sample_with_rollout_func(self.rollout_func, self, [row["prompt"] for row in batch])
         # Per-completion sampling streams (None: the global RNG); one environment seed per group.
         keyed = keyed or self.args.layout_independent_sampling
-        keys = self._row_keys(len(batch), mode, step) if keyed else None
+        keys = self._row_keys(len(batch), mode, step, 1, first_row) if keyed else None
         if runner is None:
             rollout = backend.generate(prompts_with_images(batch, self.processing_class), keys)  # images inlined
             return SampledRollout(rollout, [row["prompt"] for row in batch])
         group = completions_per_prompt(self.args, mode)
-        seeds = (self._row_keys(len(batch), mode, step, group) & 0x7FFFFFFF).tolist()
+        seeds = (self._row_keys(len(batch), mode, step, group, first_row) & 0x7FFFFFFF).tolist()
         episodes = runner.run(backend, batch, seeds, keys)
         return SampledRollout(episodes.rollout, episodes.prompts, episodes)
 
@@ -354,7 +367,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             log_metric=lambda name, value: self._metrics.add(mode, name, value),
             group_size=completions_per_prompt(args, mode),
         )
-        scored = scored_batch(sampled, scores.advantages, args.mask_truncated_completions)
+        scored = scored_batch(sampled, scores, args.mask_truncated_completions)
         if mode == "train":  # the first rollout, before a π_old or reference pass scores on a path
             pipeline = self.rollout_pipeline
             backends = [self.rollout_backend, *(pipeline.backends if pipeline is not None else [])]
@@ -374,10 +387,11 @@ class GSPOTrainer(TRLAttributes, Trainer):
             self.completion_log.record(mode, sampled.prompts, texts, scores, extra_columns, *columns)
         return scored
 
-    def _row_keys(self, num_rows: int, mode: str, step: int, group_size: int = 1) -> torch.Tensor:
+    def _row_keys(self, num_rows: int, mode: str, step: int, group_size: int = 1, first_row: int = 0) -> torch.Tensor:
         """A key per row (or per group of `group_size` rows) of this process's slice of the global generation
-        batch (ranks hold consecutive slices), drawn for optimizer step `step`: whatever the process layout."""
-        rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
+        batch (ranks hold consecutive slices; a dynamic sampling round's rows follow the earlier rounds' from
+        `first_row`), drawn for optimizer step `step`: whatever the process layout."""
+        rows = first_row + self.accelerator.process_index * num_rows + torch.arange(num_rows)
         return stream_keys(self.args.seed, step, 0 if mode == "train" else 1, rows // group_size)
 
     def _score_without_grad(self, model, inputs: MicroBatch) -> torch.Tensor:

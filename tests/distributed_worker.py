@@ -17,7 +17,8 @@ rollout in the background during the first one's training (async_rollouts), `+li
 `+passes` trains each micro-batch in passes of at most 2 rows (max_tokens_per_pass), `+scripted` gets its completions
 from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
-completions per micro-step over however many processes run. Each rank writes
+completions per micro-step over however many processes run, `+dynsamp` trains with dynamic sampling on a reward
+that is constant for half the prompts. Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
@@ -28,6 +29,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import sys
 
@@ -93,6 +95,12 @@ class MoreDigits:
     def step(self, action):
         digits = sum(c.isdigit() for c in action)
         return " More.", digits / max(len(action), 1), digits >= 2, False, {}
+
+
+def even_prompts_constant(prompts, completion_ids, **kwargs):
+    """0 for every completion of 'What is i + ...' with an even i; elsewhere the sum of the sampled ids mod 97."""
+    evens = [int(re.search(r"What is (\d+)", str(prompt)).group(1)) % 2 == 0 for prompt in prompts]
+    return [0.0 if even else float(sum(ids) % 97) for even, ids in zip(evens, completion_ids)]
 
 
 def scripted_rollout(prompts, trainer):
@@ -179,6 +187,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         seed=0,
         use_cpu=mode not in ("ddp_no_flag", "launcher"),  # no flag: gspo-trl must choose gloo on a GPU-less machine
         async_rollouts="async" in options,
+        dynamic_sampling="dynsamp" in options,
         bf16="bf16" in options,
         gradient_checkpointing="gc" in options,
         deepspeed=deepspeed_config,
@@ -222,6 +231,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
     if "stream" in options:  # the same prompts, streamed
         dataset = dataset.to_iterable_dataset()
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
+    if "dynsamp" in options:  # half the groups of equal rewards: dynamic sampling samples more prompts
+        rewards = [even_prompts_constant]
     trainer = GSPOTrainer(
         model_dir,
         rewards,
@@ -272,6 +283,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 "episodes/turns/mean",
                 "episodes/env_token_fraction",
                 "rollout/staleness",
+                "rollout/dynamic_sampling_rounds",
             )
             if k in e
         }

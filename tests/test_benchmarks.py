@@ -404,3 +404,21 @@ def test_qlora_memory_benchmark_smoke_run(tmp_path):
     assert per_parameter["NF4"] == pytest.approx(0.5 + 4 / 64 + 14 * 64 / 73728, rel=1e-12)
     assert len({row["parameters"] for row in rows.values()}) == 1  # the same model, counted alike each way
     assert rows["fp32"]["model_bytes"] > rows["bf16"]["model_bytes"] > rows["NF4"]["model_bytes"]
+
+
+@pytest.mark.slow  # a benchmark's smoke run
+def test_dynamic_sampling_benchmark_smoke_runs_both_variants(tmp_path, tiny_model_dir):
+    out = tmp_path / "dynamic_sampling.json"
+    script = str(REPO_ROOT / "benchmarks" / "dynamic_sampling.py")
+    flags = ["--max_steps", "1", "--max_completion_length", "4", "--model_name_or_path", tiny_model_dir]
+    completed = subprocess.run(
+        [sys.executable, script, *flags, "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["variant"] for run in runs] == ["off", "on"]
+    off, on = (run["steps"][0] for run in runs)
+    assert off["wall_s"] > 0 and on["wall_s"] > 0 and "rollout/dynamic_sampling_rounds" not in off
+    assert 1 <= on["rollout/dynamic_sampling_rounds"] <= 4  # dynamic_sampling_max_rounds=4
+    assert 0 <= on["rollout/dynamic_sampling_filler_groups"] <= 8  # a rollout of 8 groups
+    assert on["rollout/sampled_tokens_per_trained_token"] >= 1

@@ -262,6 +262,9 @@ def test_an_error_on_one_rank_ends_every_rank_promptly(tmp_path, tiny_model_dir)
         "ddp+seeded+episodes",
         "ddp+seeded+async",
         "ddp+scripted",
+        "ddp+seeded+dynsamp",
+        "ddp+seeded+dynsamp+async",
+        "ddp+seeded+dynsamp+episodes",
     ],
 )
 @pytest.mark.slow  # torchrun launches
@@ -282,6 +285,8 @@ def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode
         assert any(e["kl"] > 0 for e in one[0]["logs"])
     if "async" in mode:  # the second rollout was sampled two optimizer steps ahead of its training
         assert [e["rollout/staleness"] for e in two[0]["logs"]] == [0, 1, 2]
+    if "dynsamp" in mode:  # extra rounds sampled the same prompts and completions whatever the process layout
+        assert max(e.get("rollout/dynamic_sampling_rounds", 0) for e in two[0]["logs"]) >= 2
     if "episodes" in mode:  # the same episodes, a second turn included, whatever the process layout
         assert one[0]["logs"][0]["episodes/turns/mean"] > 1
         assert one[0]["logs"][0]["episodes/env_token_fraction"] == two[0]["logs"][0]["episodes/env_token_fraction"]

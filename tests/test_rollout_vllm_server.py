@@ -429,3 +429,28 @@ def test_episodes_sample_each_turn_on_the_server_from_token_ids(tmp_path, server
     torch.testing.assert_close(rollout.sampling_logps[sampled], ours[sampled], atol=1e-4, rtol=0)
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"]) and "episodes/turns/mean" in trainer.state.log_history[0]
+
+
+@pytest.mark.slow  # the real vLLM server
+@pytest.mark.parametrize("async_rollouts", [False, True], ids=["sync", "async"])
+def test_dynamic_sampling_samples_its_extra_rounds_on_the_server(tmp_path, server, served_model_dir, async_rollouts):
+    from test_dynamic_sampling import assert_only_informative_groups, half_constant, metric, trained_rollouts
+
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=3,
+        per_device_train_batch_size=8,
+        steps_per_generation=1,  # a rollout per step: 2 groups of 4
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=8,
+        async_rollouts=async_rollouts,
+        vllm_logprobs_as_old=async_rollouts,  # π_old of a rollout sampled ahead: the server's (checked at construction)
+    )
+    trainer = GSPOTrainer(served_model_dir, [half_constant], args=args, train_dataset=text_dataset(8))
+    rollouts = trained_rollouts(trainer)
+    trainer.train()
+    assert len(rollouts) == 3
+    assert_only_informative_groups(rollouts, 4)
+    assert max(metric(trainer, "rollout/dynamic_sampling_rounds")) >= 2  # an extra round ran on the server
+    assert metric(trainer, "rollout/dynamic_sampling_filler_groups") == [0.0, 0.0, 0.0]
