@@ -107,3 +107,14 @@ def write_model_card(
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
         handle.write(card)
+
+
+def write_trainer_model_card(trainer, model_name: str | None, tags, library_version: str) -> None:
+    """`write_model_card` for a `GSPOTrainer`'s policy, on the main process only (`Trainer.create_model_card`)."""
+    if not trainer.is_world_process_zero():
+        return
+    output_dir = trainer.args.output_dir
+    reward_names = [reward_func.name for reward_func in trainer.reward_funcs]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    name = model_name or os.path.basename(os.path.normpath(output_dir))
+    write_model_card(output_dir, model, name, reward_names, trainer.args, library_version, tags)

@@ -400,10 +400,11 @@ def padding_free_unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def padding_free_in_use(setting: bool | None, device_type: str, base_model: torch.nn.Module) -> bool:
+def padding_free_in_use(setting: bool | None, device_type: str, model: torch.nn.Module) -> bool:
     """Whether training packs rows: the `padding_free` setting (None: where it pays, `packing_pays_on`), and only
-    on a model that supports it (a warning says why not)."""
+    on a model that supports it (`model`, under a PEFT adapter or not; a warning says why not)."""
     wanted = packing_pays_on(device_type) if setting is None else setting
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's base
     reason = padding_free_unsupported_reason(base_model)
     if wanted and reason is not None:
         logger.warning(f"padding_free is not used: {reason}. Training runs on padded rows.")

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
+from .distributed import prepare_frozen_model
+
 RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 
 
@@ -361,3 +363,10 @@ def _warn_unscored(rewards_per_func: torch.Tensor) -> None:
             "returned None); they are left out of their group's baseline and get zero advantage",
             stacklevel=3,
         )
+
+
+def prepare_reward_models(reward_funcs: list, accelerator) -> None:
+    """Place each reward model like the policy (sharded under ZeRO-3/FSDP2, `distributed.prepare_frozen_model`)."""
+    for reward_func in reward_funcs:
+        if isinstance(reward_func, RewardModelFunction):
+            reward_func.model = prepare_frozen_model(reward_func.model, accelerator)

@@ -51,10 +51,9 @@ from .metrics import (
     sampling_metrics,
 )
 from .micro_batch import MicroBatch
-from .model_card import write_model_card
+from .model_card import write_trainer_model_card
 from .models import (
     create_reference_model,
-    is_peft_model,
     load_policy_and_tokenizer,
     load_vision_language_checkpoint,
     reference_weights,
@@ -65,7 +64,7 @@ from .packing import padding_free_in_use
 from .passes import pass_budget, passes_on_every_process, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
 from .reference_sync import ReferenceSync
-from .rewards import RewardModelFunction, load_rewards
+from .rewards import load_rewards, prepare_reward_models
 from .rollout import SampledRollout, create_rollout_backend, episode_runner_for, stream_keys
 from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
 from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
@@ -150,14 +149,11 @@ class GSPOTrainer(TRLAttributes, Trainer):
         self.model_accepts_loss_kwargs = False
         if self.ref_model is not None:
             self.ref_model = prepare_frozen_model(self.ref_model, self.accelerator, scored_by_logprobs=True)
-        for reward_func in self.reward_funcs:
-            if isinstance(reward_func, RewardModelFunction):
-                reward_func.model = prepare_frozen_model(reward_func.model, self.accelerator)
+        prepare_reward_models(self.reward_funcs, self.accelerator)
         self.reference_sync = ReferenceSync.for_run(self)  # TR-DPO's sync_ref_model
 
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-        self.padding_free = padding_free_in_use(args.padding_free, self.accelerator.device.type, base)
+        unwrapped, device_type = self.accelerator.unwrap_model(self.model), self.accelerator.device.type
+        self.padding_free = padding_free_in_use(args.padding_free, device_type, unwrapped)
         self.max_tokens_per_pass = pass_budget(args, self.accelerator.device.type, self.router_aux_loss_coef != 0.0)
         self.rollout_backend = create_rollout_backend(
             args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model), processor
@@ -497,14 +493,4 @@ class GSPOTrainer(TRLAttributes, Trainer):
         super()._save_checkpoint(model, trial)
 
     def create_model_card(self, model_name: str | None = None, tags=None, **kwargs) -> None:
-        if not self.is_world_process_zero():
-            return
-        write_model_card(
-            self.args.output_dir,
-            self.accelerator.unwrap_model(self.model),
-            model_name or Path(self.args.output_dir).name,
-            [reward_func.name for reward_func in self.reward_funcs],
-            self.args,
-            __version__,
-            tags,
-        )
+        write_trainer_model_card(self, model_name, tags, __version__)
