@@ -37,6 +37,7 @@ SAMPLING_STAT_NAMES = {
     "ratio_mean": "sampling/importance_sampling_ratio/mean",
     "ratio_max": "sampling/importance_sampling_ratio/max",
     "corrected_fraction": "sampling/corrected_fraction",
+    "truncated_mass": "sampling/truncated_mass",
 }
 
 
@@ -120,6 +121,7 @@ METRIC_UNITS = {
     "sampling/mismatch_kl": "tokens",
     "sampling/importance_sampling_ratio/mean": "correction_units",
     "sampling/corrected_fraction": "correction_units",
+    "sampling/truncated_mass": "tokens",
 }
 
 

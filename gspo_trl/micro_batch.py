@@ -6,6 +6,7 @@ Each log-prob quantity has one name from where it is produced to where the loss 
 |---------------------------------------------|---------------------|----------------------------------------------|
 | the sampler's per-token log-probs           | `sampling_logps`    | the engine, as it sampled (`Rollout`)        |
 | whether the sampler was the trained policy  | `sampled_by_policy` | the rollout backend (`Rollout`)              |
+| the policy's mass the loop's top-k/p kept   | `kept_log_mass`     | the decoding loop, where it truncated        |
 | π_old, the weights that sampled             | `old_logps`         | `schedule.fill_old_logps` (None: unchanged)  |
 | the reference model's                       | `ref_logps`         | the trainer's reference forward (beta > 0)   |
 | the correction weight π_old / π_sampler     | `sampling_weights`  | `sampling_correction.correction_for`         |
@@ -50,6 +51,10 @@ class MicroBatch:
     advantages: torch.Tensor | None = None  # (B,), or (B, C) per token (per-turn advantages)
     sampling_logps: torch.Tensor | None = None  # (B, C) the sampler's, recorded as it sampled; NaN where none
     sampled_by_policy: bool = False  # sampling_logps are the trained model's own (decoding loop), not an engine's
+    # (B, C) log of the policy's mass the decoding loop's top-k / top-p / min-p kept at each token: its sampling_logps
+    # (where recorded) are then the truncated, renormalised ones, `decoding.truncation.policy_logps` the policy's.
+    # None: nothing cut, or another engine sampled.
+    kept_log_mass: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None  # (B, C) π_old; None: the weights still are the sampling ones
     ref_logps: torch.Tensor | None = None  # (B, C) the reference model's (beta > 0)
     turn_ids: torch.Tensor | None = None  # (B, C) assistant turn of each token (multi-turn episodes)
@@ -117,6 +122,7 @@ _ROW_FIELDS = (
     "completion_mask",
     "advantages",
     "sampling_logps",
+    "kept_log_mass",
     "old_logps",
     "ref_logps",
     "turn_ids",

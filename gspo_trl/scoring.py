@@ -136,6 +136,7 @@ def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: 
         advantages=advantages,
         sampling_logps=rollout.sampling_logps,
         sampled_by_policy=rollout.sampled_by_policy,
+        kept_log_mass=rollout.kept_log_mass,
         old_logps=sampled.old_logps,
         turn_ids=rollout.turn_ids,  # multi-turn episodes only
     )

@@ -14,7 +14,9 @@ from datasets import Dataset
 from helpers import count_digits, length_reward, small_config, text_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl.decoding.truncation import policy_logps
 from gspo_trl.micro_batch import MicroBatch
+from gspo_trl.schedule import fill_old_logps
 
 
 def chat_dataset(n=8):
@@ -370,18 +372,43 @@ def test_decoded_logprobs_are_pi_old_in_full_precision(tmp_path, tiny_model_dir)
 def test_decoded_logprobs_equal_the_old_logprob_pass(tmp_path, tiny_model_dir):
     # Same weights, same tokens: the decoding loop's log-probs and the trainer's π_old forward (packed rows, chunked
     # head) agree to float32 rounding, at a temperature that is not 1 and with top-k and a repetition penalty shaping
-    # what was sampled; the GSPO sequence ratio between them is 1 to far within the clipping range (ε = 3e-4).
+    # what was sampled; the GSPO sequence ratio between them is 1 to far within the clipping range (ε = 3e-4). Top-k
+    # truncates: the loop records the renormalised log-probs it drew with and the kept mass, and π_old is the policy's
+    # log-prob, their sum (`truncation.policy_logps`), which the schedule takes.
     config = make_config(tmp_path, temperature=0.7, top_k=20, repetition_penalty=1.2)
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
     assert batch.sampled_by_policy  # the decoding loop's own: π_old, not the vLLM sampling correction's input
-    decoded, mask = batch.sampling_logps, batch.completion_mask.bool()
+    mask = batch.completion_mask.bool()
+    assert (batch.kept_log_mass[mask] < 0).all()  # top-20 of a ~400-token vocabulary cuts at every step
+    decoded = policy_logps(batch.sampling_logps, batch.kept_log_mass)
+    fill_old_logps([batch], [True], trainer.args, lambda _: pytest.fail("π_old is the loop's: no forward"))
+    torch.testing.assert_close(batch.old_logps, decoded, atol=0, rtol=0)
     assert batch.engine_logps is None
     recomputed = trainer._score_without_grad(trainer.model, batch)
     torch.testing.assert_close(decoded[mask], recomputed[mask], atol=2e-5, rtol=0)
     log_ratio = ((recomputed - decoded) * mask).sum(1) / mask.sum(1)
     assert log_ratio.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(), dict(use_cpu=True, bf16=True), dict(top_k=0, top_p=1.0)],
+    ids=["fp32", "bf16", "no truncation"],
+)
+def test_the_mass_top_p_cuts_away_is_logged(tmp_path, tiny_model_dir, overrides):
+    # sampling/truncated_mass: the mean over completion tokens of the policy's mass the sampler's top-p left out, in
+    # (0, 1) here (the tiny model is near uniform: top-p 0.5 cuts about half); under bf16 too, where the loop records
+    # no log-probs; not logged where nothing is cut.
+    config = make_config(tmp_path, max_steps=1, **{"top_p": 0.5, **overrides})
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()
+    (logged,) = train_logs(trainer)
+    if overrides.get("top_p") == 1.0:
+        assert "sampling/truncated_mass" not in logged
+    else:
+        assert 0.3 < logged["sampling/truncated_mass"] < 0.6
 
 
 @pytest.mark.parametrize(
