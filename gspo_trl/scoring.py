@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import logging
 
 from .advantages import (
     aggregate_rewards,
@@ -28,6 +29,8 @@ from .micro_batch import MicroBatch
 from .rewards import compute_rewards
 from .rollout import is_conversational_prompt
 
+logger = logging.get_logger(__name__)
+
 
 @dataclass
 class RolloutScores:
@@ -35,6 +38,9 @@ class RolloutScores:
     stats: dict[str, float]  # reward, reward_std, frac_reward_zero_std, num_invalid (over every process)
     rewards_per_func: torch.Tensor  # (N, F) over every process; with episodes the environment's return first
     rewards: torch.Tensor  # (N,) each row's total reward
+    # With `skip_rollouts_without_rewards`: whether no reward function scored any completion (the rollout trains on
+    # nothing, `scored_batch`); None without the option.
+    skipped: bool | None = None
 
 
 def completions_per_prompt(args, mode: str) -> int:
@@ -51,11 +57,14 @@ def score_rollout(
     episodes=None,
     function_names: Sequence[str] = (),
     group_size: int | None = None,
+    prompts: Sequence = (),
 ) -> RolloutScores:
     """Advantages of this process's rows from its (n, F) reward-function table (`episodes`: its `EpisodeBatch`).
 
     A rollout without episodes in which no reward function gave a number for any completion raises a `ValueError`
     naming the functions (on every process alike: the table is gathered first): it would train on zero advantages.
+    With `skip_rollouts_without_rewards` it is skipped instead: a warning naming the functions and showing one of
+    this process's `prompts`, zero advantages, and `skipped` set, so that `scored_batch` leaves it out of the loss.
     `group_size`: completions per prompt (default `num_generations`; evaluation's `num_generations_eval` may be 1:
     rewards are measured and every advantage is 0).
     """
@@ -67,20 +76,26 @@ def score_rollout(
     rewards, valid = aggregate_rewards(function_table, reward_weights.to(device))  # (N,), NaN-free
     aggregation = args.multi_objective_aggregation
     if episodes is None:
+        skipping = args.skip_rollouts_without_rewards
         if not valid.any():
             names = ", ".join(function_names) or f"all {function_table.shape[1]}"
-            raise ValueError(
-                f"Every reward function ({names}) returned None for every completion of this rollout, so it has no "
-                "signal to train on. Return a number for the completions a function applies to."
-            )
-        if group_size == 1:  # no group to compare within
+            message = f"Every reward function ({names}) returned None for every completion of this rollout"
+            if not skipping:
+                raise ValueError(
+                    f"{message}, so it has no signal to train on. Return a number for the completions a function "
+                    "applies to, or set skip_rollouts_without_rewards=True to skip such rollouts."
+                )
+            sample = f" One of its prompts: {repr(prompts[0])[:300]}." if len(prompts) else ""
+            logger.warning(f"{message}: skipping it (skip_rollouts_without_rewards=True).{sample}")
+        if group_size == 1 or not valid.any():  # no group to compare within, or nothing scored
             stats = {**reward_stats(rewards, valid), "frac_reward_zero_std": 1.0}
-            return RolloutScores(torch.zeros_like(rewards)[local], stats, function_table, rewards)
+            skipped = not bool(valid.any()) if skipping else None
+            return RolloutScores(torch.zeros_like(rewards)[local], stats, function_table, rewards, skipped)
         advantages, stats = group_advantages(rewards, group_size, args.scale_rewards, valid)
         if aggregation == "normalize_then_sum":  # GDPO; the statistics stay those of the summed reward
             decoupled, _ = decoupled_rewards(function_table, reward_weights.to(device), group_size)
             advantages = batch_advantages(decoupled, valid)
-        return RolloutScores(advantages[local], stats, function_table, rewards)
+        return RolloutScores(advantages[local], stats, function_table, rewards, False if skipping else None)
     if aggregation != "sum_then_normalize":  # refused at construction (`dataset_checks.check_datasets`)
         raise ValueError(f"multi_objective_aggregation={aggregation!r} is for single-turn rollouts.")
 
@@ -123,14 +138,22 @@ def completions_for_rewards(batch: list[dict], sampled, tokenizer) -> tuple[list
     return completions, completion_ids, texts, columns
 
 
-def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: bool) -> MicroBatch:
+def scored_batch(
+    sampled, advantages: torch.Tensor, mask_truncated_completions: bool, skipped: bool | None = None
+) -> MicroBatch:
     """The record of a scored `SampledRollout`: trained on the tokens the model sampled (not an environment's
-    observations), without truncated completions when `mask_truncated_completions`. π_old is set where the sampling
-    weights will be gone (`old_logps`, async_rollouts), else by the schedule per micro-batch."""
+    observations), without truncated completions when `mask_truncated_completions`, and on none when `skipped` (a
+    rollout no reward function scored). π_old is set where the sampling weights will be gone (`old_logps`,
+    async_rollouts), else by the schedule per micro-batch."""
     rollout = sampled.rollout
     completion_mask = rollout.sampled_mask
     if mask_truncated_completions:
         completion_mask = completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
+    if skipped:
+        # Skipped = no token is trained on, rather than resampled: the rollout still fills its micro-steps, so the
+        # schedule (the prompts each step takes, optimizer steps, checkpoints) is unchanged; every loss term (policy,
+        # KL, entropy) is masked out and its gradient is 0. The model's inputs keep the completions' attention.
+        completion_mask = torch.zeros_like(completion_mask)
     return MicroBatch(
         **{**rollout.model_inputs(), "completion_mask": completion_mask},
         advantages=advantages,
@@ -170,5 +193,7 @@ def reward_and_score(
         log_extra=extra_columns.__setitem__,
     ).to(accelerator.device)  # (n, F)
     names = [function.name for function in reward_funcs]
-    scores = score_rollout(local_rewards, reward_weights, args, accelerator, sampled.episodes, names, group_size)
+    scores = score_rollout(
+        local_rewards, reward_weights, args, accelerator, sampled.episodes, names, group_size, sampled.prompts
+    )
     return scores, texts, extra_columns

@@ -348,7 +348,7 @@ class GSPOTrainer(Trainer):
             log_metric=lambda name, value: self._metrics.add(mode, name, value),
             group_size=completions_per_prompt(args, mode),
         )
-        scored = scored_batch(sampled, scores.advantages, args.mask_truncated_completions)
+        scored = scored_batch(sampled, scores.advantages, args.mask_truncated_completions, scores.skipped)
         if mode == "train":  # the first rollout, before a π_old or reference pass scores on a path
             pipeline = self.rollout_pipeline
             backends = [self.rollout_backend, *(pipeline.backends if pipeline is not None else [])]

@@ -692,3 +692,38 @@ def test_gdpo_and_a_smaller_eval_group_train_in_the_gpu_recipe(tmp_path, tiny_mo
     assert changed(before, trainer.model) and all("lora" in name for name in changed(before, trainer.model))
     metrics = trainer.evaluate()
     assert math.isfinite(metrics["eval_reward"]) and math.isfinite(metrics["eval_loss"])
+
+
+def no_reward(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def test_a_rollout_no_reward_function_scores_raises_by_default(tmp_path, tiny_model_dir):
+    trainer = GSPOTrainer(
+        tiny_model_dir, no_reward, args=make_config(tmp_path, max_steps=1), train_dataset=text_dataset()
+    )
+    with pytest.raises(ValueError, match=r"Every reward function \(no_reward\) returned None"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(beta=0.04, entropy_coef=0.1), dict(use_cpu=True, bf16=True, beta=0.04, entropy_coef=0.1, loss_type="dapo")],
+    ids=["fp32", "bf16"],
+)
+def test_skipped_rollouts_train_on_nothing(tmp_path, tiny_model_dir, overrides, caplog):
+    # skip_rollouts_without_rewards: each rollout (every row None) is skipped with a warning; no token is trained on,
+    # so neither the KL term (beta > 0) nor the entropy bonus (whose gradient zero advantages alone would keep) gives
+    # a gradient, and AdamW's first steps on zero gradients (no weight decay) leave every weight as it was.
+    # rollout/skipped logs the share of rollouts skipped: all of them here.
+    config = make_config(tmp_path, max_steps=2, skip_rollouts_without_rewards=True, **overrides)
+    trainer = GSPOTrainer(tiny_model_dir, no_reward, args=config, train_dataset=text_dataset())
+    before = snapshot(trainer.model)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "returned None for every completion of this rollout: skipping it" in caplog.text
+    assert changed(before, trainer.model) == set()
+    logs = train_logs(trainer)
+    # One rollout serves both optimizer steps here: its metrics are logged with the step that sampled it.
+    assert [entry.get("rollout/skipped") for entry in logs] == [1.0, None]
+    assert all(entry["loss"] == 0.0 for entry in logs)
