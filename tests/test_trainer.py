@@ -393,22 +393,29 @@ def test_decoded_logprobs_equal_the_old_logprob_pass(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [dict(), dict(use_cpu=True, bf16=True), dict(top_k=0, top_p=1.0)],
-    ids=["fp32", "bf16", "no truncation"],
+    "overrides, lora",
+    [(dict(), False), (dict(use_cpu=True, bf16=True), False), (dict(beta=0.04), True), (dict(top_p=1.0), False)],
+    ids=["fp32", "bf16", "LoRA beta", "no truncation"],
 )
-def test_the_mass_top_p_cuts_away_is_logged(tmp_path, tiny_model_dir, overrides):
+def test_the_mass_top_p_cuts_away_is_logged(tmp_path, tiny_model_dir, overrides, lora):
     # sampling/truncated_mass: the mean over completion tokens of the policy's mass the sampler's top-p left out, in
     # (0, 1) here (the tiny model is near uniform: top-p 0.5 cuts about half); under bf16 too, where the loop records
-    # no log-probs; not logged where nothing is cut.
-    config = make_config(tmp_path, max_steps=1, **{"top_p": 0.5, **overrides})
-    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
+    # no log-probs; not logged where nothing is cut. The second step trains against π_old from the loop in float32:
+    # the policy's log-probs, so the ratio stays near 1 (against the truncated ones it would be about Z, near 1/2).
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
+    config = make_config(tmp_path, max_steps=2, **{"top_p": 0.5, "top_k": 0, **overrides})
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config
+    )
     trainer.train()
-    (logged,) = train_logs(trainer)
+    first, second = train_logs(trainer)
     if overrides.get("top_p") == 1.0:
-        assert "sampling/truncated_mass" not in logged
+        assert "sampling/truncated_mass" not in first
     else:
-        assert 0.3 < logged["sampling/truncated_mass"] < 0.6
+        assert 0.3 < first["sampling/truncated_mass"] < 0.6
+    assert 0.9 < second["ratio/min"] <= second["ratio/max"] < 1.1
 
 
 @pytest.mark.parametrize(
