@@ -11,6 +11,8 @@ The uniforms come from the caller: `torch.rand` for ordinary sampling, or a pure
 and position (`rollout.keyed_uniform`) for sampling that does not depend on the batch layout. On request the
 loop also records each sampled token's log-prob under the model, temperature-scaled as training scores it
 (`token_logps`): the behaviour policy's log-probs, which the trainer can take as π_old instead of a forward pass.
+Where top-k / top-p / min-p cut the distribution, it records instead the truncated, renormalised log-probs the
+tokens were drawn with and the policy's mass kept (`truncation`), whose sum is that log-prob.
 """
 
 from __future__ import annotations
