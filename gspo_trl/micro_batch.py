@@ -59,6 +59,9 @@ class MicroBatch:
     ref_logps: torch.Tensor | None = None  # (B, C) the reference model's (beta > 0)
     turn_ids: torch.Tensor | None = None  # (B, C) assistant turn of each token (multi-turn episodes)
     num_items_in_batch: torch.Tensor | None = None  # () completion tokens of the whole rollout, every process
+    # A rollout no reward function scored (`skip_rollouts_without_rewards`): its loss is multiplied by 0, so that every
+    # term (policy, KL, entropy) has a zero gradient while every parameter stays in the graph (DDP expects them all).
+    skipped: bool = False
     # Set on one training pass of a micro-batch (`passes.take_pass`): the whole micro-batch's counts.
     micro_batch_rows: int | None = None
     micro_batch_tokens: torch.Tensor | None = None  # ()

@@ -142,18 +142,13 @@ def scored_batch(
     sampled, advantages: torch.Tensor, mask_truncated_completions: bool, skipped: bool | None = None
 ) -> MicroBatch:
     """The record of a scored `SampledRollout`: trained on the tokens the model sampled (not an environment's
-    observations), without truncated completions when `mask_truncated_completions`, and on none when `skipped` (a
-    rollout no reward function scored). π_old is set where the sampling weights will be gone (`old_logps`,
+    observations), without truncated completions when `mask_truncated_completions`; with `skipped` (a rollout no
+    reward function scored) its loss is 0. π_old is set where the sampling weights will be gone (`old_logps`,
     async_rollouts), else by the schedule per micro-batch."""
     rollout = sampled.rollout
     completion_mask = rollout.sampled_mask
     if mask_truncated_completions:
         completion_mask = completion_mask * (~rollout.is_truncated).unsqueeze(1).long()
-    if skipped:
-        # Skipped = no token is trained on, rather than resampled: the rollout still fills its micro-steps, so the
-        # schedule (the prompts each step takes, optimizer steps, checkpoints) is unchanged; every loss term (policy,
-        # KL, entropy) is masked out and its gradient is 0. The model's inputs keep the completions' attention.
-        completion_mask = torch.zeros_like(completion_mask)
     return MicroBatch(
         **{**rollout.model_inputs(), "completion_mask": completion_mask},
         advantages=advantages,
@@ -162,6 +157,9 @@ def scored_batch(
         kept_log_mass=rollout.kept_log_mass,
         old_logps=sampled.old_logps,
         turn_ids=rollout.turn_ids,  # multi-turn episodes only
+        # Skipped = trained on with a loss of 0 (`MicroBatch.skipped`), rather than resampled: the rollout still fills
+        # its micro-steps, so the schedule (the prompts each step takes, optimizer steps, checkpoints) is unchanged.
+        skipped=bool(skipped),
     )
 
 

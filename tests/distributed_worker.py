@@ -82,6 +82,10 @@ def fails_on_rank_1(completions, **kwargs):
     return [0.0] * len(completions)
 
 
+def no_reward(completions, **kwargs):
+    return [None] * len(completions)
+
+
 class MoreDigits:
     """Rewards digits; a reply with 2 or more ends the episode, otherwise the model is asked for more."""
 
@@ -183,6 +187,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         fsdp=FSDP.get(mode, ("", None))[0],
         fsdp_config=FSDP.get(mode, ("", None))[1],
         beta=0.04 if "beta" in options else 0.0,
+        top_p=0.5 if "topp" in options else 1.0,
+        skip_rollouts_without_rewards="skip" in options,
         ds3_gather_for_generation="nogather" not in options,
         # 4 rows of a prompt (about 10 tokens) and 6 completion tokens: passes of 2 rows
         max_tokens_per_pass=40 if "passes" in options else None,
@@ -213,6 +219,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         gspo_trl.trainer.take_pass = lambda batch, rows, last: passes.append(len(rows)) or take_pass(batch, rows, last)
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
+    if "skip" in options:  # no reward for any completion: every rollout is skipped
+        rewards = [no_reward]
     trainer = GSPOTrainer(
         model_dir,
         rewards,
@@ -252,6 +260,9 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 "episodes/turns/mean",
                 "episodes/env_token_fraction",
                 "rollout/staleness",
+                "ratio/min",
+                "sampling/truncated_mass",
+                "rollout/skipped",
             )
             if k in e
         }

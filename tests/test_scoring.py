@@ -72,7 +72,7 @@ def test_a_rollout_without_any_reward_raises_naming_the_functions():
 
 def test_a_rollout_without_any_reward_is_skipped_with_a_warning_when_asked(caplog):
     # skip_rollouts_without_rewards: no error; a warning naming the functions with one of the prompts, every advantage
-    # 0 and `skipped` set (so that `scored_batch` masks the whole rollout out of the loss). A rollout with one number
+    # 0 and `skipped` set (so that the loss of its `MicroBatch` is multiplied by 0). A rollout with one number
     # is scored as without the option, `skipped` False; without the option, `skipped` is None.
     table = torch.full((4, 2), float("nan"))
     with caplog.at_level("WARNING"):

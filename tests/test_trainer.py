@@ -719,8 +719,8 @@ def test_a_rollout_no_reward_function_scores_raises_by_default(tmp_path, tiny_mo
     ids=["fp32", "bf16"],
 )
 def test_skipped_rollouts_train_on_nothing(tmp_path, tiny_model_dir, overrides, caplog):
-    # skip_rollouts_without_rewards: each rollout (every row None) is skipped with a warning; no token is trained on,
-    # so neither the KL term (beta > 0) nor the entropy bonus (whose gradient zero advantages alone would keep) gives
+    # skip_rollouts_without_rewards: each rollout (every row None) is skipped with a warning; its loss is multiplied by
+    # 0, so neither the KL term (beta > 0) nor the entropy bonus (whose gradient zero advantages alone would keep) gives
     # a gradient, and AdamW's first steps on zero gradients (no weight decay) leave every weight as it was.
     # rollout/skipped logs the share of rollouts skipped: all of them here.
     config = make_config(tmp_path, max_steps=2, skip_rollouts_without_rewards=True, **overrides)
