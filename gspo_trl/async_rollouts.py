@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from .decoding.truncation import policy_logps
 from .micro_batch import MicroBatch
 from .rollout import EpisodeRunner, HFGenerateBackend, RolloutBackend
 
@@ -245,7 +246,7 @@ class RolloutPipeline:
                 if frozen is not None and ahead:
                     rollout = sampled.rollout
                     sampled.old_logps = (
-                        rollout.sampling_logps
+                        policy_logps(rollout.sampling_logps, rollout.kept_log_mass)
                         if rollout.sampled_by_policy
                         else score(frozen, MicroBatch(**rollout.model_inputs()))
                     )

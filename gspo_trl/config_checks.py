@@ -290,6 +290,11 @@ def check_dynamic_sampling(config) -> None:
             "episode's return, which per-turn advantages (advantage_granularity='turn') are not made of: use "
             "scale_rewards='group' or 'none', or advantage_granularity='trajectory'."
         )
+    if config.skip_rollouts_without_rewards:
+        raise ValueError(
+            "dynamic_sampling=True already replaces the groups no reward function scored (they have no reward "
+            "spread) with new prompts, so skip_rollouts_without_rewards=True has nothing to skip: set one of them."
+        )
 
 
 def check_generation_kwargs(generation_kwargs, use_vllm: bool = False) -> None:

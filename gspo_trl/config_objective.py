@@ -122,6 +122,14 @@ class ObjectiveFields:
             "batch std (scale_rewards unused). See docs/migrating-from-trl.md#reward-functions-same-convention."
         },
     )
+    skip_rollouts_without_rewards: bool = field(
+        default=False,
+        metadata={
+            "help": "Where every reward function returns None for every completion of a rollout, skip that rollout "
+            "with a warning (it trains on nothing) instead of raising. See "
+            "docs/migrating-from-trl.md#reward-functions-same-convention."
+        },
+    )
     mask_truncated_completions: bool = field(
         default=False,
         metadata={

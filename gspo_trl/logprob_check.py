@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
+from .decoding.truncation import policy_logps
 from .distributed import has_sharded_parameters, unwrap_model
 from .logprobs import completion_logprobs
 from .micro_batch import MicroBatch
@@ -203,7 +204,7 @@ def check_first_rollout(
         inputs.completion_ids[rows, :width],
         checked_mask[rows, :width],
     )
-    decoded = inputs.sampling_logps if inputs.sampled_by_policy else None
+    decoded = policy_logps(inputs.sampling_logps, inputs.kept_log_mass) if inputs.sampled_by_policy else None
     collective = agree is not None and has_sharded_parameters(model)
     was_training = unwrap_model(model).training
     model.eval()  # dropout (disable_dropout=False) would make every comparison differ

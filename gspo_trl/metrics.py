@@ -37,6 +37,7 @@ SAMPLING_STAT_NAMES = {
     "ratio_mean": "sampling/importance_sampling_ratio/mean",
     "ratio_max": "sampling/importance_sampling_ratio/max",
     "corrected_fraction": "sampling/corrected_fraction",
+    "truncated_mass": "sampling/truncated_mass",
 }
 
 
@@ -120,6 +121,7 @@ METRIC_UNITS = {
     "sampling/mismatch_kl": "tokens",
     "sampling/importance_sampling_ratio/mean": "correction_units",
     "sampling/corrected_fraction": "correction_units",
+    "sampling/truncated_mass": "tokens",
 }
 
 
@@ -315,6 +317,8 @@ def record_rollout_metrics(
     metrics.add_many(mode, reward_function_metrics(table, names))
     for name in ("reward", "reward_std", "frac_reward_zero_std"):
         metrics.add(mode, name, scores.stats[name])
+    if scores.skipped is not None:  # skip_rollouts_without_rewards: the share of rollouts skipped
+        metrics.add(mode, "rollout/skipped", float(scores.skipped))
     sampled_tokens = sampled_mask.sum(1, keepdim=True)  # (n, 1)
     truncated = gather(rollout.is_truncated.unsqueeze(1)).squeeze(1)
     metrics.add_many(mode, completion_length_metrics(gather(sampled_tokens), truncated))

@@ -6,6 +6,7 @@ Each log-prob quantity has one name from where it is produced to where the loss 
 |---------------------------------------------|---------------------|----------------------------------------------|
 | the sampler's per-token log-probs           | `sampling_logps`    | the engine, as it sampled (`Rollout`)        |
 | whether the sampler was the trained policy  | `sampled_by_policy` | the rollout backend (`Rollout`)              |
+| the policy's mass the loop's top-k/p kept   | `kept_log_mass`     | the decoding loop, where it truncated        |
 | π_old, the weights that sampled             | `old_logps`         | `schedule.fill_old_logps` (None: unchanged)  |
 | the reference model's                       | `ref_logps`         | the trainer's reference forward (beta > 0)   |
 | the correction weight π_old / π_sampler     | `sampling_weights`  | `sampling_correction.correction_for`         |
@@ -54,11 +55,18 @@ class MicroBatch:
     rewards: torch.Tensor | None = None  # (B,) each row's total reward (an episode's return), NaN where none
     sampling_logps: torch.Tensor | None = None  # (B, C) the sampler's, recorded as it sampled; NaN where none
     sampled_by_policy: bool = False  # sampling_logps are the trained model's own (decoding loop), not an engine's
+    # (B, C) log of the policy's mass the decoding loop's top-k / top-p / min-p kept at each token: its sampling_logps
+    # (where recorded) are then the truncated, renormalised ones, `decoding.truncation.policy_logps` the policy's.
+    # None: nothing cut, or another engine sampled.
+    kept_log_mass: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None  # (B, C) π_old; None: the weights still are the sampling ones
     ref_logps: torch.Tensor | None = None  # (B, C) the reference model's (beta > 0)
     turn_ids: torch.Tensor | None = None  # (B, C) assistant turn of each token (multi-turn episodes)
     vision: VisionInputs | None = None  # a vision-language prompt's images, once per prompt (`multimodal`)
     num_items_in_batch: torch.Tensor | None = None  # () completion tokens of the whole rollout, every process
+    # A rollout no reward function scored (`skip_rollouts_without_rewards`): its loss is multiplied by 0, so that every
+    # term (policy, KL, entropy) has a zero gradient while every parameter stays in the graph (DDP expects them all).
+    skipped: bool = False
     # Set on one training pass of a micro-batch (`passes.take_pass`): the whole micro-batch's counts.
     micro_batch_rows: int | None = None
     micro_batch_tokens: torch.Tensor | None = None  # ()
@@ -154,6 +162,7 @@ _ROW_FIELDS = (
     "advantages",
     "rewards",
     "sampling_logps",
+    "kept_log_mass",
     "old_logps",
     "ref_logps",
     "turn_ids",

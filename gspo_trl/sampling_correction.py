@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from .decoding.truncation import truncated_mass
+
 CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -116,10 +118,14 @@ def sampler_logprobs_as_old(micro_batch) -> torch.Tensor:
 def correction_for(micro_batch, logps: torch.Tensor, args) -> tuple[torch.Tensor | None, dict]:
     """(the weights `sampling_weights` or None, stats) correcting a micro-batch sampled by another engine towards
     π_old: its `old_logps`, or, where none were computed (the weights still are the sampling ones), the current
-    `logps`. Without `vllm_importance_sampling_correction` only the stats are kept."""
+    `logps`. Without `vllm_importance_sampling_correction` only the stats are kept. Where the trained model's own
+    decoding loop truncated (top-k, top-p, min-p), the stats hold ``truncated_mass`` (the mean over completion tokens
+    of the policy's mass cut away) and there are no weights: that loop's π_old is the policy itself."""
     engine_logps = micro_batch.engine_logps
     if engine_logps is None:
-        return None, {}
+        if micro_batch.kept_log_mass is None:
+            return None, {}
+        return None, {"truncated_mass": truncated_mass(micro_batch.kept_log_mass, micro_batch.completion_mask)}
     old = micro_batch.old_logps if micro_batch.old_logps is not None else logps
     weights, stats = sampling_correction(
         old,

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from trl.trainer.utils import RepeatSampler
 
+from .decoding.truncation import policy_logps
 from .distributed import gather_rollout
 from .micro_batch import MicroBatch
 from .rollout_checkpoint import RolloutState, load_rollout_state
@@ -144,7 +145,9 @@ def fill_old_logps(
         if source == SAMPLER:
             micro_batch.old_logps = sampler_logprobs_as_old(micro_batch)
         elif source == DECODING_LOOP:
-            micro_batch.old_logps = micro_batch.sampling_logps
+            # π_old is the policy, not the truncated distribution the loop drew from: the ratio compares it with the
+            # training forward's log-probs, which are over the whole (temperature-scaled) vocabulary.
+            micro_batch.old_logps = policy_logps(micro_batch.sampling_logps, micro_batch.kept_log_mass)
         elif source == FORWARD:
             micro_batch.old_logps = forward(micro_batch)
 

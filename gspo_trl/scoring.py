@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import logging
 
 from .advantages import (
     aggregate_rewards,
@@ -28,6 +29,8 @@ from .micro_batch import MicroBatch
 from .rewards import compute_rewards
 from .rollout import is_conversational_prompt
 
+logger = logging.get_logger(__name__)
+
 
 @dataclass
 class RolloutScores:
@@ -36,6 +39,9 @@ class RolloutScores:
     rewards_per_func: torch.Tensor  # (N, F) over every process; with episodes the environment's return first
     rewards: torch.Tensor  # (N,) each row's total reward
     row_rewards: torch.Tensor | None = None  # (n,) this process's rows' total reward, NaN where none was given
+    # With `skip_rollouts_without_rewards`: whether no reward function scored any completion (the rollout trains on
+    # nothing, `scored_batch`); None without the option.
+    skipped: bool | None = None
 
 
 def completions_per_prompt(args, mode: str) -> int:
@@ -52,11 +58,14 @@ def score_rollout(
     episodes=None,
     function_names: Sequence[str] = (),
     group_size: int | None = None,
+    prompts: Sequence = (),
 ) -> RolloutScores:
     """Advantages of this process's rows from its (n, F) reward-function table (`episodes`: its `EpisodeBatch`).
 
     A rollout without episodes in which no reward function gave a number for any completion raises a `ValueError`
     naming the functions (on every process alike: the table is gathered first): it would train on zero advantages.
+    With `skip_rollouts_without_rewards` it is skipped instead: a warning naming the functions and showing one of
+    this process's `prompts`, zero advantages, and `skipped` set, so that `scored_batch` leaves it out of the loss.
     `group_size`: completions per prompt (default `num_generations`; evaluation's `num_generations_eval` may be 1:
     rewards are measured and every advantage is 0).
     """
@@ -69,20 +78,30 @@ def score_rollout(
     aggregation = args.multi_objective_aggregation
     if episodes is None:
         row_rewards = torch.where(valid, rewards, torch.full_like(rewards, float("nan")))  # (N,)
+        skipping = args.skip_rollouts_without_rewards
         if not valid.any():
             names = ", ".join(function_names) or f"all {function_table.shape[1]}"
-            raise ValueError(
-                f"Every reward function ({names}) returned None for every completion of this rollout, so it has no "
-                "signal to train on. Return a number for the completions a function applies to."
-            )
-        if group_size == 1:  # no group to compare within
+            message = f"Every reward function ({names}) returned None for every completion of this rollout"
+            if not skipping:
+                raise ValueError(
+                    f"{message}, so it has no signal to train on. Return a number for the completions a function "
+                    "applies to, or set skip_rollouts_without_rewards=True to skip such rollouts."
+                )
+            sample = f" One of its prompts: {repr(prompts[0])[:300]}." if len(prompts) else ""
+            logger.warning(f"{message}: skipping it (skip_rollouts_without_rewards=True).{sample}")
+        if group_size == 1 or not valid.any():  # no group to compare within, or nothing scored
             stats = {**reward_stats(rewards, valid), "frac_reward_zero_std": 1.0}
-            return RolloutScores(torch.zeros_like(rewards)[local], stats, function_table, rewards, row_rewards[local])
+            skipped = not bool(valid.any()) if skipping else None
+            return RolloutScores(
+                torch.zeros_like(rewards)[local], stats, function_table, rewards, row_rewards[local], skipped
+            )
         advantages, stats = group_advantages(rewards, group_size, args.scale_rewards, valid)
         if aggregation == "normalize_then_sum":  # GDPO; the statistics stay those of the summed reward
             decoupled, _ = decoupled_rewards(function_table, reward_weights.to(device), group_size)
             advantages = batch_advantages(decoupled, valid)
-        return RolloutScores(advantages[local], stats, function_table, rewards, row_rewards[local])
+        return RolloutScores(
+            advantages[local], stats, function_table, rewards, row_rewards[local], False if skipping else None
+        )
     if aggregation != "sum_then_normalize":  # refused at construction (`dataset_checks.check_datasets`)
         raise ValueError(f"multi_objective_aggregation={aggregation!r} is for single-turn rollouts.")
 
@@ -128,8 +147,9 @@ def completions_for_rewards(batch: list[dict], sampled, tokenizer) -> tuple[list
 
 def scored_batch(sampled, scores: RolloutScores, mask_truncated_completions: bool) -> MicroBatch:
     """The record of a `SampledRollout` with its `scores`: trained on the tokens the model sampled (not an environment's
-    observations), without truncated completions when `mask_truncated_completions`. π_old is set where the sampling
-    weights will be gone (`old_logps`, async_rollouts), else by the schedule per micro-batch."""
+    observations), without truncated completions when `mask_truncated_completions`; a skipped rollout (no reward
+    function scored it, `skip_rollouts_without_rewards`) has a loss of 0. π_old is set where the sampling weights
+    will be gone (`old_logps`, async_rollouts), else by the schedule per micro-batch."""
     rollout = sampled.rollout
     completion_mask = rollout.sampled_mask
     if mask_truncated_completions:
@@ -140,9 +160,13 @@ def scored_batch(sampled, scores: RolloutScores, mask_truncated_completions: boo
         rewards=scores.row_rewards,
         sampling_logps=rollout.sampling_logps,
         sampled_by_policy=rollout.sampled_by_policy,
+        kept_log_mass=rollout.kept_log_mass,
         old_logps=sampled.old_logps,
         turn_ids=rollout.turn_ids,  # multi-turn episodes only
         vision=rollout.vision,  # vision-language prompts only
+        # Skipped = trained on with a loss of 0 (`MicroBatch.skipped`), rather than resampled: the rollout still fills
+        # its micro-steps, so the schedule (the prompts each step takes, optimizer steps, checkpoints) is unchanged.
+        skipped=bool(scores.skipped),
     )
 
 
@@ -174,5 +198,7 @@ def reward_and_score(
         log_extra=extra_columns.__setitem__,
     ).to(accelerator.device)  # (n, F)
     names = [function.name for function in reward_funcs]
-    scores = score_rollout(local_rewards, reward_weights, args, accelerator, sampled.episodes, names, group_size)
+    scores = score_rollout(
+        local_rewards, reward_weights, args, accelerator, sampled.episodes, names, group_size, sampled.prompts
+    )
     return scores, texts, extra_columns

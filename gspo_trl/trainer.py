@@ -451,6 +451,8 @@ class GSPOTrainer(TRLAttributes, Trainer):
             num_sequences=inputs.micro_batch_rows,  # set on a pass: its loss is its share of the micro-batch's
             num_tokens=inputs.micro_batch_tokens,
         )
+        if inputs.skipped:  # skip_rollouts_without_rewards: a zero gradient, every parameter still in the graph
+            loss = loss * 0.0
         metrics = loss_metrics(stats, masked_mean(scores.entropy.detach(), mask), self.args.beta)
         metrics.update(sampling_metrics(sampling_stats))
         if scores.router_aux_loss is not None:

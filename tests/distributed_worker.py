@@ -86,6 +86,10 @@ def fails_on_rank_1(completions, **kwargs):
     return [0.0] * len(completions)
 
 
+def no_reward(completions, **kwargs):
+    return [None] * len(completions)
+
+
 class MoreDigits:
     """Rewards digits; a reply with 2 or more ends the episode, otherwise the model is asked for more."""
 
@@ -197,6 +201,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         sync_ref_model="sync" in options,  # TR-DPO: ref ← (π + ref) / 2 after every optimizer step
         ref_model_mixup_alpha=0.5,
         ref_model_sync_steps=1,
+        top_p=0.5 if "topp" in options else 1.0,
+        skip_rollouts_without_rewards="skip" in options,
         ds3_gather_for_generation="nogather" not in options,
         # 4 rows of a prompt (about 10 tokens) and 6 completion tokens: passes of 2 rows
         max_tokens_per_pass=40 if "passes" in options else None,
@@ -233,6 +239,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
     if "dynsamp" in options:  # half the groups of equal rewards: dynamic sampling samples more prompts
         rewards = [even_prompts_constant]
+    if "skip" in options:  # no reward for any completion: every rollout is skipped
+        rewards = [no_reward]
     trainer = GSPOTrainer(
         model_dir,
         rewards,
@@ -284,6 +292,9 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 "episodes/env_token_fraction",
                 "rollout/staleness",
                 "rollout/dynamic_sampling_rounds",
+                "ratio/min",
+                "sampling/truncated_mass",
+                "rollout/skipped",
             )
             if k in e
         }

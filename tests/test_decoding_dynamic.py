@@ -22,6 +22,7 @@ from gspo_trl.decoding.dynamic import (
     unsupported_settings,
 )
 from gspo_trl.decoding.prefix_sharing import prefill_shared_prefixes, prefill_shared_prompts
+from gspo_trl.decoding.truncation import policy_logps
 from gspo_trl.rollout import HFGenerateBackend, keyed_uniform, stream_keys
 
 SETTINGS = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
@@ -326,10 +327,11 @@ def test_only_scales_is_true_for_temperature_alone():
 @pytest.mark.parametrize("settings", ["sampling settings", "temperature alone"])
 def test_recorded_logps_are_the_policy_logps_training_computes(tiny_model, tiny_tokenizer, prefill, settings):
     # What decode_logprobs_as_old takes as π_old: each sampled token's log-prob under softmax(logits / T), the
-    # distribution training scores (`completion_logprobs`), not the one top-k / top-p / the repetition penalty
-    # sampled from; 0 after a row's end. Equal to a training forward up to float32 rounding. With the temperature
-    # alone, the loop takes the normaliser from its sampling weights (`only_scales`); rows then end at any of a
-    # twentieth of the vocabulary's ids.
+    # distribution training scores (`completion_logprobs`); 0 after a row's end. Where top-k / top-p / min-p cut the
+    # distribution, the loop records the truncated, renormalised log-probs it drew with and the kept log-mass, and
+    # π_old is their sum (`truncation.policy_logps`). Equal to a training forward up to float32 rounding. With the
+    # temperature alone, the loop takes the normaliser from its sampling weights (`only_scales`) and cuts nothing;
+    # rows then end at any of a twentieth of the vocabulary's ids.
     from gspo_trl.logprobs import completion_logprobs
     from gspo_trl.rollout import completion_mask_from_eos
 
@@ -364,8 +366,14 @@ def test_recorded_logps_are_the_policy_logps_training_computes(tiny_model, tiny_
         history=encoded.input_ids,
         logp_temperature=SETTINGS["temperature"],
     )
-    completions, logps = decoded.completion_ids, decoded.logps
+    completions, logps = decoded.completion_ids, policy_logps(decoded.logps, decoded.kept_log_mass)
     completion_mask, _ = completion_mask_from_eos(completions, ends)
+    if settings == "temperature alone":
+        assert decoded.kept_log_mass is None
+    else:  # top_k=40 of a ~400-token vocabulary cuts mass at every step; nothing after a row's end
+        assert (decoded.kept_log_mass[completion_mask == 1] < 0).all()
+        assert (decoded.kept_log_mass[completion_mask == 0] == 0).all()
+        assert (decoded.logps[completion_mask == 1] > logps[completion_mask == 1]).all()  # log μ > log p on kept
     assert logps.shape == completions.shape and 0 < completion_mask.sum() < completion_mask.numel()  # rows end early
     assert (logps[completion_mask == 0] == 0).all()
     scored = completion_logprobs(

@@ -65,6 +65,22 @@ def assert_same_run(a, b, tolerance, steps=3, compared_steps=None):
     assert a["checksum"] == pytest.approx(b["checksum"], rel=tolerance)
 
 
+@pytest.mark.slow  # torchrun launches
+def test_two_processes_agree_on_truncated_sampling_and_on_skipped_rollouts(tmp_path, tiny_model_dir):
+    # top-p 0.5: both ranks log the same mass cut away (reduced over the processes' tokens) and train against the
+    # policy's π_old (ratio near 1 after the first update). No reward anywhere, skip_rollouts_without_rewards: both
+    # ranks skip the same rollouts (the decision is taken on the gathered table), train on nothing, even with beta > 0.
+    top_p = launch(tmp_path, tiny_model_dir, "ddp+topp")
+    assert_same_run(top_p[0], top_p[1], 0)
+    logs = top_p[0]["logs"]
+    assert 0.3 < logs[0]["sampling/truncated_mass"] < 0.6 and 0.9 < logs[1]["ratio/min"]
+    skipped = launch(tmp_path, tiny_model_dir, "ddp+skip+beta")
+    assert_same_run(skipped[0], skipped[1], 0)
+    logs = skipped[0]["logs"]
+    assert [entry.get("rollout/skipped") for entry in logs] == [1.0, None, 1.0]  # a rollout every two steps
+    assert all(entry["loss"] == 0.0 for entry in logs) and skipped[0]["grad_norms"] == [0.0] * 3
+
+
 @pytest.mark.parametrize("options", ["", "+lora+beta"])
 @pytest.mark.slow  # torchrun launches
 def test_deepspeed_zero2_and_zero3_train_like_ddp_and_ranks_agree(tmp_path, tiny_model_dir, options):

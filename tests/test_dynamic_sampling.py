@@ -133,6 +133,8 @@ def test_the_config_refuses_what_dynamic_sampling_cannot_recompute(tmp_path):
         small_config(tmp_path, dynamic_sampling=True, dynamic_sampling_max_rounds=0)
     with pytest.raises(ValueError, match="normalize_then_sum"):
         small_config(tmp_path, dynamic_sampling=True, multi_objective_aggregation="normalize_then_sum")
+    with pytest.raises(ValueError, match="skip_rollouts_without_rewards=True has nothing to skip"):
+        small_config(tmp_path, dynamic_sampling=True, skip_rollouts_without_rewards=True)
     with pytest.raises(ValueError, match="advantage_granularity='turn'"):
         small_config(
             tmp_path,

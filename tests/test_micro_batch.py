@@ -32,10 +32,16 @@ def test_a_misspelled_field_is_an_error_not_none():
 
 
 def test_select_takes_rows_and_cuts_completion_columns_only():
-    record = batch(old_logps=-torch.ones(3, 4), advantages=torch.tensor([0.5, -1.0, 0.25]), turn_ids=None)
+    record = batch(
+        old_logps=-torch.ones(3, 4),
+        advantages=torch.tensor([0.5, -1.0, 0.25]),
+        turn_ids=None,
+        kept_log_mass=-torch.arange(12.0).reshape(3, 4),
+    )
     part = record.select(torch.tensor([2, 0]), completion_width=2)
     assert part.input_ids.tolist() == [[0, 6, 8, 9], [0, 7, 0, 1]]  # prompt whole, completion cut at 2
     assert part.completion_ids.shape == part.old_logps.shape == (2, 2) and part.turn_ids is None
+    assert part.kept_log_mass.tolist() == [[-8.0, -9.0], [0.0, -1.0]]
     assert part.advantages.tolist() == [0.25, 0.5]
     rows = record.select(slice(1, 3))  # a process's share
     assert rows.rows == 2 and torch.equal(rows.completion_mask, record.completion_mask[1:])
@@ -49,9 +55,15 @@ def test_engine_logps_are_another_engines_only():
 
 
 def test_the_checkpoint_form_round_trips_and_reads_the_earlier_key_names():
-    record = batch(sampling_logps=torch.zeros(3, 4), sampled_by_policy=True, old_logps=torch.ones(3, 4))
+    record = batch(
+        sampling_logps=torch.zeros(3, 4),
+        sampled_by_policy=True,
+        old_logps=torch.ones(3, 4),
+        kept_log_mass=torch.full((3, 4), -0.5),
+    )
     again = MicroBatch.from_state(record.to_state())
     assert again.sampled_by_policy and torch.equal(again.old_logps, record.old_logps)
+    assert torch.equal(again.kept_log_mass, record.kept_log_mass)
     plain = {name: getattr(record, name) for name in ("input_ids", "attention_mask", "completion_ids")}
     earlier = {
         **plain,

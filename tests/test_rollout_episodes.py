@@ -330,3 +330,33 @@ def test_the_turn_cache_in_bf16(tiny_model, tiny_tokenizer, precision):
     assert batch.reached[:, 1:].sum() >= 2  # later turns were played ...
     reply = len(ObservationEncoder(tok, True, [tok.eos_token_id])("Again."))
     assert len(prefills) >= 2 and all(length <= reply for length in prefills[1:])  # ... from the turn cache
+
+
+def test_a_truncating_sampler_stitches_its_kept_mass_along_the_episode(tiny_model, tiny_tokenizer):
+    # top-p in every turn: the loop's renormalised log-probs and kept log-mass are stitched along the episode (0 on
+    # the environment's tokens); their sum is the policy's log-prob, what training scores (float32 rounding: 2e-5).
+    from transformers import LogitsProcessorList
+
+    from gspo_trl.decoding.truncation import policy_logps
+    from gspo_trl.rollout import stream_keys
+    from tests.test_decoding_dynamic import FavourEos
+
+    tok = tiny_tokenizer
+    args = episode_args(max_completion_length=40, max_turns=2, top_p=0.6)
+    backend = HFGenerateBackend(lambda: tiny_model, tok, args)
+    backend.processors = LogitsProcessorList([FavourEos(tok.eos_token_id)] * 2 + list(backend.processors))
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}] * 4
+    batch = EpisodeRunner(Forever, tok, args).run(backend, rows, seeds=[1] * 4, keys=stream_keys(3, torch.arange(4)))
+    r = batch.rollout
+    assert batch.reached[:, 1].any()  # a second turn was played
+    sampled = r.sampled_mask.bool()
+    assert (r.kept_log_mass[sampled] < 0).all() and (r.kept_log_mass[~sampled] == 0).all()
+    scores = completion_logprobs(
+        tiny_model,
+        torch.cat([r.prompt_ids, r.completion_ids], 1),
+        torch.cat([r.prompt_mask, r.completion_mask], 1),
+        r.completion_ids,
+        r.sampled_mask,
+    ).logps
+    policy = policy_logps(r.sampling_logps, r.kept_log_mass)
+    torch.testing.assert_close(policy[sampled], scores[sampled], atol=2e-5, rtol=0)

@@ -215,3 +215,31 @@ def test_decoded_logprobs_are_pi_old_only_in_full_precision(tiny_model):
         assert not records_decode_logprobs(args(**overrides), tiny_model), overrides
     assert records_decode_logprobs(args(bf16=True, decode_logprobs_as_old=True), tiny_model)  # asked for: recorded
     assert not records_decode_logprobs(args(), tiny_model.to(torch.bfloat16))
+
+
+def test_a_truncating_rollout_records_the_kept_mass_across_slices(tmp_path, tiny_model, tiny_tokenizer):
+    # top-p: the rollout carries the log of the kept mass per token (0 on padding) beside the renormalised log-probs,
+    # the same whether the rows are decoded together or two at a time (slices of other widths, padded).
+    from gspo_trl.rollout import stream_keys
+
+    def rollout(max_rows):
+        args = GSPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=8,
+            use_cpu=True,
+            temperature=0.9,
+            top_p=0.6,
+            decode_max_rows=max_rows,
+        )
+        backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
+        return backend.generate(["What is 1 + 1?", "What is 1 + 1?", "Hi", "Hi"], stream_keys(0, 3, 0, torch.arange(4)))
+
+    together, sliced = rollout(None), rollout(2)
+    assert torch.equal(together.completion_ids, sliced.completion_ids) and together.sampled_by_policy
+    mask = together.completion_mask.bool()
+    assert (together.kept_log_mass[mask] < 0).all() and (together.kept_log_mass[~mask] == 0).all()
+    # Slices run other batch shapes: float32 rounding of the logits, 1e-5 as for the loops' log-probs.
+    torch.testing.assert_close(together.kept_log_mass, sliced.kept_log_mass, atol=1e-5, rtol=0)
+    torch.testing.assert_close(together.sampling_logps, sliced.sampling_logps, atol=1e-5, rtol=0)

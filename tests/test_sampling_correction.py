@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from gspo_trl.sampling_correction import CORRECTION_MODES, sampling_correction
+from gspo_trl.micro_batch import MicroBatch
+from gspo_trl.sampling_correction import CORRECTION_MODES, correction_for, sampling_correction
 
 F64 = torch.float64
 # Row 0: three tokens with log(π_old / π_sampler) = (0.3, -0.1, 1.6); row 1: two tokens (-1.5, -0.1), one pad.
@@ -93,3 +94,32 @@ def test_mismatch_kl_of_a_tiny_fp32_gap_is_not_rounded_to_zero():
     old = torch.full((1, 4), -2.0)
     weights, stats = sampling_correction(old, old - 1e-5, torch.ones(1, 4), "token_truncate")
     assert stats["mismatch_kl"].item() == pytest.approx(0.5e-10, rel=1e-3)  # d^2 / 2
+
+
+def test_a_truncating_decoding_loop_reports_the_mass_cut_away_and_no_weights():
+    # The trained model's own loop: π_old is the policy, so there is nothing to reweight; the mean over completion
+    # tokens of 1 − Z is reported, (1/4 + 1/2 + 0) / 3 here (the padded fourth token left out).
+    from types import SimpleNamespace
+
+    ids = torch.ones(2, 4, dtype=torch.long)
+    log_mass = torch.tensor([[math.log(0.75), math.log(0.5)], [0.0, -3.0]])
+    batch = MicroBatch(
+        ids,
+        torch.ones(2, 4),
+        ids[:, 2:],
+        torch.tensor([[1, 1], [1, 0]]),
+        sampling_logps=torch.full((2, 2), -1.0),
+        sampled_by_policy=True,
+        kept_log_mass=log_mass,
+    )
+    args = SimpleNamespace(
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=None,
+        vllm_importance_sampling_clip_max=3.0,
+        vllm_importance_sampling_correction=True,
+    )
+    weights, stats = correction_for(batch, torch.zeros(2, 2), args)
+    assert weights is None and set(stats) == {"truncated_mass"}
+    assert stats["truncated_mass"].item() == pytest.approx(0.75 / 3, abs=1e-6)  # float32 expm1: a few ulp
+    batch.kept_log_mass = None
+    assert correction_for(batch, torch.zeros(2, 2), args) == (None, {})

@@ -372,6 +372,19 @@ def test_fill_old_logps_takes_each_source():
     assert vllm[0].old_logps is engine and len(forwards) == 1
 
 
+def test_pi_old_from_a_truncating_loop_is_the_policys_log_prob():
+    # The loop drew from top-k/top-p's renormalised μ = p / Z and recorded log μ and log Z: π_old is log p = log μ +
+    # log Z (exact here: sums of small dyadic numbers), the sampling log-probs themselves where nothing was cut.
+    sampled, log_mass = torch.tensor([[-0.5, -1.0], [-0.25, -2.0]]), torch.tensor([[-0.25, 0.0], [-0.5, -0.125]])
+    batches = [
+        _micro_batch(sampling_logps=sampled, sampled_by_policy=True, kept_log_mass=log_mass),
+        _micro_batch(sampling_logps=sampled, sampled_by_policy=True),
+    ]
+    fill_old_logps(batches, [True, True], _options(), lambda batch: pytest.fail("no forward: the loop's π_old"))
+    assert torch.equal(batches[0].old_logps, torch.tensor([[-0.75, -1.0], [-0.75, -2.125]]))
+    assert batches[1].old_logps is sampled
+
+
 def test_the_buffer_saves_the_rollout_only_inside_it_and_takes_it_up_on_resume(tmp_path):
     from types import SimpleNamespace
 

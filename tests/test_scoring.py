@@ -28,6 +28,7 @@ def args(**overrides):
         turn_discount=1.0,
         advantage_granularity="trajectory",
         multi_objective_aggregation="sum_then_normalize",
+        skip_rollouts_without_rewards=False,
     )
     values.update(overrides)
     return SimpleNamespace(**values)
@@ -63,10 +64,35 @@ def test_a_rollout_without_any_reward_raises_naming_the_functions():
     import pytest
 
     table = torch.full((4, 2), float("nan"))
-    with pytest.raises(ValueError, match=r"Every reward function \(accuracy, format\) returned None"):
+    with pytest.raises(ValueError, match=r"Every reward function \(accuracy, format\) returned None.*skip_rollouts_"):
         score_rollout(table, torch.ones(2), args(), OneProcess, function_names=["accuracy", "format"])
     table[1, 0] = 1.0  # one number anywhere in the rollout: the other rows are left out, as before
     assert score_rollout(table, torch.ones(2), args(), OneProcess).stats["num_invalid"] == 3
+
+
+def test_a_rollout_without_any_reward_is_skipped_with_a_warning_when_asked(caplog):
+    # skip_rollouts_without_rewards: no error; a warning naming the functions with one of the prompts, every advantage
+    # 0 and `skipped` set (so that the loss of its `MicroBatch` is multiplied by 0). A rollout with one number
+    # is scored as without the option, `skipped` False; without the option, `skipped` is None.
+    table = torch.full((4, 2), float("nan"))
+    with caplog.at_level("WARNING"):
+        scores = score_rollout(
+            table,
+            torch.ones(2),
+            args(skip_rollouts_without_rewards=True),
+            OneProcess,
+            function_names=["accuracy", "format"],
+            prompts=["What is 2 + 2?", "Name a colour."],
+        )
+    assert "Every reward function (accuracy, format) returned None" in caplog.text
+    assert "'What is 2 + 2?'" in caplog.text
+    assert scores.skipped is True and scores.advantages.tolist() == [0.0] * 4
+    assert scores.stats["num_invalid"] == 4 and scores.stats["frac_reward_zero_std"] == 1.0
+    table[1, 0] = 1.0
+    scored = score_rollout(table, torch.ones(2), args(skip_rollouts_without_rewards=True), OneProcess)
+    assert scored.skipped is False
+    torch.testing.assert_close(scored.advantages, score_rollout(table, torch.ones(2), args(), OneProcess).advantages)
+    assert score_rollout(table, torch.ones(2), args(), OneProcess).skipped is None
 
 
 def test_normalize_then_sum_takes_gdpo_advantages_and_logs_the_summed_reward():

@@ -14,7 +14,9 @@ from datasets import Dataset
 from helpers import count_digits, length_reward, small_config, text_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl.decoding.truncation import policy_logps
 from gspo_trl.micro_batch import MicroBatch
+from gspo_trl.schedule import fill_old_logps
 
 
 def chat_dataset(n=8):
@@ -370,18 +372,50 @@ def test_decoded_logprobs_are_pi_old_in_full_precision(tmp_path, tiny_model_dir)
 def test_decoded_logprobs_equal_the_old_logprob_pass(tmp_path, tiny_model_dir):
     # Same weights, same tokens: the decoding loop's log-probs and the trainer's π_old forward (packed rows, chunked
     # head) agree to float32 rounding, at a temperature that is not 1 and with top-k and a repetition penalty shaping
-    # what was sampled; the GSPO sequence ratio between them is 1 to far within the clipping range (ε = 3e-4).
+    # what was sampled; the GSPO sequence ratio between them is 1 to far within the clipping range (ε = 3e-4). Top-k
+    # truncates: the loop records the renormalised log-probs it drew with and the kept mass, and π_old is the policy's
+    # log-prob, their sum (`truncation.policy_logps`), which the schedule takes.
     config = make_config(tmp_path, temperature=0.7, top_k=20, repetition_penalty=1.2)
     trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset())
     trainer.model.train()
     batch = trainer._generate_and_score([{"prompt": f"What is {i} + 1?"} for i in range(2) for _ in range(4)], "train")
     assert batch.sampled_by_policy  # the decoding loop's own: π_old, not the vLLM sampling correction's input
-    decoded, mask = batch.sampling_logps, batch.completion_mask.bool()
+    mask = batch.completion_mask.bool()
+    assert (batch.kept_log_mass[mask] < 0).all()  # top-20 of a ~400-token vocabulary cuts at every step
+    decoded = policy_logps(batch.sampling_logps, batch.kept_log_mass)
+    fill_old_logps([batch], [True], trainer.args, lambda _: pytest.fail("π_old is the loop's: no forward"))
+    torch.testing.assert_close(batch.old_logps, decoded, atol=0, rtol=0)
     assert batch.engine_logps is None
     recomputed = trainer._score_without_grad(trainer.model, batch)
     torch.testing.assert_close(decoded[mask], recomputed[mask], atol=2e-5, rtol=0)
     log_ratio = ((recomputed - decoded) * mask).sum(1) / mask.sum(1)
     assert log_ratio.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides, lora",
+    [(dict(), False), (dict(use_cpu=True, bf16=True), False), (dict(beta=0.04), True), (dict(top_p=1.0), False)],
+    ids=["fp32", "bf16", "LoRA beta", "no truncation"],
+)
+def test_the_mass_top_p_cuts_away_is_logged(tmp_path, tiny_model_dir, overrides, lora):
+    # sampling/truncated_mass: the mean over completion tokens of the policy's mass the sampler's top-p left out, in
+    # (0, 1) here (the tiny model is near uniform: top-p 0.5 cuts about half); under bf16 too, where the loop records
+    # no log-probs; not logged where nothing is cut. The second step trains against π_old from the loop in float32:
+    # the policy's log-probs, so the ratio stays near 1 (against the truncated ones it would be about Z, near 1/2).
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM") if lora else None
+    config = make_config(tmp_path, max_steps=2, **{"top_p": 0.5, "top_k": 0, **overrides})
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), peft_config=peft_config
+    )
+    trainer.train()
+    first, second = train_logs(trainer)
+    if overrides.get("top_p") == 1.0:
+        assert "sampling/truncated_mass" not in first
+    else:
+        assert 0.3 < first["sampling/truncated_mass"] < 0.6
+    assert 0.9 < second["ratio/min"] <= second["ratio/max"] < 1.1
 
 
 @pytest.mark.parametrize(
@@ -665,3 +699,38 @@ def test_gdpo_and_a_smaller_eval_group_train_in_the_gpu_recipe(tmp_path, tiny_mo
     assert changed(before, trainer.model) and all("lora" in name for name in changed(before, trainer.model))
     metrics = trainer.evaluate()
     assert math.isfinite(metrics["eval_reward"]) and math.isfinite(metrics["eval_loss"])
+
+
+def no_reward(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def test_a_rollout_no_reward_function_scores_raises_by_default(tmp_path, tiny_model_dir):
+    trainer = GSPOTrainer(
+        tiny_model_dir, no_reward, args=make_config(tmp_path, max_steps=1), train_dataset=text_dataset()
+    )
+    with pytest.raises(ValueError, match=r"Every reward function \(no_reward\) returned None"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(beta=0.04, entropy_coef=0.1), dict(use_cpu=True, bf16=True, beta=0.04, entropy_coef=0.1, loss_type="dapo")],
+    ids=["fp32", "bf16"],
+)
+def test_skipped_rollouts_train_on_nothing(tmp_path, tiny_model_dir, overrides, caplog):
+    # skip_rollouts_without_rewards: each rollout (every row None) is skipped with a warning; its loss is multiplied by
+    # 0, so neither the KL term (beta > 0) nor the entropy bonus (whose gradient zero advantages alone would keep) gives
+    # a gradient, and AdamW's first steps on zero gradients (no weight decay) leave every weight as it was.
+    # rollout/skipped logs the share of rollouts skipped: all of them here.
+    config = make_config(tmp_path, max_steps=2, skip_rollouts_without_rewards=True, **overrides)
+    trainer = GSPOTrainer(tiny_model_dir, no_reward, args=config, train_dataset=text_dataset())
+    before = snapshot(trainer.model)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "returned None for every completion of this rollout: skipping it" in caplog.text
+    assert changed(before, trainer.model) == set()
+    logs = train_logs(trainer)
+    # One rollout serves both optimizer steps here: its metrics are logged with the step that sampled it.
+    assert [entry.get("rollout/skipped") for entry in logs] == [1.0, None]
+    assert all(entry["loss"] == 0.0 for entry in logs)

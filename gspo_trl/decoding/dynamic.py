@@ -11,6 +11,8 @@ The uniforms come from the caller: `torch.rand` for ordinary sampling, or a pure
 and position (`rollout.keyed_uniform`) for sampling that does not depend on the batch layout. On request the
 loop also records each sampled token's log-prob under the model, temperature-scaled as training scores it
 (`token_logps`): the behaviour policy's log-probs, which the trainer can take as π_old instead of a forward pass.
+Where top-k / top-p / min-p cut the distribution, it records instead the truncated, renormalised log-probs the
+tokens were drawn with and the policy's mass kept (`truncation`), whose sum is that log-prob.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..positions import positions_from_mask
-from . import cpu
+from . import cpu, truncation
 from .kv_cache import cache_kwargs
 
 # GenerationConfig fields this loop implements. Any other field set to a non-default value (beams, n-gram
@@ -237,6 +239,9 @@ class Decoded:
     completion_ids: torch.Tensor  # (N, C) the sampled tokens, `pad_token_id` after a row's first EOS
     logps: torch.Tensor | None = None  # (N, C) float32 `token_logps` of those tokens (0 after a row's end), on request
     states: list[RowState | None] | None = None  # with `keep_states`: each row's kept cache, None without an EOS
+    # (N, C) float32 log of the mass top-k / top-p / min-p kept at each token (0 after a row's end), where `logps`
+    # were recorded and the processors truncate; `logps` are then the truncated, renormalised ones (`truncation`).
+    kept_log_mass: torch.Tensor | None = None
 
 
 def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -265,16 +270,22 @@ def draw(
     uniforms: torch.Tensor,
     logp_temperature: float | None,
     scores_are_scaled_logits: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    truncated_at: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One decoding step's (n,) tokens, drawn from softmax(scores), and with `logp_temperature` their `token_logps`
     (None without): taken from the sampling weights when the scores are the logits / that temperature
-    (`only_scales`), otherwise by a pass over `logits`."""
-    if logp_temperature is None:
-        return inverse_cdf_sample(scores, uniforms), None
+    (`only_scales`), otherwise by a pass over `logits`. `truncated_at`: where the processors truncate (top-k, top-p,
+    min-p), the policy's temperature; then the third value is each row's kept log-mass under softmax(logits /
+    `truncated_at`) (`truncation.kept_log_mass`) and the log-probs are the truncated, renormalised ones the tokens
+    were drawn with. None: nothing is cut, and the third value is None."""
     if scores_are_scaled_logits:
-        return inverse_cdf_sample(scores, uniforms, with_logps=True)
+        return *inverse_cdf_sample(scores, uniforms, with_logps=True), None
     tokens = inverse_cdf_sample(scores, uniforms)
-    return tokens, token_logps(logits, tokens, logp_temperature)
+    log_mass = None if truncated_at is None else truncation.kept_log_mass(logits.float() / truncated_at, scores)
+    if logp_temperature is None:
+        return tokens, None, log_mass
+    logps = token_logps(logits, tokens, logp_temperature)
+    return tokens, logps if log_mass is None else truncation.truncated_logps(logps, log_mass), log_mass
 
 
 def random_uniforms(rows: torch.Tensor, position: int) -> torch.Tensor:
@@ -326,6 +337,8 @@ def sample(
     states: list[RowState | None] = [None] * n
     logps = None if logp_temperature is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
+    truncated_at = truncation.truncated_at(processors, logp_temperature)
+    log_mass = None if truncated_at is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     length = 0
     with cpu.accelerate(model, cpu_kernels) as step_forward:  # None: every step runs the model's own forward
         for t in range(max_new_tokens):
@@ -345,9 +358,13 @@ def sample(
                 if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
                     step_forward = None
             scores = processors(sequences, logits.float())
-            tokens, step_logps = draw(scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits)
+            tokens, step_logps, step_mass = draw(
+                scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits, truncated_at
+            )
             if logps is not None:
                 logps[rows, t] = step_logps
+            if log_mass is not None:
+                log_mass[rows, t] = step_mass
             completions[rows, t] = tokens
             length = t + 1
             sequences = torch.cat([sequences, tokens.unsqueeze(1)], dim=1)
@@ -365,7 +382,10 @@ def sample(
                 rows, sequences, attention = rows[keep], sequences[keep], attention[keep]
                 step_ids, step_positions = step_ids[keep], step_positions[keep]
     return Decoded(
-        completions[:, :length], None if logps is None else logps[:, :length], states if keep_states else None
+        completions[:, :length],
+        None if logps is None else logps[:, :length],
+        states if keep_states else None,
+        None if log_mass is None else log_mass[:, :length],
     )
 
 

@@ -27,6 +27,7 @@ from transformers.utils import logging
 from ..distributed import fsdp2_modules, has_sharded_parameters
 from ..packing import DENSE_MASKS_NEEDED, attention_mask_dtype, takes_dense_masks, uses_alibi
 from ..positions import positions_from_mask
+from . import truncation
 from .dynamic import Decoded, RowState, UniformSource, draw, only_scales, random_uniforms
 from .kv_cache import cache_kwargs
 from .prefix_sharing import prefill
@@ -260,13 +261,19 @@ def sample(
     sequences = torch.cat([history, completions], dim=1)  # what the processors see: sequences[:, :H + t]
     step_ids, positions = prompt_ids[:, -1:], positions_from_mask(prompt_mask)[:, -1:]
     scores_are_scaled_logits = logp_temperature is not None and only_scales(processors, logp_temperature)
+    truncated_at = truncation.truncated_at(processors, logp_temperature)
+    log_mass = None if truncated_at is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     for t in range(max_new_tokens):
         logits = decoder.logits(step_ids, positions, t)
         scores = processors(sequences[:, : history.shape[1] + t], logits.float())
         # A finished row's draw is replaced by the pad token, its log-prob dropped below.
-        tokens, step_logps = draw(scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits)
+        tokens, step_logps, step_mass = draw(
+            scores, logits, uniforms(rows, t), logp_temperature, scores_are_scaled_logits, truncated_at
+        )
         if logps is not None:
             logps[rows, t] = step_logps
+        if log_mass is not None:
+            log_mass[rows, t] = step_mass
         tokens = tokens.masked_fill(~live, pad_token_id)
         completions[rows, t] = tokens
         sequences[:, history.shape[1] + t] = tokens
@@ -286,6 +293,9 @@ def sample(
                 step_ids, positions = step_ids[keep], positions[keep]
     copy_out_states()
     width = int(lengths.max())
+    ended = torch.arange(width, device=device) >= lengths.unsqueeze(1)  # (N, width): after a row's EOS
     if logps is not None:  # rows that had ended drew pad tokens afterwards: no log-prob there
-        logps = logps[:, :width].masked_fill(torch.arange(width, device=device) >= lengths.unsqueeze(1), 0.0)
-    return Decoded(completions[:, :width], logps, states if keep_states else None)
+        logps = logps[:, :width].masked_fill(ended, 0.0)
+    if log_mass is not None:
+        log_mass = log_mass[:, :width].masked_fill(ended, 0.0)
+    return Decoded(completions[:, :width], logps, states if keep_states else None, log_mass)

@@ -38,22 +38,25 @@ class Episode:
     env_mask: list[int] = field(default_factory=list)  # 1: sampled by the model, 0: the environment's
     turn_ids: list[int] = field(default_factory=list)  # the assistant turn of each sampled token, -1 elsewhere
     sampling_logps: list[float] = field(default_factory=list)
+    kept_log_mass: list[float] = field(default_factory=list)  # 0 where the sampler cut nothing (observations too)
     rewards: list[float] = field(default_factory=list)  # one per assistant turn
     messages: list[dict] = field(default_factory=list)  # the conversation after the prompt
     end: str | None = None
     state: Any = None  # what the backend kept after the last turn to continue from (`Rollout.states`)
 
-    def add_turn(self, ids: list[int], logps: list[float], turn: int) -> None:
+    def add_turn(self, ids: list[int], logps: list[float], turn: int, log_mass: list[float] | None = None) -> None:
         self.completion_ids += ids
         self.env_mask += [1] * len(ids)
         self.turn_ids += [turn] * len(ids)
         self.sampling_logps += logps
+        self.kept_log_mass += [0.0] * len(ids) if log_mass is None else log_mass
 
     def add_observation(self, ids: list[int]) -> None:
         self.completion_ids += ids
         self.env_mask += [0] * len(ids)
         self.turn_ids += [-1] * len(ids)
         self.sampling_logps += [0.0] * len(ids)
+        self.kept_log_mass += [0.0] * len(ids)
 
 
 @dataclass
@@ -167,9 +170,10 @@ class EpisodeRunner:
                 logps = (
                     [0.0] * length if rollout.sampling_logps is None else rollout.sampling_logps[row, :length].tolist()
                 )
+                log_mass = None if rollout.kept_log_mass is None else rollout.kept_log_mass[row, :length].tolist()
                 ended = not bool(rollout.is_truncated[row]) and length <= space
                 history = episode.prompt_ids + episode.completion_ids
-                episode.add_turn(ids[:space], logps[:space], turn)
+                episode.add_turn(ids[:space], logps[:space], turn, None if log_mass is None else log_mass[:space])
                 text = tokenizer.decode(ids[:space], skip_special_tokens=True)
                 episode.messages.append({"role": "assistant", "content": text})
                 actions.append(text_env.TurnText(text, ids[:space], history))
@@ -209,6 +213,7 @@ class EpisodeRunner:
             rollout.sampling_logps is not None,
             rollout.sampled_by_policy,
             rollout.decoding_loop,
+            rollout.kept_log_mass is not None,
         )
 
 
@@ -222,6 +227,7 @@ def _batch(
     has_sampling_logps,
     sampled_by_policy,
     decoding_loop=None,
+    truncated=False,
 ) -> EpisodeBatch:
     rows, width = len(episodes), max(1, max(len(e.completion_ids) for e in episodes))
     turns = max(len(e.rewards) for e in episodes)
@@ -230,6 +236,7 @@ def _batch(
     env_mask = torch.zeros((rows, width), dtype=torch.long)
     turn_ids = torch.full((rows, width), -1, dtype=torch.long)
     sampling_logps = torch.zeros((rows, width), dtype=torch.float32)
+    kept_log_mass = torch.zeros((rows, width), dtype=torch.float32)
     turn_rewards = torch.zeros((rows, turns), dtype=torch.float32)
     reached = torch.zeros((rows, turns), dtype=torch.bool)
     for row, episode in enumerate(episodes):
@@ -239,6 +246,7 @@ def _batch(
         env_mask[row, :n] = torch.tensor(episode.env_mask, dtype=torch.long)
         turn_ids[row, :n] = torch.tensor(episode.turn_ids, dtype=torch.long)
         sampling_logps[row, :n] = torch.tensor(episode.sampling_logps, dtype=torch.float32)
+        kept_log_mass[row, :n] = torch.tensor(episode.kept_log_mass, dtype=torch.float32)
         turn_rewards[row, : len(episode.rewards)] = torch.tensor(episode.rewards, dtype=torch.float32)
         reached[row, : len(episode.rewards)] = True
     is_truncated = torch.tensor([episode.end in BUDGET_ENDS for episode in episodes])
@@ -253,6 +261,7 @@ def _batch(
         turn_ids,
         sampled_by_policy=has_sampling_logps and sampled_by_policy,
         decoding_loop=decoding_loop,
+        kept_log_mass=kept_log_mass if truncated else None,
     )
     if conversational:
         completions = [episode.messages for episode in episodes]

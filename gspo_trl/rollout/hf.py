@@ -159,9 +159,13 @@ class HFGenerateBackend(RolloutBackend):
         completion_ids = torch.cat(
             [F.pad(part.completion_ids, (0, width - part.completion_ids.shape[1]), value=pad) for part in parts]
         )
-        logps = None
+        logps = kept_log_mass = None
         if all(part.logps is not None for part in parts):
             logps = torch.cat([F.pad(part.logps, (0, width - part.logps.shape[1])) for part in parts])
+        if all(part.kept_log_mass is not None for part in parts):  # the loop truncated (same processors every part)
+            kept_log_mass = torch.cat(
+                [F.pad(part.kept_log_mass, (0, width - part.kept_log_mass.shape[1])) for part in parts]
+            )
         kept = None if any(part.states is None for part in parts) else sum((part.states for part in parts), [])
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
@@ -175,6 +179,7 @@ class HFGenerateBackend(RolloutBackend):
             sampling_logps=logps,
             states=kept if keep_states else None,
             sampled_by_policy=logps is not None,
+            kept_log_mass=kept_log_mass,
             decoding_loop=None if loops == {None} else "static" if "static" in loops else "dynamic",
         )
 

@@ -47,6 +47,10 @@ class Rollout:
     # nothing.
     states: list | None = None
     sampled_by_policy: bool = False
+    # (N, C) where the trained model's decoding loop truncated (top-k, top-p, min-p): the log of the policy's mass it
+    # kept at each token (0 on padding). Its `sampling_logps`, where recorded, are then the truncated, renormalised
+    # log-probs it drew with, and `decoding.truncation.policy_logps` the policy's own. None where nothing was cut.
+    kept_log_mass: torch.Tensor | None = None
     # The decoding loop that sampled the rows on the trained model (and recorded `sampling_logps`, where it did):
     # "static" (a static KV cache, `decoding.static`) or "dynamic" (`decoding.dynamic`); None for others (generate,
     # vLLM).
