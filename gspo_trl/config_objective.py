@@ -163,3 +163,11 @@ class ObjectiveFields:
             "aux_loss. None: the model config's own coefficient (0 without one)."
         },
     )
+    routing_replay: str = field(
+        default="none",
+        metadata={
+            "help": "Mixture-of-Experts routing replay: 'rollout' routes the tokens of every forward on a rollout to "
+            "the experts the decoding loop chose while sampling them (R3); 'none' lets the router choose. See "
+            "docs/moe.md."
+        },
+    )

@@ -14,7 +14,8 @@ of `positions`, as the decoding loop samples with them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ from .packing import (
 )
 from .positions import positions_from_mask, takes_position_ids
 from .precision import Float32LMHead, project_in_fp32
+
+if TYPE_CHECKING:
+    from .moe.replay import ForwardRouting
 
 DEFAULT_KEPT_LOGITS_MB = 1024  # fp32 logits kept from the forward for the backward pass; the rest are recomputed
 
@@ -132,6 +136,7 @@ def completion_logprobs(
     max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
     entropy_grad: bool = False,
     router_aux_loss: bool = False,
+    routing: ForwardRouting | None = None,
 ) -> CompletionScores:
     """Log-probabilities and entropies of the completion tokens, each (B, C), zero where masked.
 
@@ -148,7 +153,9 @@ def completion_logprobs(
     checkpointed and projected again in the backward pass, which costs one more LM-head product each.
 
     `entropy_grad` keeps the entropies in the graph (for an entropy bonus); `router_aux_loss` asks a
-    Mixture-of-Experts model for its load-balancing loss (padded rows only: the loss reads a 2-D mask).
+    Mixture-of-Experts model for its load-balancing loss (padded rows only: the loss reads a 2-D mask);
+    `routing` the experts it replays and records (`moe.replay.ForwardRouting`): a replay keeps the rows padded (the
+    routes' layout); packed rows record the router's choices for the metrics.
     """
     valid = completion_mask.bool()
     labels_valid = completion_ids[valid]  # (N,)
@@ -157,6 +164,7 @@ def completion_logprobs(
     if (
         padding_free
         and not router_aux_loss
+        and (routing is None or routing.replay is None)  # replayed routes are laid out as the padded rows
         and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask)
     ):
         layout = (input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids, completion_mask)
@@ -189,20 +197,25 @@ def completion_logprobs(
         packed = pack_shared_prefix(*layout, max_row_tokens=max_row_tokens, attention_pair_cost=pair_cost)
     if packed is not None:
         dtype = attention_mask_dtype(unwrap_model(model))
-        hidden, _ = _final_hidden_states(
-            model,
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=packed.float_attention_mask(dtype),
-        )  # (R, L, H)
+        recording = contextlib.nullcontext()
+        if routing is not None:
+            recording = routing.applied(model, input_ids.shape, packed.score_index)
+        with recording:
+            hidden, _ = _final_hidden_states(
+                model,
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                attention_mask=packed.float_attention_mask(dtype),
+            )  # (R, L, H)
         hidden_valid = hidden.flatten(0, 1)[packed.score_index]  # (N, H)
     else:
         # The positions the decoding loop sampled with: a left-padded row counts from its first token, not its first
         # pad (models with learned absolute positions, GPT-2, would otherwise score it at shifted positions).
         positions = {"position_ids": positions_from_mask(attention_mask)} if takes_position_ids(model) else {}
-        hidden, aux_loss = _final_hidden_states(
-            model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss, **positions
-        )
+        with contextlib.nullcontext() if routing is None else routing.applied(model, input_ids.shape):
+            hidden, aux_loss = _final_hidden_states(
+                model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss, **positions
+            )
         # The hidden state at position t predicts token t + 1, so the completion is scored from the
         # C positions that end one before the last.
         completion_length = completion_ids.shape[1]
@@ -331,10 +344,12 @@ def _score_hidden_states(
 
 
 @torch.no_grad()
-def logprobs_without_grad(model, batch, rows_per_forward: int, context, **options) -> torch.Tensor:
+def logprobs_without_grad(
+    model, batch, rows_per_forward: int, context, routing: ForwardRouting | None = None, **options
+) -> torch.Tensor:
     """(B, C) per-token log-probs of a whole batch (a `MicroBatch`, or anything with its four model inputs), without a
-    gradient, `rows_per_forward` rows at a time, each forward under `context()` (training's precision);
-    `options` go to `completion_logprobs`."""
+    gradient, `rows_per_forward` rows at a time, each forward under `context()` (training's precision) and replaying
+    its rows of `routing`; `options` go to `completion_logprobs`."""
     chunks = []
     for start in range(0, batch.input_ids.shape[0], rows_per_forward):
         rows = slice(start, start + rows_per_forward)
@@ -345,6 +360,7 @@ def logprobs_without_grad(model, batch, rows_per_forward: int, context, **option
                 batch.attention_mask[rows],
                 batch.completion_ids[rows],
                 batch.completion_mask[rows],
+                routing=None if routing is None else routing.rows(rows),
                 **options,
             )
         chunks.append(scores.logps)

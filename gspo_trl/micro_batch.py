@@ -8,6 +8,7 @@ Each log-prob quantity has one name from where it is produced to where the loss 
 | whether the sampler was the trained policy  | `sampled_by_policy` | the rollout backend (`Rollout`)              |
 | π_old, the weights that sampled             | `old_logps`         | `schedule.fill_old_logps` (None: unchanged)  |
 | the reference model's                       | `ref_logps`         | the trainer's reference forward (beta > 0)   |
+| the sampler's experts per position (MoE)    | `sampling_routes`   | the decoding loop (`Rollout`)                |
 | the correction weight π_old / π_sampler     | `sampling_weights`  | `sampling_correction.correction_for`         |
 | the current policy's (with a gradient)      | `logps`             | `compute_loss`'s forward                     |
 
@@ -53,6 +54,10 @@ class MicroBatch:
     old_logps: torch.Tensor | None = None  # (B, C) π_old; None: the weights still are the sampling ones
     ref_logps: torch.Tensor | None = None  # (B, C) the reference model's (beta > 0)
     turn_ids: torch.Tensor | None = None  # (B, C) assistant turn of each token (multi-turn episodes)
+    # (B, P + C, L, k) int8/int16 the experts each position was routed to by the sampler (Mixture-of-Experts models
+    # sampled by the decoding loop; -1 where not recorded): the routing metrics' reference, replayed with
+    # routing_replay='rollout' (`moe.replay`).
+    sampling_routes: torch.Tensor | None = None
     num_items_in_batch: torch.Tensor | None = None  # () completion tokens of the whole rollout, every process
     # Set on one training pass of a micro-batch (`passes.take_pass`): the whole micro-batch's counts.
     micro_batch_rows: int | None = None
@@ -84,7 +89,7 @@ class MicroBatch:
                 kept[name] = None
                 continue
             value = value[rows if isinstance(rows, slice) else rows.to(value.device)]
-            if name in ("input_ids", "attention_mask"):
+            if name in ("input_ids", "attention_mask", "sampling_routes"):  # position-aligned
                 value = value[:, : value.shape[1] - width + cut]
             elif value.dim() == 2 and value.shape[1] == width:  # completion-aligned
                 value = value[:, :cut]
@@ -120,4 +125,5 @@ _ROW_FIELDS = (
     "old_logps",
     "ref_logps",
     "turn_ids",
+    "sampling_routes",
 )

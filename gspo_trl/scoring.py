@@ -138,6 +138,7 @@ def scored_batch(sampled, advantages: torch.Tensor, mask_truncated_completions: 
         sampled_by_policy=rollout.sampled_by_policy,
         old_logps=sampled.old_logps,
         turn_ids=rollout.turn_ids,  # multi-turn episodes only
+        sampling_routes=rollout.sampling_routes,  # Mixture-of-Experts models
     )
 
 

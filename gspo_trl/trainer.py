@@ -59,6 +59,7 @@ from .models import (
     reference_weights,
     router_aux_loss_coef,
 )
+from .moe.replay import RoutingReplay
 from .packing import padding_free_in_use
 from .passes import micro_batch_passes, pass_budget, take_pass
 from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
@@ -147,6 +148,7 @@ class GSPOTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
         self.padding_free = padding_free_in_use(args.padding_free, self.accelerator.device.type, base)
+        self.routing = RoutingReplay(args.routing_replay, base)  # Mixture-of-Experts routes: replay and metrics
         self.max_tokens_per_pass = pass_budget(args, self.accelerator.device.type, self.router_aux_loss_coef != 0.0)
         self.rollout_backend = create_rollout_backend(
             args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model)
@@ -384,6 +386,7 @@ class GSPOTrainer(Trainer):
             temperature=self.args.temperature,
             chunk_size=self.args.logprob_chunk_size,
             padding_free=self.padding_free,
+            routing=self.routing.without_grad(inputs),
         )
 
     # --- loss ---------------------------------------------------------------------------------
@@ -405,6 +408,7 @@ class GSPOTrainer(Trainer):
             padding_free=self.padding_free,
             entropy_grad=self.entropy_coefficient.enabled,
             router_aux_loss=self.router_aux_loss_coef != 0.0,
+            routing=self.routing.training(inputs, lambda name, value: self._metrics.add(mode, name, value)),
         )
         policy_token_mask, learned, entropy_normalizer = learned_tokens(
             scores.entropy.detach(),

@@ -165,6 +165,9 @@ class RouteRecorder:
         with _routers_patched(self.routers, wrap):
             yield self
 
+    def clear(self) -> None:
+        self._seen = [[] for _ in self.routers]
+
     def add(self, layer: int, experts: torch.Tensor) -> None:
         """Note the (N, k) experts a router selected in one forward."""
         self._seen[layer].append(experts.detach().to(self.dtype))
@@ -174,14 +177,15 @@ class RouteRecorder:
         if any(not seen for seen in self._seen):
             raise RuntimeError("RouteRecorder.take: a router ran no forward since the last take.")
         layers = [torch.cat(seen) for seen in self._seen]
-        self._seen = [[] for _ in self.routers]
+        self.clear()
         return torch.stack(layers, dim=1)
 
 
 @contextlib.contextmanager
 def routing_replayed(model: nn.Module, routes: torch.Tensor, recorder: RouteRecorder | None = None) -> Iterator[None]:
     """Inside, the model's next forward routes each token to the experts of `routes` ((B, T, L, k) or (N, L, k),
-    N = B·T tokens in the order of the forward's inputs) instead of its own selection; the gate weights of those
+    N = B·T tokens in the order of the forward's inputs; -1: the router's own choice for that token and layer)
+    instead of its own selection; the gate weights of those
     experts are recomputed from the current router logits (`RouterAdapter.gate_weights`), so they keep their
     gradient. With `recorder`, the routers' own selections are recorded too (`RouteRecorder.take`)."""
     routers = moe_routers(model)
@@ -202,6 +206,7 @@ def routing_replayed(model: nn.Module, routes: torch.Tensor, recorder: RouteReco
                     f"{flat.shape[0]}: the routes must cover the forward's tokens in its layout."
                 )
             experts = flat[:, layer].to(device=own.device, dtype=own.dtype)
+            experts = torch.where((experts >= 0).all(dim=-1, keepdim=True), experts, own)  # -1: not recorded
             return logits, adapter.gate_weights(router, logits, experts), experts
 
         return replayed

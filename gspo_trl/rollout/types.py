@@ -49,6 +49,9 @@ class Rollout:
     # "static" (a static KV cache, `decoding.static`) or "dynamic" (`decoding.dynamic`); None for others (generate,
     # vLLM).
     decoding_loop: str | None = None
+    # Mixture-of-Experts models sampled by the decoding loop: (N, P + C, L, k) the experts each position was routed
+    # to, aligned with prompt then completion, -1 where not recorded (`moe.replay.rollout_routes`). None otherwise.
+    sampling_routes: torch.Tensor | None = None
 
     @property
     def sampled_mask(self) -> torch.Tensor:
