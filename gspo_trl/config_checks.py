@@ -258,10 +258,10 @@ def check_routing_replay(config) -> None:
         raise ValueError(f"{needs}; transformers' generate records none. Set decode_loop='gspo'.")
     if config.async_rollouts:
         raise ValueError(f"{needs}; async_rollouts is not available with it yet. Set async_rollouts=False.")
-    if config.gradient_checkpointing:
+    if config.activation_checkpointing:
         raise ValueError(
-            f"{needs} in each training forward; gradient checkpointing would recompute the forward in the backward "
-            "pass with the router's own choice. Set gradient_checkpointing=False."
+            f"{needs} in each training forward; activation checkpointing would recompute the forward in the backward "
+            "pass with the router's own choice. Set activation_checkpointing=False."
         )
     if config.padding_free:
         raise ValueError(

@@ -110,3 +110,23 @@ def test_vllm_request_fields_the_trainer_sets_are_refused_in_generation_kwargs(n
     with pytest.raises(ValueError, match=f"generation_kwargs sets '{name}'"):
         config_checks.check_generation_kwargs({name: 2, "top_k": 5}, use_vllm=True)
     config_checks.check_generation_kwargs({"top_k": 5, "presence_penalty": 0.1}, use_vllm=True)
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"routing_replay": "old"}, r"routing_replay must be one of \('none', 'rollout'\)"),
+        ({"use_vllm": True}, "the vLLM server returns no routes"),
+        ({"decode_loop": "generate"}, "transformers' generate records none"),
+        ({"activation_checkpointing": True}, "activation checkpointing would recompute the forward"),
+        ({"padding_free": True}, "padding_free=True packs rows in another layout"),
+        ({"async_rollouts": True}, "async_rollouts is not available with it yet"),
+    ],
+)
+def test_routing_replay_is_refused_where_no_routes_are_recorded_or_replayed(tmp_path, values, match):
+    from gspo_trl import GSPOConfig
+
+    replay = {"routing_replay": "rollout", **values}
+    with pytest.raises(ValueError, match=match):
+        GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **replay)
+    GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**values, "routing_replay": "none"})  # fine without replay

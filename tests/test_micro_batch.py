@@ -71,3 +71,13 @@ def test_the_checkpoint_form_round_trips_and_reads_the_earlier_key_names():
     engine = {**earlier, "sampling_per_token_logps": torch.full((3, 4), -2.0), "decoding_per_token_logps": None}
     loaded = MicroBatch.from_state(engine)
     assert not loaded.sampled_by_policy and torch.equal(loaded.engine_logps, engine["sampling_per_token_logps"])
+
+
+def test_select_cuts_the_sampling_routes_like_the_input_ids_and_the_checkpoint_keeps_them():
+    # (B, P + C, L=1, k=1): each position's route is its token id, so a cut shows as the same columns as input_ids.
+    record = batch()
+    record.sampling_routes = record.input_ids.to(torch.int8).view(3, 6, 1, 1)
+    part = record.select(torch.tensor([2, 0]), completion_width=2)
+    assert torch.equal(part.sampling_routes[..., 0, 0], part.input_ids.to(torch.int8))
+    again = MicroBatch.from_state(record.to_state())
+    assert again.sampling_routes.dtype == torch.int8 and torch.equal(again.sampling_routes, record.sampling_routes)

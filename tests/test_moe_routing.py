@@ -193,14 +193,18 @@ def test_replayed_experts_are_the_given_ones_with_their_recomputed_gate_weights(
         assert torch.allclose(gates.float(), expected, atol=FP32), family
 
 
-def test_a_moe_router_without_an_adapter_is_refused_naming_the_model():
+def granite_moe():
+    """A tiny Granite-MoE: a Mixture-of-Experts family without an adapter."""
     config = AutoConfig.for_model(
         "granitemoe", vocab_size=400, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_a_moe_router_without_an_adapter_is_refused_naming_the_model():
     with pytest.raises(ValueError, match="GraniteMoeForCausalLM is a Mixture-of-Experts model whose router"):
-        moe_routers(model)
+        moe_routers(granite_moe())
 
 
 def test_a_dense_model_has_no_routers():
