@@ -204,3 +204,40 @@ def test_a_rollout_without_routes_is_refused_when_replay_is_on():
     )
     with pytest.raises(ValueError, match="routing_replay='rollout' needs the experts the decoding loop chose"):
         RoutingReplay("rollout", build("qwen3_moe", "eager")).without_grad(batch)
+
+
+@pytest.mark.slow  # torchrun launch
+def test_routes_are_gathered_with_their_rows_on_two_processes(tmp_path):
+    # Each process samples its rows; the rollout is gathered, padded to the widest prompt and completion, and cut
+    # again. Routes that moved against their tokens would show at the first step, whose weights are the sampling
+    # ones: as a mismatch, or as importance ratios away from 1 (π_old is the decoding loop's log-probs; float32
+    # rounding moves a sequence ratio by about 1e-6, a token routed to other experts by 1e-3 or more).
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import worker_env
+
+    model_dir = tmp_path / "model"
+    build("qwen3_moe", None).save_pretrained(model_dir)
+    tokenizer().save_pretrained(model_dir)
+    result = tmp_path / "result.json"
+    worker = Path(__file__).with_name("moe_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    completed = subprocess.run(
+        [*command, str(worker), str(model_dir), str(result)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=worker_env(),
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    runs = json.loads(result.read_text())
+    assert runs["world_size"] == 2
+    for rank, metrics in enumerate(runs["metrics"]):
+        mismatches = [value for name, value in metrics if name == "moe/route_mismatch"]
+        assert len(mismatches) == 2, (rank, metrics)  # one per optimizer step (one micro-step each)
+        assert mismatches[0] == 0.0, (rank, metrics)
+    assert runs["ratios"][0] == pytest.approx((1.0, 1.0), abs=1e-5)
+    assert runs["aligned"] == [[True] * len(runs["aligned"][0])] * 2 and runs["aligned"][0]
