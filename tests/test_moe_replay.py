@@ -241,3 +241,17 @@ def test_routes_are_gathered_with_their_rows_on_two_processes(tmp_path):
         assert mismatches[0] == 0.0, (rank, metrics)
     assert runs["ratios"][0] == pytest.approx((1.0, 1.0), abs=1e-5)
     assert runs["aligned"] == [[True] * len(runs["aligned"][0])] * 2 and runs["aligned"][0]
+
+
+@pytest.mark.slow
+def test_routing_replay_rollout_trains_a_micro_batch_in_several_passes(tmp_path, monkeypatch):
+    # DeepSeek-V3 has no load-balancing loss, so a micro-batch of 4 rows (about 25 positions each) is cut into
+    # passes by max_tokens_per_pass; each pass replays its rows' routes, cut like its input_ids.
+    import gspo_trl.trainer as trainer_module
+
+    taken, original = [], trainer_module.take_pass
+    monkeypatch.setattr(trainer_module, "take_pass", lambda *args: taken.append(1) or original(*args))
+    _, logs = train("deepseek_v3", tmp_path, routing_replay="rollout", max_tokens_per_pass=40)
+    assert len(taken) >= 4  # at least two passes per micro-step
+    assert all(math.isfinite(entry["loss"]) for entry in logs)
+    assert logs[0]["moe/route_mismatch"] == 0.0  # the first step's weights sampled the rollout
