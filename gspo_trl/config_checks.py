@@ -242,7 +242,7 @@ def check_sampling(config) -> None:
 VLLM_REQUEST_FIELDS_REFUSED = ("n", "best_of", "use_beam_search", "logprobs", "prompt_logprobs")
 
 
-ROUTING_REPLAYS = ("none", "rollout")
+ROUTING_REPLAYS = ("none", "old", "rollout")
 
 
 def check_routing_replay(config) -> None:

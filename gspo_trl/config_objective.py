@@ -166,8 +166,8 @@ class ObjectiveFields:
     routing_replay: str = field(
         default="none",
         metadata={
-            "help": "Mixture-of-Experts routing replay: 'rollout' routes the tokens of every forward on a rollout to "
-            "the experts the decoding loop chose while sampling them (R3); 'none' lets the router choose. See "
-            "docs/moe.md."
+            "help": "Mixture-of-Experts routing replay: 'rollout' routes every forward on a rollout to the experts the "
+            "decoding loop chose (R3), 'old' the training forwards to π_old's (R2); 'none' lets the router choose. "
+            "See docs/moe.md."
         },
     )

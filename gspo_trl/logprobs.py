@@ -164,7 +164,7 @@ def completion_logprobs(
     if (
         padding_free
         and not router_aux_loss
-        and (routing is None or routing.replay is None)  # replayed routes are laid out as the padded rows
+        and (routing is None or routing.pads_rows is False)  # replayed or kept routes are laid out as padded rows
         and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask)
     ):
         layout = (input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids, completion_mask)

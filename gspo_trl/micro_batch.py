@@ -9,6 +9,7 @@ Each log-prob quantity has one name from where it is produced to where the loss 
 | π_old, the weights that sampled             | `old_logps`         | `schedule.fill_old_logps` (None: unchanged)  |
 | the reference model's                       | `ref_logps`         | the trainer's reference forward (beta > 0)   |
 | the sampler's experts per position (MoE)    | `sampling_routes`   | the decoding loop (`Rollout`)                |
+| π_old's experts per position (MoE)          | `old_routes`        | `schedule.fill_old_logps`'s forward          |
 | the correction weight π_old / π_sampler     | `sampling_weights`  | `sampling_correction.correction_for`         |
 | the current policy's (with a gradient)      | `logps`             | `compute_loss`'s forward                     |
 
@@ -58,6 +59,7 @@ class MicroBatch:
     # sampled by the decoding loop; -1 where not recorded): the routing metrics' reference, replayed with
     # routing_replay='rollout' (`moe.replay`).
     sampling_routes: torch.Tensor | None = None
+    old_routes: torch.Tensor | None = None  # (B, P + C, L, k) π_old's experts (routing_replay='old'): the π_old pass's
     num_items_in_batch: torch.Tensor | None = None  # () completion tokens of the whole rollout, every process
     # Set on one training pass of a micro-batch (`passes.take_pass`): the whole micro-batch's counts.
     micro_batch_rows: int | None = None
@@ -89,7 +91,7 @@ class MicroBatch:
                 kept[name] = None
                 continue
             value = value[rows if isinstance(rows, slice) else rows.to(value.device)]
-            if name in ("input_ids", "attention_mask", "sampling_routes"):  # position-aligned
+            if name in ("input_ids", "attention_mask", "sampling_routes", "old_routes"):  # position-aligned
                 value = value[:, : value.shape[1] - width + cut]
             elif value.dim() == 2 and value.shape[1] == width:  # completion-aligned
                 value = value[:, :cut]
@@ -126,4 +128,5 @@ _ROW_FIELDS = (
     "ref_logps",
     "turn_ids",
     "sampling_routes",
+    "old_routes",
 )

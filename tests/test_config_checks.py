@@ -115,7 +115,7 @@ def test_vllm_request_fields_the_trainer_sets_are_refused_in_generation_kwargs(n
 @pytest.mark.parametrize(
     "values, match",
     [
-        ({"routing_replay": "old"}, r"routing_replay must be one of \('none', 'rollout'\)"),
+        ({"routing_replay": "r3"}, r"routing_replay must be one of \('none', 'old', 'rollout'\)"),
         ({"use_vllm": True}, "the vLLM server returns no routes"),
         ({"decode_loop": "generate"}, "transformers' generate records none"),
         ({"activation_checkpointing": True}, "activation checkpointing would recompute the forward"),

@@ -255,3 +255,58 @@ def test_routing_replay_rollout_trains_a_micro_batch_in_several_passes(tmp_path,
     assert len(taken) >= 4  # at least two passes per micro-step
     assert all(math.isfinite(entry["loss"]) for entry in logs)
     assert logs[0]["moe/route_mismatch"] == 0.0  # the first step's weights sampled the rollout
+
+
+# --- routing_replay="old" -------------------------------------------------------------------------------------
+
+
+def test_the_pi_old_pass_records_old_routes_and_training_forwards_replay_them(tmp_path):
+    import contextlib
+
+    from gspo_trl.logprobs import logprobs_without_grad
+
+    model = build("qwen3_moe", "eager")
+    batch = sample(model, tmp_path, "old")
+    batch.old_logps = batch.sampling_logps.clone()  # as if a π_old pass were needed (weights about to move)
+    routing = RoutingReplay("old", model)
+    logprobs_without_grad(
+        model, batch, 2, contextlib.nullcontext, routing=routing.without_grad(batch, old_pass=True), temperature=0.8
+    )
+    # Two rows per forward, laid out as the batch: the π_old pass routes every token the sampler ran to its experts
+    # (same weights, float32). Padding positions attend to nothing and route anyhow: not compared.
+    assert batch.old_routes.shape == batch.sampling_routes.shape
+    tokens = batch.attention_mask.bool() & (batch.sampling_routes >= 0).all(-1).all(-1)  # (B, P + C)
+    assert int(tokens.sum()) > batch.rows * 5
+    assert torch.equal(batch.old_routes[tokens].sort(-1).values, batch.sampling_routes[tokens].sort(-1).values)
+    last = moe_routers(model)[-1]
+    with torch.no_grad():
+        last.weight.add_(torch.randn(last.weight.shape, generator=torch.Generator().manual_seed(5)))
+    used = []
+    hook = last.register_forward_hook(lambda module, args, outputs: used.append(outputs[2]))
+    try:
+        training_scores(model, batch, "old")
+        training_scores(model, batch, "none")
+    finally:
+        hook.remove()
+    old_experts = batch.old_routes[:, :, -1].reshape(-1, 2).long()
+    assert torch.equal(used[0], old_experts)  # replayed: π_old's experts at every position
+    assert not torch.equal(used[1], old_experts)  # the perturbed router's own choice differs somewhere
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [False, True])
+def test_routing_replay_old_trains_with_pi_old_from_a_pass_or_from_the_decoding_loop(bf16, tmp_path):
+    # float32: π_old is the decoding loop's log-probs, and the sampler's routes are replayed; bf16: the π_old pass
+    # runs and records old_routes.
+    model = build("olmoe", None)
+    trainer = GSPOTrainer(
+        model=model,
+        reward_funcs=count_digits,
+        args=small_config(tmp_path, routing_replay="old", bf16=bf16, num_iterations=2),
+        train_dataset=text_dataset(),
+        processing_class=tokenizer(),
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry["loss"]) for entry in logs)
+    assert all((batch.old_routes is not None) == bf16 for batch in trainer.schedule.micro_batches)

@@ -3,8 +3,9 @@
 The decoding loop records the experts of every token it runs (`rollout_routes`: the prompt's at prefill, then each
 sampled token's), and the rollout carries them to the micro-batches as `sampling_routes` (B, P + C, L, k), aligned
 with `input_ids`, -1 where nothing was recorded. With `routing_replay="rollout"` (R3) every forward on the rollout
-(π_old, reference and training forwards) routes its tokens to those experts (`routing.routing_replayed`); training
-forwards of a Mixture-of-Experts policy always record the router's own choice, which gives the drift metrics:
+(π_old, reference and training forwards) routes its tokens to those experts (`routing.routing_replayed`); with
+"old" (R2) the π_old pass records `old_routes` and the training forwards replay them. Training forwards of a
+Mixture-of-Experts policy always record the router's own choice, which gives the drift metrics:
 
 - `moe/route_mismatch`: the fraction of completion tokens whose expert set differs, at one layer at least, between
   the sampling forward and the training forward's own choice; `moe/route_mismatch/layer_<l>` per routed layer.
@@ -93,19 +94,27 @@ class ForwardRouting:
         sampling: torch.Tensor | None = None,
         completion_mask: torch.Tensor | None = None,
         log: Callable[[str, float], None] | None = None,
+        keep: Callable[[torch.Tensor], None] | None = None,
     ):
         self.replay, self.recorder, self.sampling = replay, recorder, sampling
-        self.completion_mask, self.log = completion_mask, log
+        self.completion_mask, self.log, self.keep = completion_mask, log, keep
 
     def rows(self, rows: slice) -> ForwardRouting:
-        """The replay of these rows only, recording nothing (the no-gradient passes, a few rows per forward)."""
-        return ForwardRouting(None if self.replay is None else self.replay[rows])
+        """The replay of these rows only, and what `keep` keeps of them (the no-gradient passes, a few rows per
+        forward); no metrics."""
+        keep = None if self.keep is None else (lambda routes: self.keep(rows, routes))
+        return ForwardRouting(None if self.replay is None else self.replay[rows], self.recorder, keep=keep)
+
+    @property
+    def pads_rows(self) -> bool:
+        """Whether the forward must run on padded rows: the layout of the routes it replays or keeps."""
+        return self.replay is not None or self.keep is not None
 
     @contextlib.contextmanager
     def applied(self, model: nn.Module, batch_shape: torch.Size, score_index: torch.Tensor | None = None):
         """Replay and record around one forward on `batch_shape` (B, P + C) padded rows, or with `score_index` (the
         packed layout's `packing.PackedBatch.score_index`) on packed rows, where it records only (no replay)."""
-        recorder = self.recorder if self.log is not None else None
+        recorder = self.recorder if self.log is not None or self.keep is not None else None
         if recorder is not None:
             recorder.clear()  # nothing left over from a forward that raised
         if self.replay is not None:
@@ -119,7 +128,10 @@ class ForwardRouting:
             context = recorder.recording() if recorder is not None else contextlib.nullcontext()
         with context:
             yield
-        if recorder is not None:
+        if recorder is not None and self.keep is not None:
+            own = recorder.take()
+            self.keep(own.view(*batch_shape, *own.shape[1:]))
+        elif recorder is not None:
             own = recorder.take()  # (tokens of the forward, L, k)
             if score_index is None:
                 own = scoring_positions(own.view(*batch_shape, *own.shape[1:]), self.completion_mask)
@@ -145,20 +157,36 @@ class RoutingReplay:
             )
 
     def replayed(self, batch) -> torch.Tensor | None:
-        """(B, P + C, L, k) the routes forwards on `batch` (a `MicroBatch`) replay, or None."""
+        """(B, P + C, L, k) the routes forwards on `batch` (a `MicroBatch`) replay, or None.
+
+        "rollout": the sampler's. "old": π_old's, recorded by the π_old pass (`old_routes`); where π_old is the
+        decoding loop's log-probs, the sampler's; where the weights still are the sampling ones (no `old_logps`),
+        none: the router's own choice is π_old's."""
         if self.setting == "none" or self.recorder is None:
             return None
+        if self.setting == "old":
+            if batch.old_routes is not None or batch.old_logps is None:
+                return batch.old_routes
         if batch.sampling_routes is None:
             raise ValueError(
-                "routing_replay='rollout' needs the experts the decoding loop chose while sampling, but this rollout "
-                "has none: multi-turn episodes, rollout_func and transformers' generate record no routes. "
+                f"routing_replay={self.setting!r} needs the experts the decoding loop chose while sampling, but this "
+                "rollout has none: multi-turn episodes, rollout_func and transformers' generate record no routes. "
                 "Set routing_replay='none' for them."
             )
         return batch.sampling_routes
 
-    def without_grad(self, batch) -> ForwardRouting | None:
-        """The routing of a forward without a gradient on `batch` (π_old, the reference): replay only."""
-        replay = self.replayed(batch)
+    def without_grad(self, batch, old_pass: bool = False) -> ForwardRouting | None:
+        """The routing of a forward without a gradient on `batch`: the reference's, or with `old_pass` π_old's, which
+        with routing_replay='old' records its routes as the batch's `old_routes`."""
+        if old_pass and self.setting == "old" and self.recorder is not None:
+
+            def keep(rows: slice, routes: torch.Tensor) -> None:
+                if batch.old_routes is None:
+                    batch.old_routes = routes.new_full((batch.rows, *routes.shape[1:]), NOT_RECORDED)
+                batch.old_routes[rows] = routes
+
+            return ForwardRouting(None, self.recorder, keep=keep)
+        replay = None if self.setting == "old" else self.replayed(batch)
         return None if replay is None else ForwardRouting(replay)
 
     def training(self, batch, log: Callable[[str, float], None]) -> ForwardRouting | None:

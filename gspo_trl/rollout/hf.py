@@ -81,8 +81,9 @@ class HFGenerateBackend(RolloutBackend):
         # the KV cache of its previous turn (False: prefill it again); switches for benchmarks/episode_rollout.py.
         self.share_prefixes = True
         self.reuse_turn_cache = True
-        # routing_replay='rollout' replays the prompt's routes too: the loop then prefills each prompt row itself.
-        self.records_prompt_routes = getattr(args, "routing_replay", "none") == "rollout"
+        # routing_replay replays the prompt's routes too (with "old", where π_old is the decoding loop's log-probs):
+        # the loop then prefills each prompt row itself.
+        self.records_prompt_routes = getattr(args, "routing_replay", "none") != "none"
 
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return tokenize_prompts(prompts, self.tokenizer, self.max_prompt_length, self.chat_template_kwargs)
