@@ -244,7 +244,7 @@ class GSPOTrainer(Trainer):
             micro_batches,
             self.schedule.needs_old_logps(),
             self.args,
-            forward=lambda micro_batch: self._score_without_grad(self.model, micro_batch, old_pass=True),
+            forward=lambda micro_batch: self.routing.old_pass(self._score_without_grad, self.model, micro_batch),
         )
         return micro_batches, weights_step
 
@@ -376,7 +376,7 @@ class GSPOTrainer(Trainer):
         rows = self.accelerator.process_index * num_rows + torch.arange(num_rows)
         return stream_keys(self.args.seed, step, 0 if mode == "train" else 1, rows // group_size)
 
-    def _score_without_grad(self, model, inputs: MicroBatch, old_pass: bool = False) -> torch.Tensor:
+    def _score_without_grad(self, model, inputs: MicroBatch) -> torch.Tensor:
         """(B, C) per-token log-probs of a whole rollout batch, one training micro-batch at a time."""
         return logprobs_without_grad(
             model,
@@ -386,7 +386,7 @@ class GSPOTrainer(Trainer):
             temperature=self.args.temperature,
             chunk_size=self.args.logprob_chunk_size,
             padding_free=self.padding_free,
-            routing=self.routing.without_grad(inputs, old_pass),
+            routing=self.routing.without_grad(inputs),
         )
 
     # --- loss ---------------------------------------------------------------------------------

@@ -269,9 +269,14 @@ def test_the_pi_old_pass_records_old_routes_and_training_forwards_replay_them(tm
     batch = sample(model, tmp_path, "old")
     batch.old_logps = batch.sampling_logps.clone()  # as if a π_old pass were needed (weights about to move)
     routing = RoutingReplay("old", model)
-    logprobs_without_grad(
-        model, batch, 2, contextlib.nullcontext, routing=routing.without_grad(batch, old_pass=True), temperature=0.8
-    )
+    assert routing.without_grad(batch) is None  # outside a π_old pass (the reference's): no replay, no recording
+
+    def score(model, batch):
+        return logprobs_without_grad(
+            model, batch, 2, contextlib.nullcontext, routing=routing.without_grad(batch), temperature=0.8
+        )
+
+    routing.old_pass(score, model, batch)
     # Two rows per forward, laid out as the batch: the π_old pass routes every token the sampler ran to its experts
     # (same weights, float32). Padding positions attend to nothing and route anyhow: not compared.
     assert batch.old_routes.shape == batch.sampling_routes.shape

@@ -149,6 +149,7 @@ class RoutingReplay:
     def __init__(self, setting: str, model: nn.Module):
         self.setting = setting
         self.recorder = route_recorder_for(model)
+        self._old_pass_batch = None  # the micro-batch whose π_old pass is running (`old_pass`)
         if setting != "none" and self.recorder is None:
             RouteRecorder(model)  # an unsupported router: its ValueError names it
             raise ValueError(
@@ -175,10 +176,19 @@ class RoutingReplay:
             )
         return batch.sampling_routes
 
-    def without_grad(self, batch, old_pass: bool = False) -> ForwardRouting | None:
-        """The routing of a forward without a gradient on `batch`: the reference's, or with `old_pass` π_old's, which
+    def old_pass(self, score: Callable, model: nn.Module, batch) -> torch.Tensor:
+        """π_old's log-probs of `batch`, `score(model, batch)`: with routing_replay='old', its forwards record their
+        routes as the batch's `old_routes` (`without_grad`)."""
+        self._old_pass_batch = batch
+        try:
+            return score(model, batch)
+        finally:
+            self._old_pass_batch = None
+
+    def without_grad(self, batch) -> ForwardRouting | None:
+        """The routing of a forward without a gradient on `batch`: the reference's, or inside `old_pass` π_old's, which
         with routing_replay='old' records its routes as the batch's `old_routes`."""
-        if old_pass and self.setting == "old" and self.recorder is not None:
+        if batch is self._old_pass_batch and self.setting == "old" and self.recorder is not None:
 
             def keep(rows: slice, routes: torch.Tensor) -> None:
                 if batch.old_routes is None:
