@@ -319,6 +319,7 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         checks.check_objective(self)
         checks.check_episodes(self)
         checks.check_sampling(self)
+        checks.check_routing_replay(self)
         if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name for the same bound
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         checks.check_vllm(self)

@@ -297,6 +297,34 @@ def check_dynamic_sampling(config) -> None:
         )
 
 
+ROUTING_REPLAYS = ("none", "old", "rollout")
+
+
+def check_routing_replay(config) -> None:
+    """Routing replay needs the routes gspo-trl's own decoding loop records, and forwards it can replay them in."""
+    if config.routing_replay not in ROUTING_REPLAYS:
+        raise ValueError(f"routing_replay must be one of {ROUTING_REPLAYS}, got {config.routing_replay!r}.")
+    if config.routing_replay == "none":
+        return
+    needs = f"routing_replay={config.routing_replay!r} replays the experts gspo-trl's decoding loop recorded"
+    if config.use_vllm:
+        raise ValueError(f"{needs}; the vLLM server returns no routes. Set use_vllm=False or routing_replay='none'.")
+    if config.decode_loop != "gspo":
+        raise ValueError(f"{needs}; transformers' generate records none. Set decode_loop='gspo'.")
+    if config.async_rollouts:
+        raise ValueError(f"{needs}; async_rollouts is not available with it yet. Set async_rollouts=False.")
+    if config.activation_checkpointing:
+        raise ValueError(
+            f"{needs} in each training forward; activation checkpointing would recompute the forward in the backward "
+            "pass with the router's own choice. Set activation_checkpointing=False."
+        )
+    if config.padding_free:
+        raise ValueError(
+            f"{needs} in the padded layout of the rollout; padding_free=True packs rows in another layout. "
+            "Leave padding_free=None or set it to False."
+        )
+
+
 def check_generation_kwargs(generation_kwargs, use_vllm: bool = False) -> None:
     """Refuse the settings that do not sample one completion per prompt row from the policy: beam search and
     contrastive search keep the likeliest continuations (not draws from π, which the importance ratio assumes),

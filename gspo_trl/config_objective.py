@@ -186,3 +186,11 @@ class ObjectiveFields:
             "aux_loss. None: the model config's own coefficient (0 without one)."
         },
     )
+    routing_replay: str = field(
+        default="none",
+        metadata={
+            "help": "Mixture-of-Experts routing replay: 'rollout' routes every forward on a rollout to the experts the "
+            "decoding loop chose (R3), 'old' the training forwards to π_old's (R2); 'none' lets the router choose. "
+            "See docs/moe.md."
+        },
+    )

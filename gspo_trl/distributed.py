@@ -352,6 +352,9 @@ def gather_rollout(batch: MicroBatch, accelerator, pad_token_id: int) -> MicroBa
             result[name] = value
         elif value.dim() == 2:  # completion-aligned: completion_mask, log-probs
             result[name] = gathered(value, 0, False)
+        elif name == "sampling_routes":  # position-aligned like input_ids, -1 where not recorded
+            prompt_routes = gathered(value[:, :prompt_length], -1, True)
+            result[name] = torch.cat([prompt_routes, gathered(value[:, prompt_length:], -1, False)], dim=1)
         else:
             result[name] = accelerator.gather(value)
     return MicroBatch(**result)

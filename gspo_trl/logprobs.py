@@ -15,7 +15,8 @@ go to the forward of padded rows, where the model computes its own positions (M-
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from .packing import (
 )
 from .positions import positions_from_mask, takes_position_ids
 from .precision import Float32LMHead, project_in_fp32
+
+if TYPE_CHECKING:
+    from .moe.replay import ForwardRouting
 
 DEFAULT_KEPT_LOGITS_MB = 1024  # fp32 logits kept from the forward for the backward pass; the rest are recomputed
 
@@ -134,6 +138,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
     router_aux_loss: bool = False,
     vision=None,
+    routing: ForwardRouting | None = None,
 ) -> CompletionScores:
     """Log-probabilities and entropies of the completion tokens, each (B, C), zero where masked.
 
@@ -151,7 +156,9 @@ def completion_logprobs(
 
     `entropy_grad` keeps the entropies in the graph (for an entropy bonus); `router_aux_loss` asks a
     Mixture-of-Experts model for its load-balancing loss (padded rows only: the loss reads a 2-D mask).
-    `vision` (a `multimodal.VisionInputs` of these rows) gives each row its prompt's images, on padded rows.
+    `vision` (a `multimodal.VisionInputs` of these rows) gives each row its prompt's images, on padded rows;
+    `routing` the experts it replays and records (`moe.replay.ForwardRouting`): a replay keeps the rows padded (the
+    routes' layout); packed rows record the router's choices for the metrics.
     """
     valid = completion_mask.bool()
     labels_valid = completion_ids[valid]  # (N,)
@@ -161,6 +168,7 @@ def completion_logprobs(
         padding_free
         and vision is None
         and not router_aux_loss
+        and (routing is None or routing.pads_rows is False)  # replayed or kept routes are laid out as padded rows
         and _attends_completion_prefixes(attention_mask[:, prompt_length:], completion_mask)
     ):
         layout = (input_ids[:, :prompt_length], attention_mask[:, :prompt_length], completion_ids, completion_mask)
@@ -193,12 +201,16 @@ def completion_logprobs(
         packed = pack_shared_prefix(*layout, max_row_tokens=max_row_tokens, attention_pair_cost=pair_cost)
     if packed is not None:
         dtype = attention_mask_dtype(unwrap_model(model))
-        hidden, _ = _final_hidden_states(
-            model,
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=packed.float_attention_mask(dtype),
-        )  # (R, L, H)
+        recording = contextlib.nullcontext()
+        if routing is not None:
+            recording = routing.applied(model, input_ids.shape, packed.score_index)
+        with recording:
+            hidden, _ = _final_hidden_states(
+                model,
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                attention_mask=packed.float_attention_mask(dtype),
+            )  # (R, L, H)
         hidden_valid = hidden.flatten(0, 1)[packed.score_index]  # (N, H)
     else:
         # The positions the decoding loop sampled with: a left-padded row counts from its first token, not its first
@@ -206,9 +218,10 @@ def completion_logprobs(
         positions = {"position_ids": positions_from_mask(attention_mask)} if takes_position_ids(model) else {}
         if vision is not None:  # the model's own positions (M-RoPE counts image patches by their grid)
             positions = vision.rows_inputs(input_ids.shape[1])
-        hidden, aux_loss = _final_hidden_states(
-            model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss, **positions
-        )
+        with contextlib.nullcontext() if routing is None else routing.applied(model, input_ids.shape):
+            hidden, aux_loss = _final_hidden_states(
+                model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss, **positions
+            )
         # The hidden state at position t predicts token t + 1, so the completion is scored from the
         # C positions that end one before the last.
         completion_length = completion_ids.shape[1]
@@ -337,10 +350,12 @@ def _score_hidden_states(
 
 
 @torch.no_grad()
-def logprobs_without_grad(model, batch, rows_per_forward: int, context, **options) -> torch.Tensor:
+def logprobs_without_grad(
+    model, batch, rows_per_forward: int, context, routing: ForwardRouting | None = None, **options
+) -> torch.Tensor:
     """(B, C) per-token log-probs of a whole batch (a `MicroBatch`, or anything with its four model inputs), without a
-    gradient, `rows_per_forward` rows at a time, each forward under `context()` (training's precision);
-    `options` go to `completion_logprobs`."""
+    gradient, `rows_per_forward` rows at a time, each forward under `context()` (training's precision) and replaying
+    its rows of `routing`; `options` go to `completion_logprobs`."""
     chunks = []
     for start in range(0, batch.input_ids.shape[0], rows_per_forward):
         rows = slice(start, start + rows_per_forward)
@@ -352,6 +367,7 @@ def logprobs_without_grad(model, batch, rows_per_forward: int, context, **option
                 batch.completion_ids[rows],
                 batch.completion_mask[rows],
                 vision=None if getattr(batch, "vision", None) is None else batch.vision.select(rows),
+                routing=None if routing is None else routing.rows(rows),
                 **options,
             )
         chunks.append(scores.logps)

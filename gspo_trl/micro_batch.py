@@ -9,6 +9,8 @@ Each log-prob quantity has one name from where it is produced to where the loss 
 | the policy's mass the loop's top-k/p kept   | `kept_log_mass`     | the decoding loop, where it truncated        |
 | π_old, the weights that sampled             | `old_logps`         | `schedule.fill_old_logps` (None: unchanged)  |
 | the reference model's                       | `ref_logps`         | the trainer's reference forward (beta > 0)   |
+| the sampler's experts per position (MoE)    | `sampling_routes`   | the decoding loop (`Rollout`)                |
+| π_old's experts per position (MoE)          | `old_routes`        | `schedule.fill_old_logps`'s forward          |
 | the correction weight π_old / π_sampler     | `sampling_weights`  | `sampling_correction.correction_for`         |
 | the current policy's (with a gradient)      | `logps`             | `compute_loss`'s forward                     |
 
@@ -63,6 +65,11 @@ class MicroBatch:
     ref_logps: torch.Tensor | None = None  # (B, C) the reference model's (beta > 0)
     turn_ids: torch.Tensor | None = None  # (B, C) assistant turn of each token (multi-turn episodes)
     vision: VisionInputs | None = None  # a vision-language prompt's images, once per prompt (`multimodal`)
+    # (B, P + C, L, k) int8/int16 the experts each position was routed to by the sampler (Mixture-of-Experts models
+    # sampled by the decoding loop; -1 where not recorded): the routing metrics' reference, replayed with
+    # routing_replay='rollout' (`moe.replay`).
+    sampling_routes: torch.Tensor | None = None
+    old_routes: torch.Tensor | None = None  # (B, P + C, L, k) π_old's experts (routing_replay='old'): the π_old pass's
     num_items_in_batch: torch.Tensor | None = None  # () completion tokens of the whole rollout, every process
     # A rollout no reward function scored (`skip_rollouts_without_rewards`): its loss is multiplied by 0, so that every
     # term (policy, KL, entropy) has a zero gradient while every parameter stays in the graph (DDP expects them all).
@@ -97,7 +104,7 @@ class MicroBatch:
                 kept[name] = None
                 continue
             value = value[rows if isinstance(rows, slice) else rows.to(value.device)]
-            if name in ("input_ids", "attention_mask"):
+            if name in ("input_ids", "attention_mask", "sampling_routes", "old_routes"):  # position-aligned
                 value = value[:, : value.shape[1] - width + cut]
             elif value.dim() == 2 and value.shape[1] == width:  # completion-aligned
                 value = value[:, :cut]
@@ -128,6 +135,9 @@ class MicroBatch:
             value = getattr(self, name)
             if name not in padded and value is not None and value.dim() == 2 and value.shape[1] == width:
                 padded[name] = pad(value, 0, (0, right))  # completion-aligned
+        for name in ("sampling_routes", "old_routes"):  # (B, P + C, L, k) position-aligned; -1: not recorded
+            if getattr(self, name) is not None:
+                padded[name] = pad(getattr(self, name), -1, (0, 0, 0, 0, left, right))
         return replace(self, **padded)
 
     def to_state(self) -> dict[str, Any]:
@@ -166,4 +176,6 @@ _ROW_FIELDS = (
     "old_logps",
     "ref_logps",
     "turn_ids",
+    "sampling_routes",
+    "old_routes",
 )

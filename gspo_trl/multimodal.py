@@ -227,6 +227,8 @@ def check_vision_support(processor, args, episodes: bool, rollout_func) -> None:
         "rollout_func": rollout_func is not None,
         "async_rollouts=True": args.async_rollouts,
         "dynamic_sampling=True (extra rounds are not joined with their images)": args.dynamic_sampling,
+        "pad_to_multiple_of (the images' token positions are not padded with the rows)": args.pad_to_multiple_of
+        is not None,
         "padding_free=True (packed rows hold no per-row images)": args.padding_free is True,
         f"more than one process (world_size={args.world_size}: a rollout's images are not gathered across "
         "processes yet)": args.world_size > 1,

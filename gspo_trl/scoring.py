@@ -167,6 +167,7 @@ def scored_batch(sampled, scores: RolloutScores, mask_truncated_completions: boo
         # Skipped = trained on with a loss of 0 (`MicroBatch.skipped`), rather than resampled: the rollout still fills
         # its micro-steps, so the schedule (the prompts each step takes, optimizer steps, checkpoints) is unchanged.
         skipped=bool(scores.skipped),
+        sampling_routes=rollout.sampling_routes,  # Mixture-of-Experts models
     )
 
 

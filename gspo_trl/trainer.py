@@ -59,6 +59,7 @@ from .models import (
     reference_weights,
     router_aux_loss_coef,
 )
+from .moe.replay import RoutingReplay
 from .multimodal import IMAGE_COLUMNS, check_vision_support, prompts_with_images
 from .packing import padding_free_in_use
 from .passes import pass_budget, passes_on_every_process, take_pass
@@ -154,6 +155,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
 
         unwrapped, device_type = self.accelerator.unwrap_model(self.model), self.accelerator.device.type
         self.padding_free = padding_free_in_use(args.padding_free, device_type, unwrapped)
+        self.routing = RoutingReplay(args.routing_replay, getattr(unwrapped, "get_base_model", lambda: unwrapped)())
         self.max_tokens_per_pass = pass_budget(args, self.accelerator.device.type, self.router_aux_loss_coef != 0.0)
         self.rollout_backend = create_rollout_backend(
             args, tokenizer, self.accelerator, lambda: self.accelerator.unwrap_model(self.model), processor
@@ -252,7 +254,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             micro_batches,
             self.schedule.needs_old_logps(),
             self.args,
-            forward=lambda micro_batch: self._score_without_grad(self.model, micro_batch),
+            forward=lambda micro_batch: self.routing.old_pass(self._score_without_grad, self.model, micro_batch),
         )
         return micro_batches, weights_step
 
@@ -315,14 +317,13 @@ class GSPOTrainer(TRLAttributes, Trainer):
     def _generate_and_score(self, batch: list[dict], mode: str, first_row: int = 0) -> MicroBatch:
         """Sample a synchronous rollout on the current weights and score it (eval; train without async_rollouts);
         `first_row`: the global row index of this rollout's first row (a dynamic sampling round's)."""
-        if self.rollout_pipeline is not None:
-            # a server must not change weights under a rollout being sampled ahead
+        if self.rollout_pipeline is not None:  # a server must not change weights under a rollout sampled ahead
             self.rollout_pipeline.prefetcher.wait()
         self.rollout_backend.update_weights(self.model_wrapped, self.state.global_step)
         on_model = self.rollout_backend.samples_with_training_model
         with generation_context(self.model_wrapped, self.accelerator, self.args, on_model):
-            step = self.state.global_step
-            sampled = self._sample(self.rollout_backend, self.episode_runner, batch, mode, step, first_row=first_row)
+            step, backend = self.state.global_step, self.rollout_backend
+            sampled = self._sample(backend, self.episode_runner, batch, mode, step, first_row=first_row)
         return self._score(batch, sampled, mode)
 
     def _score_more(self, batch: list[dict], first_row: int) -> MicroBatch:
@@ -332,9 +333,8 @@ class GSPOTrainer(TRLAttributes, Trainer):
         return self._score(batch, self.rollout_pipeline.sample_more(batch, first_row), "train")
 
     def _sample(self, backend, runner, batch, mode: str, step: int, keyed=False, first_row=0) -> SampledRollout:
-        """Completions (or episodes) for `batch`, with the sampling streams and seeds of optimizer step `step`
-        (`keyed`: per-completion streams even without layout_independent_sampling; `first_row`: see
-        `_row_keys`)."""
+        """Completions (or episodes) for `batch`, with the sampling streams and seeds of optimizer step `step` (`keyed`:
+        per-completion streams even without layout_independent_sampling; `first_row`: see `_row_keys`)."""
         if self.rollout_func is not None:
             return sample_with_rollout_func(self.rollout_func, self, [row["prompt"] for row in batch])
         # Per-completion sampling streams (None: the global RNG); one environment seed per group.
@@ -400,6 +400,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             temperature=self.args.temperature,
             chunk_size=self.args.logprob_chunk_size,
             padding_free=self.padding_free,
+            routing=self.routing.without_grad(inputs),
         )
 
     # --- loss ---------------------------------------------------------------------------------
@@ -422,6 +423,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             entropy_grad=self.entropy_coefficient.enabled,
             router_aux_loss=self.router_aux_loss_coef != 0.0,
             vision=inputs.vision,
+            routing=self.routing.training(inputs, lambda name, value: self._metrics.add(mode, name, value)),
         )
         policy_token_mask, learned, entropy_normalizer = learned_tokens(
             scores.entropy.detach(),
@@ -451,13 +453,13 @@ class GSPOTrainer(TRLAttributes, Trainer):
             num_sequences=inputs.micro_batch_rows,  # set on a pass: its loss is its share of the micro-batch's
             num_tokens=inputs.micro_batch_tokens,
         )
-        if inputs.skipped:  # skip_rollouts_without_rewards: a zero gradient, every parameter still in the graph
-            loss = loss * 0.0
         metrics = loss_metrics(stats, masked_mean(scores.entropy.detach(), mask), self.args.beta)
         metrics.update(sampling_metrics(sampling_stats))
         if scores.router_aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * scores.router_aux_loss
             metrics["aux_loss"] = scores.router_aux_loss.detach()
+        if inputs.skipped:  # skip_rollouts_without_rewards: a zero gradient, every parameter still in the graph
+            loss = loss * 0.0
         if self.entropy_coefficient.enabled:
             metrics["entropy_coef"] = entropy_coef
             if mode == "train" and self.entropy_coefficient.adaptive:

@@ -123,3 +123,23 @@ def test_pad_to_multiple_of_spellings(given, expected):
 def test_pad_to_multiple_of_refuses_what_is_not_a_positive_int(given):
     with pytest.raises(ValueError, match="pad_to_multiple_of must be an int >= 1"):
         config_checks.pad_to_multiple_of(given)
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"routing_replay": "r3"}, r"routing_replay must be one of \('none', 'old', 'rollout'\)"),
+        ({"use_vllm": True}, "the vLLM server returns no routes"),
+        ({"decode_loop": "generate"}, "transformers' generate records none"),
+        ({"activation_checkpointing": True}, "activation checkpointing would recompute the forward"),
+        ({"padding_free": True}, "padding_free=True packs rows in another layout"),
+        ({"async_rollouts": True}, "async_rollouts is not available with it yet"),
+    ],
+)
+def test_routing_replay_is_refused_where_no_routes_are_recorded_or_replayed(tmp_path, values, match):
+    from gspo_trl import GSPOConfig
+
+    replay = {"routing_replay": "rollout", **values}
+    with pytest.raises(ValueError, match=match):
+        GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **replay)
+    GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**values, "routing_replay": "none"})  # fine without replay

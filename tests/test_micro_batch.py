@@ -97,3 +97,22 @@ def test_padded_to_multiple_pads_prompts_left_and_completions_right():
     assert torch.equal(padded.advantages, record.advantages)  # per row: unchanged
     assert record.padded_to_multiple(2, 99) is record  # 2 and 4 fit already
     assert record.padded_to_multiple(None, 99) is record
+
+
+def test_select_cuts_the_sampling_routes_like_the_input_ids_and_the_checkpoint_keeps_them():
+    # (B, P + C, L=1, k=1): each position's route is its token id, so a cut shows as the same columns as input_ids.
+    record = batch()
+    record.sampling_routes = record.input_ids.to(torch.int8).view(3, 6, 1, 1)
+    part = record.select(torch.tensor([2, 0]), completion_width=2)
+    assert torch.equal(part.sampling_routes[..., 0, 0], part.input_ids.to(torch.int8))
+    again = MicroBatch.from_state(record.to_state())
+    assert again.sampling_routes.dtype == torch.int8 and torch.equal(again.sampling_routes, record.sampling_routes)
+
+
+def test_padded_to_multiple_pads_the_routes_with_not_recorded():
+    # P = 2, C = 4, multiple 3: one route column on the left, two on the right, each -1 (not recorded)
+    record = batch()
+    record.sampling_routes = record.input_ids.to(torch.int8).view(3, 6, 1, 1)
+    padded = record.padded_to_multiple(3, pad_token_id=99)
+    assert padded.sampling_routes.shape == (3, 9, 1, 1) and padded.old_routes is None
+    assert padded.sampling_routes[0, :, 0, 0].tolist() == [-1, *record.input_ids[0].tolist(), -1, -1]

@@ -288,6 +288,7 @@ def test_model_loaded_from_a_path(tmp_path):
         ({"use_vllm": True}, {}, "use_vllm"),
         ({"async_rollouts": True}, {}, "async_rollouts"),
         ({"dynamic_sampling": True}, {}, "dynamic_sampling"),
+        ({"pad_to_multiple_of": 8}, {}, "pad_to_multiple_of"),
         ({"padding_free": True}, {}, "padding_free"),
         ({}, {"env_factory": lambda: None}, "env_factory"),
         ({}, {"rollout_func": lambda prompts, trainer: {}}, "rollout_func"),

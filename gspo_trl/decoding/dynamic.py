@@ -17,6 +17,7 @@ tokens were drawn with and the policy's mass kept (`truncation`), whose sum is t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ..moe.routing import RouteRecorder
 from ..positions import positions_from_mask
 from . import cpu, truncation
 from .kv_cache import cache_kwargs
@@ -242,6 +244,11 @@ class Decoded:
     # (N, C) float32 log of the mass top-k / top-p / min-p kept at each token (0 after a row's end), where `logps`
     # were recorded and the processors truncate; `logps` are then the truncated, renormalised ones (`truncation`).
     kept_log_mass: torch.Tensor | None = None
+    # With a `route_recorder` (Mixture-of-Experts): (N, C, L, k) the experts of the forward that sampled each token
+    # (`moe.replay.rollout_routes` says which position that is), -1 after a row's end; and (N, P, L, k) the
+    # prompt's, where the loop prefilled the prompts itself (no `cache` given), else None.
+    step_routes: torch.Tensor | None = None
+    prompt_routes: torch.Tensor | None = None
 
 
 def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -308,6 +315,7 @@ def sample(
     keep_states: bool = False,
     logp_temperature: float | None = None,
     cpu_kernels: cpu.CPUKernels | None = cpu.ALL,
+    route_recorder: RouteRecorder | None = None,
 ) -> Decoded:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt row; returns the (N, C) completion ids,
     `pad_token_id` after a row's first EOS, C the longest completion, and with `logp_temperature` each sampled
@@ -321,6 +329,7 @@ def sample(
     that ended with an EOS is kept as its `RowState` (its prompt and completion, the EOS excepted: the EOS is
     sampled, never run through the model) and returned with the completions, None for rows without an EOS.
     `cpu_kernels`: the accelerations of the steps on CPU (`cpu.CPUKernels`; None: PyTorch's operators throughout).
+    `route_recorder`: record the experts of each token run (`Decoded.step_routes`, `Decoded.prompt_routes`).
     """
     n, prompt_length = prompt_ids.shape
     device = prompt_ids.device
@@ -340,7 +349,9 @@ def sample(
     truncated_at = truncation.truncated_at(processors, logp_temperature)
     log_mass = None if truncated_at is None else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     length = 0
-    with cpu.accelerate(model, cpu_kernels) as step_forward:  # None: every step runs the model's own forward
+    routes = _RoutesOfRows(route_recorder, n, max_new_tokens) if route_recorder is not None else None
+    recording = route_recorder.recording() if route_recorder is not None else contextlib.nullcontext()
+    with cpu.accelerate(model, cpu_kernels) as step_forward, recording:  # None: the model's own forward every step
         for t in range(max_new_tokens):
             if t and step_forward is not None:
                 logits = step_forward(step_ids, attention, step_positions, cache)  # (n, V)
@@ -353,6 +364,8 @@ def sample(
                     use_cache=True,
                     logits_to_keep=1,
                 ).logits[:, -1, :]
+            if routes is not None:
+                routes.note(rows, t, step_ids.shape[1])
             if t == 0:  # the cache now holds every prompt token: give it room for the completions
                 preallocate(cache, prompt_length + max_new_tokens)
                 if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
@@ -386,7 +399,29 @@ def sample(
         None if logps is None else logps[:, :length],
         states if keep_states else None,
         None if log_mass is None else log_mass[:, :length],
+        None if routes is None else routes.steps[:, :length],
+        None if routes is None else routes.prompt,
     )
+
+
+class _RoutesOfRows:
+    """The experts a `RouteRecorder` saw in each step's forward, put in the rows and columns of the batch."""
+
+    def __init__(self, recorder: RouteRecorder, rows: int, steps: int):
+        self.recorder = recorder
+        self.steps: torch.Tensor | None = None  # (N, steps, L, k), built at the first step (the device, k)
+        self.prompt: torch.Tensor | None = None
+        self.shape = (rows, steps)
+
+    def note(self, rows: torch.Tensor, t: int, positions: int) -> None:
+        """Step `t` ran `positions` positions of the live `rows` (the whole prompt at a prefill, else one)."""
+        step = self.recorder.take()  # (live rows × positions, L, k)
+        step = step.view(rows.shape[0], positions, *step.shape[1:])
+        if self.steps is None:
+            self.steps = step.new_full((*self.shape, *step.shape[2:]), -1)
+        if positions > 1:
+            self.prompt = step
+        self.steps[rows.to(step.device), t] = step[:, -1]
 
 
 @dataclass

@@ -225,6 +225,7 @@ def sample(
     check_every: int = CHECK_EVERY,
     keep_states: bool = False,
     logp_temperature: float | None = None,
+    route_recorder=None,  # taken for `dynamic.sample`'s signature; graph replays run no hooks: no routes recorded
 ) -> Decoded:
     """`dynamic.sample` on a static cache: (N, C) completion ids after each left-padded prompt row, the
     `pad_token_id` after a row's first EOS, C the longest completion (and with `logp_temperature` their

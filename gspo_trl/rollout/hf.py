@@ -19,6 +19,7 @@ from transformers.utils import logging
 from ..decoding import cpu, dynamic, memory, static
 from ..decoding.kv_cache import cache_kwargs
 from ..decoding.prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
+from ..moe.replay import pad_routes, rollout_routes, route_recorder_for
 from ..multimodal import VisionInputs, encode_prompts
 from ..packing import padding_free_unsupported_reason
 from .streams import KeyedGumbelSampler, keyed_uniform
@@ -85,6 +86,9 @@ class HFGenerateBackend(RolloutBackend):
         # the KV cache of its previous turn (False: prefill it again); switches for benchmarks/episode_rollout.py.
         self.share_prefixes = True
         self.reuse_turn_cache = True
+        # routing_replay replays the prompt's routes too (with "old", where π_old is the decoding loop's log-probs):
+        # the loop then prefills each prompt row itself.
+        self.records_prompt_routes = getattr(args, "routing_replay", "none") != "none"
 
     def tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return tokenize_prompts(prompts, self.tokenizer, self.max_prompt_length, self.chat_template_kwargs)
@@ -134,6 +138,7 @@ class HFGenerateBackend(RolloutBackend):
         rows = prompt_ids.shape[0]
         step = self._rows_per_slice(model, rows, prompt_ids.shape[1] + max_new_tokens)
         was_training = model.training
+        recorder = route_recorder_for(model) if self.use_decode_loop else None  # Mixture-of-Experts routes
         # Eval mode: with gradient checkpointing in training mode, transformers turns the KV cache off
         # (about 7x slower sampling).
         model.eval()
@@ -148,6 +153,7 @@ class HFGenerateBackend(RolloutBackend):
                     None if states is None else states[part],
                     keep_states,
                     None if vision is None else vision.select(part).to(model.device),
+                    recorder,
                 )
                 for part in (slice(start, start + step) for start in range(0, max(rows, 1), step))
             ]
@@ -167,6 +173,12 @@ class HFGenerateBackend(RolloutBackend):
                 [F.pad(part.kept_log_mass, (0, width - part.kept_log_mass.shape[1])) for part in parts]
             )
         kept = None if any(part.states is None for part in parts) else sum((part.states for part in parts), [])
+        routes = None
+        if all(part.step_routes is not None for part in parts):
+            routes = torch.cat(
+                [rollout_routes(part.prompt_routes, pad_routes(part.step_routes, width), prompt_ids.shape[1])
+                 for part in parts]
+            )  # fmt: skip
         completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         # Tokens after the first EOS are padding; make them the pad id so decoding is clean.
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
@@ -180,6 +192,7 @@ class HFGenerateBackend(RolloutBackend):
             states=kept if keep_states else None,
             sampled_by_policy=logps is not None,
             kept_log_mass=kept_log_mass,
+            sampling_routes=routes,
             decoding_loop=None if loops == {None} else "static" if "static" in loops else "dynamic",
         )
 
@@ -204,22 +217,28 @@ class HFGenerateBackend(RolloutBackend):
         return step
 
     def _sample_rows(
-        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states, vision=None
+        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states, vision=None, recorder=None
     ) -> tuple[dynamic.Decoded, str | None]:
         """One slice of rows, decoded together, and the decoding loop that sampled them (None: generate)."""
         if self.use_decode_loop:
-            return self._sample_with_loop(model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states)
+            loop = (model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states, recorder)
+            return self._sample_with_loop(*loop)
         sampled = self._sample_with_generate(model, prompt_ids, prompt_mask, keys, max_new_tokens, vision)
         return dynamic.Decoded(sampled), None
 
     def _sample_with_loop(
-        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states
+        self, model, prompt_ids, prompt_mask, keys, max_new_tokens, states, keep_states, recorder=None
     ) -> tuple[dynamic.Decoded, str]:
         def keyed_uniforms(rows, position):  # one uniform per row and position, from the row's own stream
             return keyed_uniform(keys[rows], position, 1).squeeze(1)
 
         uniforms = dynamic.random_uniforms if keys is None else keyed_uniforms
         shared, pad = None, self.tokenizer.pad_token_id
+        if recorder is not None and self.records_prompt_routes:  # the loop's own prefill records the prompt's routes
+            sampling = dict(eos_token_ids=self.eos_token_ids, pad_token_id=pad, processors=self.processors)
+            sampling.update(uniforms=uniforms, logp_temperature=self.logp_temperature, route_recorder=recorder)
+            decoded = dynamic.sample(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, **sampling)
+            return decoded, "dynamic"
         if _takes_gapped_rows(model):  # what rows share with others, or with their own last turn, runs once
             rows = [
                 [token for token, keep in zip(ids, mask) if keep]  # one device-to-host copy, not one per row
@@ -255,6 +274,7 @@ class HFGenerateBackend(RolloutBackend):
             if not self._static_refusal_logged:
                 logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
                 self._static_refusal_logged = True
+        sampling["route_recorder"] = recorder
         return dynamic.sample(model, ids, mask, cache=cache, cpu_kernels=self.cpu_kernels, **sampling), "dynamic"
 
     def _uses_static_loop(self, device: torch.device) -> bool:

@@ -57,6 +57,9 @@ class Rollout:
     decoding_loop: str | None = None
     # A vision-language model's prompt images (the processor's fields), once per prompt (`multimodal`); None for text.
     vision: VisionInputs | None = None
+    # Mixture-of-Experts models sampled by the decoding loop: (N, P + C, L, k) the experts each position was routed
+    # to, aligned with prompt then completion, -1 where not recorded (`moe.replay.rollout_routes`). None otherwise.
+    sampling_routes: torch.Tensor | None = None
 
     @property
     def sampled_mask(self) -> torch.Tensor:
