@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.decoding import dynamic, static
 from gspo_trl.decoding.prefix_sharing import prefill
+from gspo_trl.decoding.truncation import policy_logps
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.models import router_aux_loss_coef
 from gspo_trl.packing import padding_free_in_use, padding_free_unsupported_reason
@@ -274,7 +275,10 @@ def test_dynamic_loop_records_the_logps_of_a_plain_forward(family, attention):
     completion_mask, _ = completion_mask_from_eos(decoded.completion_ids, [tok.eos_token_id])
     lengths = completion_mask.sum(1).tolist()
     assert len(set(lengths)) > 1, lengths
-    assert_equal_to_plain_forwards(model, prompt_rows(encoded), decoded.completion_ids, decoded.logps, completion_mask)
+    # The helper's processors keep GenerationConfig's default top_k=50: the loop records the truncated log-probs and
+    # the kept mass, whose sum is the policy's log-prob a plain forward gives (`truncation.policy_logps`).
+    logps = policy_logps(decoded.logps, decoded.kept_log_mass)
+    assert_equal_to_plain_forwards(model, prompt_rows(encoded), decoded.completion_ids, logps, completion_mask)
 
 
 @pytest.mark.parametrize("family, attention", COMBINATIONS)
@@ -302,7 +306,10 @@ def test_static_loop_records_the_logps_of_a_plain_forward(family, attention, mon
     decoded = run()
     assert calls  # the static loop sampled
     completion_mask, _ = completion_mask_from_eos(decoded.completion_ids, [tok.eos_token_id])
-    assert_equal_to_plain_forwards(model, prompt_rows(encoded), decoded.completion_ids, decoded.logps, completion_mask)
+    # The helper's processors keep GenerationConfig's default top_k=50: the loop records the truncated log-probs and
+    # the kept mass, whose sum is the policy's log-prob a plain forward gives (`truncation.policy_logps`).
+    logps = policy_logps(decoded.logps, decoded.kept_log_mass)
+    assert_equal_to_plain_forwards(model, prompt_rows(encoded), decoded.completion_ids, logps, completion_mask)
 
 
 def sampling_config(tmp_path, **overrides) -> GSPOConfig:
