@@ -17,6 +17,7 @@ CONFIG_COPIES = {
         "epsilon_high",
         "importance_sampling_level",
         "log_completions",
+        "log_unique_prompts",
         "loss_type",
         "mask_truncated_completions",
         "max_completion_length",
