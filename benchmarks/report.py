@@ -224,6 +224,34 @@ def decode_step_table() -> str:
     return "\n".join(lines)
 
 
+def dynamic_sampling_table() -> str:
+    """The demo trained with and without dynamic sampling: per run, the rollouts' mean reward (all of them, the first
+    and last half), the completion and prompt tokens sampled, and the rounds per rollout."""
+    lines = [
+        "| dynamic_sampling | rollouts | mean reward: all (first 5 → last 5) "
+        "| tokens, prompt + completion (`num_tokens`) | rounds per rollout "
+        "| sampled per trained token | groups of equal rewards sampled |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in _load("dynamic_sampling.json")["runs"]:
+        rollouts = [step for step in run["steps"] if "reward" in step]
+        rewards = [step["reward"] for step in rollouts]
+        half = len(rewards) // 2
+
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values)
+
+        rounds = [step.get("rollout/dynamic_sampling_rounds", 1.0) for step in rollouts]
+        ratio = [step.get("rollout/sampled_tokens_per_trained_token", 1.0) for step in rollouts]
+        zero = mean([step["frac_reward_zero_std"] for step in rollouts])
+        lines.append(
+            f"| {run['variant']} | {len(rollouts)} | {mean(rewards):.3f} ({mean(rewards[:half]):.3f} → "
+            f"{mean(rewards[half:]):.3f}) | {run['steps'][-1]['num_tokens']:,} | {mean(rounds):.1f} | "
+            f"{mean(ratio):.2f} | {zero:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 # (figure, column, cell format) of the GPU tables; every figure is the mean over a run's timed rounds.
 GPU_COLUMNS = [
     ("round_s", "window (s)", "{:.2f}"),
@@ -362,6 +390,7 @@ RENDERERS = (
     ("scaling_seeds", scaling_seeds_table),
     ("scaling", scaling_table),
     ("train_length", train_length_table),
+    ("dynamic_sampling", dynamic_sampling_table),
     ("gpu_h200", gpu_h200_table),
     ("gpu_h100", gpu_h100_table),
     ("gpu_decoding_step", gpu_decoding_step_table),
