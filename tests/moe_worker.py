@@ -10,26 +10,13 @@ import sys
 
 import torch
 from datasets import Dataset
-from helpers import count_digits, leave_worker
+from helpers import count_digits, leave_worker, small_config
 
-from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl import GSPOTrainer
 
 if __name__ == "__main__":
     model_dir, result_path = sys.argv[1], sys.argv[2]
-    config = GSPOConfig(
-        output_dir=f"{result_path}.run",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        routing_replay="rollout",
-    )
+    config = small_config(f"{result_path}.run", max_completion_length=8, routing_replay="rollout")
     # Prompts of different lengths, so that the two processes' rollouts are padded to different widths.
     prompts = [f"What is {i} + {i + 1}?" + " Think." * (i % 3) for i in range(16)]
     trainer = GSPOTrainer(model_dir, count_digits, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}))
