@@ -3,9 +3,10 @@
 It holds no math and no backend details: sampling lives in `rollout` (multi-turn episodes in `rollout.episodes`,
 what they are played in in `environments`), log-probabilities in `logprobs` (checked on the first rollout by
 `logprob_check`), rewards in `rewards`, the rollout's advantages in `scoring` (math in `advantages`), the objective
-in `loss`, a micro-batch's training passes in `passes`, the schedule (one rollout reused for `steps_per_generation ×
-num_iterations` micro-steps, as in TRL, and π_old per micro-batch) in `schedule`. The trainer's own job is moving
-data between those modules, as one typed `MicroBatch`, and logging.
+in `loss` (one micro-batch's loss assembled in `micro_batch_loss`), a micro-batch's training passes in `passes`,
+the schedule (one rollout reused for `steps_per_generation × num_iterations` micro-steps, as in TRL, and π_old per
+micro-batch) in `schedule`. The trainer's own job is moving data between those modules, as one typed `MicroBatch`,
+and logging.
 """
 
 from __future__ import annotations
@@ -40,17 +41,10 @@ from .entropy_control import EntropyCoefficient
 from .environments.tools import environment_reward_functions, tool_episode_factory
 from .logprob_check import FirstRolloutCheck
 from .logprobs import completion_logprobs, logprobs_without_grad
-from .loss import Objective, masked_mean, policy_loss, token_normalizer
-from .loss_masks import learned_tokens
-from .metrics import (
-    MetricsBuffer,
-    loss_metrics,
-    metric_counts,
-    record_rollout_metrics,
-    reward_columns,
-    sampling_metrics,
-)
+from .loss import Objective
+from .metrics import MetricsBuffer, record_rollout_metrics, reward_columns
 from .micro_batch import MicroBatch
+from .micro_batch_loss import micro_batch_loss
 from .model_card import write_trainer_model_card
 from .models import (
     create_reference_model,
@@ -69,7 +63,6 @@ from .rewards import load_rewards, prepare_reward_models
 from .rollout import SampledRollout, create_rollout_backend, episode_runner_for, stream_keys
 from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
 from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
-from .sampling_correction import correction_for
 from .schedule import RolloutSchedule, fill_old_logps, rollout_tokens
 from .scoring import completions_per_prompt, reward_and_score, scored_batch
 from .streaming import check_stream_resume, micro_steps_per_epoch, streamed
@@ -411,8 +404,6 @@ class GSPOTrainer(TRLAttributes, Trainer):
         if inputs.old_logps is None and self.model.training:
             self.schedule.check_weights_unchanged(self.state.global_step)
         mode = "train" if self.model.training else "eval"
-        mask = inputs.completion_mask
-        per_step = self.args.steps_per_generation if mode == "train" else 1  # micro-batches per optimizer step
         scores = completion_logprobs(
             model,
             *inputs.model_inputs(),
@@ -425,46 +416,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             vision=inputs.vision,
             routing=self.routing.training(inputs, lambda name, value: self._metrics.add(mode, name, value)),
         )
-        policy_token_mask, learned, entropy_normalizer = learned_tokens(
-            scores.entropy.detach(),
-            mask,
-            self.args.top_entropy_quantile,
-            self.accelerator,
-            counted=self.entropy_coefficient.enabled,
-            micro_batch_tokens=inputs.micro_batch_tokens,
-        )
-        entropy_coef = self.entropy_coefficient.to_apply()
-        sampling_weights, sampling_stats = correction_for(inputs, scores.logps.detach(), self.args)
-        loss, stats = policy_loss(
-            scores.logps,
-            inputs.old_logps,
-            inputs.advantages,
-            mask,
-            objective=self.objective,
-            ref_logps=inputs.ref_logps,
-            sampling_logps=inputs.engine_logps,
-            sampling_weights=sampling_weights,
-            policy_token_mask=policy_token_mask,
-            turn_ids=inputs.turn_ids,
-            token_normalizer=token_normalizer(inputs.num_items_in_batch, self.accelerator.num_processes, per_step),
-            per_token_entropy=scores.entropy,
-            entropy_coef=entropy_coef,
-            entropy_normalizer=entropy_normalizer,
-            num_sequences=inputs.micro_batch_rows,  # set on a pass: its loss is its share of the micro-batch's
-            num_tokens=inputs.micro_batch_tokens,
-        )
-        metrics = loss_metrics(stats, masked_mean(scores.entropy.detach(), mask), self.args.beta)
-        metrics.update(sampling_metrics(sampling_stats))
-        if scores.router_aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * scores.router_aux_loss
-            metrics["aux_loss"] = scores.router_aux_loss.detach()
-        if inputs.skipped:  # skip_rollouts_without_rewards: a zero gradient, every parameter still in the graph
-            loss = loss * 0.0
-        if self.entropy_coefficient.enabled:
-            metrics["entropy_coef"] = entropy_coef
-            if mode == "train" and self.entropy_coefficient.adaptive:
-                self.entropy_coefficient.observe(scores.entropy.detach(), learned, self.accelerator)
-        counts = metric_counts(mask, self.objective.importance_sampling_level, self.args.vllm_importance_sampling_mode)
+        loss, metrics, counts = micro_batch_loss(scores, inputs, self, mode)
         self._metrics.add_pass(mode, metrics, counts, inputs.last_pass, self.accelerator.gather)
         return loss
 
