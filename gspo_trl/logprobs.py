@@ -10,7 +10,8 @@ backward). What it does not own: which tokens count (the caller's mask) and anyt
 objective. With `padding_free`, the forward runs on the packed layout built by `packing` instead of
 padded rows (two forwards when `packing.plan_forwards` cuts the micro-batch); padded rows take the position ids
 of `positions`, as the decoding loop samples with them. A vision-language prompt's images (`multimodal.VisionInputs`)
-go to the forward of padded rows, where the model computes its own positions (M-RoPE).
+go to the forward of padded rows, encoded once per prompt (`vision_features`); the model computes its own positions
+(M-RoPE).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .packing import (
 )
 from .positions import positions_from_mask, takes_position_ids
 from .precision import Float32LMHead, project_in_fp32
+from .vision_features import images_encoded_once
 
 if TYPE_CHECKING:
     from .moe.replay import ForwardRouting
@@ -216,11 +218,12 @@ def completion_logprobs(
         # The positions the decoding loop sampled with: a left-padded row counts from its first token, not its first
         # pad (models with learned absolute positions, GPT-2, would otherwise score it at shifted positions).
         positions = {"position_ids": positions_from_mask(attention_mask)} if takes_position_ids(model) else {}
-        if vision is not None:  # the model's own positions (M-RoPE counts image patches by their grid)
-            positions = vision.rows_inputs(input_ids.shape[1])
-        with contextlib.nullcontext() if routing is None else routing.applied(model, input_ids.shape):
+        images = contextlib.nullcontext(positions)
+        if vision is not None:  # each prompt's images encoded once; the model's own positions (M-RoPE)
+            images = images_encoded_once(model, vision, input_ids)
+        with images as inputs, contextlib.nullcontext() if routing is None else routing.applied(model, input_ids.shape):
             hidden, aux_loss = _final_hidden_states(
-                model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss, **positions
+                model, input_ids=input_ids, attention_mask=attention_mask, router_aux_loss=router_aux_loss, **inputs
             )
         # The hidden state at position t predicts token t + 1, so the completion is scored from the
         # C positions that end one before the last.

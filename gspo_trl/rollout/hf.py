@@ -9,6 +9,7 @@ bookkeeping of the result. What it does not own: the rollout record (`types`), t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from ..decoding.prefix_sharing import prefill, prefill_after_states, prefill_sha
 from ..moe.replay import pad_routes, rollout_routes, route_recorder_for
 from ..multimodal import VisionInputs, encode_prompts
 from ..packing import padding_free_unsupported_reason
+from ..vision_features import images_encoded_once
 from .streams import KeyedGumbelSampler, keyed_uniform
 from .types import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, left_pad, tokenize_prompts
 
@@ -305,19 +307,20 @@ class HFGenerateBackend(RolloutBackend):
                     )
                 ]
             )
-        cache, images = None, {}
-        if vision is not None:  # generate's own prefill reads the images (a row's prompt fields for each row)
-            images = vision.rows_inputs(prompt_ids.shape[1])
+        cache, images = None, contextlib.nullcontext({})
+        if vision is not None:  # generate's own prefill reads the images, each prompt's encoded once
+            images = images_encoded_once(model, vision, prompt_ids)
         elif self.generation_config.cache_implementation is None:
             cache = prefill_shared_prompts(model, prompt_ids, prompt_mask)
-        sequences = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            **images,
-            **cache_kwargs(model, cache),
-            generation_config=generation_config,
-            logits_processor=processors,
-        )
+        with images as image_inputs:
+            sequences = model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                **image_inputs,
+                **cache_kwargs(model, cache),
+                generation_config=generation_config,
+                logits_processor=processors,
+            )
         return sequences[:, prompt_ids.shape[1] :]
 
 
