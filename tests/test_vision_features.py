@@ -15,6 +15,7 @@ import gspo_trl.logprobs as logprobs_module
 from gspo_trl import GSPOTrainer
 from gspo_trl.logprobs import completion_logprobs
 from gspo_trl.multimodal import VisionInputs, encode_prompts
+from gspo_trl.rollout.streams import stream_keys
 from gspo_trl.vision_features import feature_owner, features_to_rows, images_encoded_once
 
 FAMILIES = sorted(BUILDERS)
@@ -110,14 +111,16 @@ def _per_row_forward(monkeypatch):
     )
 
 
+def _image_prompt(seed: int, text: str) -> list:
+    return [
+        {"role": "user", "content": [{"type": "image", "image": noise_image(seed)}, {"type": "text", "text": text}]}
+    ]
+
+
 def _interleaved_batch(processor, group_size=3):
     """Two prompts with different images and text lengths, their rows interleaved (groups 0, 1, 0, 1, ...), and
     random completions of 6 tokens (one row's last two masked)."""
-    prompts = []
-    for seed, text in ((0, "What is 1 + 3?"), (1, "What is 12345 + 67890 + 3?")):
-        image = noise_image(seed)
-        prompt = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
-        prompts += [prompt] * group_size
+    prompts = [_image_prompt(0, "What is 1 + 3?")] * group_size + [_image_prompt(1, "What is 12345 + 3?")] * group_size
     ids, mask, vision = encode_prompts(processor, prompts, None)
     order = torch.arange(2 * group_size).view(2, group_size).t().flatten()  # 0, 3, 1, 4, 2, 5
     vision = VisionInputs(vision.prompts, vision.groups[order])
@@ -185,6 +188,35 @@ def test_lora_on_the_vision_tower_gets_the_same_gradients(monkeypatch):
     assert per_row_grads and all("lora_" in name and "visual" in name for name in per_row_grads)
     torch.testing.assert_close(shared_logps, per_row_logps, atol=1e-5, rtol=0)  # the bound of the test above
     _assert_same_gradients(shared_grads, per_row_grads)
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_encodes_each_prompt_once_and_samples_the_same(family, tmp_path, monkeypatch):
+    import gspo_trl.rollout.hf as hf_module
+
+    model, processor = BUILDERS[family]()
+    args = small_config(tmp_path, max_completion_length=8)
+    trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=image_dataset(4), processing_class=processor)
+    prompts = [_image_prompt(0, "What is 1 + 3?")] * 4 + [_image_prompt(1, "What is 12345 + 67890 + 3?")] * 4
+    keys = stream_keys(0, torch.arange(len(prompts)))  # each row's own random stream
+    with _counting_images(model) as seen:
+        shared = trainer.rollout_backend.generate(prompts, keys)
+    assert seen == [(2, False)]  # generate's prefill: the 2 prompts' images, not the 8 rows'
+    monkeypatch.setattr(
+        hf_module,
+        "images_encoded_once",
+        lambda model, vision, input_ids: contextlib.nullcontext(vision.rows_inputs(input_ids.shape[1])),
+    )
+    with _counting_images(model) as seen:
+        per_row = trainer.rollout_backend.generate(prompts, keys)
+    assert seen == [(8, False)]
+    # The same keys draw the same tokens: the logits differ by float32 rounding at most (the log-prob test above),
+    # and a Gumbel-perturbed argmax flips only where two perturbed scores lie within that rounding of each other.
+    assert torch.equal(shared.completion_ids, per_row.completion_ids)
+    assert not torch.equal(shared.completion_ids[0], shared.completion_ids[1])  # rows drew their own samples
 
 
 # --- a training step --------------------------------------------------------------------------------------------
