@@ -193,6 +193,7 @@ def test_lora_on_the_vision_tower_gets_the_same_gradients(monkeypatch):
 # --- sampling ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a trainer built and two rollouts sampled, several seconds per family
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_encodes_each_prompt_once_and_samples_the_same(family, tmp_path, monkeypatch):
     import gspo_trl.rollout.hf as hf_module
