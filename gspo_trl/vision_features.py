@@ -61,22 +61,20 @@ def features_to_rows(
 
 
 def feature_owner(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose forward encodes the images with its own `get_image_features` (the innermost module that has
-    one: a `...ForConditionalGeneration` delegates to its `model`). A `ValueError` for a model without one."""
-    owners = [
-        module
-        for module in unwrap_model(model).modules()
-        if callable(getattr(module, "get_image_features", None))
-        and not any(callable(getattr(child, "get_image_features", None)) for child in module.children())
-    ]
-    if len(owners) != 1:
-        found = "none" if not owners else ", ".join(type(owner).__name__ for owner in owners)
+    """The module whose forward encodes the images with its own `get_image_features`: the model's `base_model` (a
+    `...ForConditionalGeneration`'s `model`), where transformers' `generate` calls it too. A `ValueError` for a
+    model without one."""
+    inner = unwrap_model(model)
+    if hasattr(inner, "get_base_model"):  # PEFT
+        inner = inner.get_base_model()
+    owner = getattr(inner, "base_model", inner)
+    if not callable(getattr(owner, "get_image_features", None)):
         raise ValueError(
-            f"{type(unwrap_model(model)).__name__} has no single module with a `get_image_features` method (found: "
-            f"{found}): gspo-trl encodes a vision-language prompt's images once for all its rows through that method, "
-            "which transformers' vision-language models define. Use a model that has one."
+            f"{type(inner).__name__}'s base model ({type(owner).__name__}) has no `get_image_features` method: "
+            "gspo-trl encodes a vision-language prompt's images once for all its rows through it, as transformers' "
+            "vision-language models define it. Use a model that has one."
         )
-    return owners[0]
+    return owner
 
 
 def image_token_id(config) -> int:

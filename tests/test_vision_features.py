@@ -172,6 +172,21 @@ def test_same_logps_and_gradients_as_encoding_every_row(family, monkeypatch):
     _assert_same_gradients(shared_grads, per_row_grads)
 
 
+def test_activation_checkpointing_gets_the_same_gradients(monkeypatch):
+    # The backward pass runs the tower's blocks again, after the forward has put `get_image_features` back.
+    model, processor = build_tiny_qwen2_5_vl()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch, vision = _interleaved_batch(processor)
+    with _counting_images(model) as seen:
+        shared_logps, shared_grads = _logps_and_gradients(model, batch, vision)
+    assert seen == [(2, True)]
+    _per_row_forward(monkeypatch)
+    per_row_logps, per_row_grads = _logps_and_gradients(model, batch, vision)
+    torch.testing.assert_close(shared_logps, per_row_logps, atol=1e-5, rtol=0)  # the bounds of the test above
+    _assert_same_gradients(shared_grads, per_row_grads)
+
+
 def test_lora_on_the_vision_tower_gets_the_same_gradients(monkeypatch):
     from peft import LoraConfig, get_peft_model
 
