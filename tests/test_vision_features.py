@@ -81,7 +81,7 @@ def test_the_owner_is_the_inner_model_and_the_patch_is_undone():
 
 def _vision_tower(model):
     owner = feature_owner(model)
-    return owner.visual if hasattr(owner, "visual") else owner.vision_tower
+    return next(getattr(owner, name) for name in ("visual", "vision_tower", "vision_model") if hasattr(owner, name))
 
 
 def _images_seen(module, args, kwargs, output, seen):
@@ -90,6 +90,15 @@ def _images_seen(module, args, kwargs, output, seen):
     grid = kwargs.get("grid_thw")
     images = grid.shape[0] if grid is not None else (args[0] if args else kwargs["pixel_values"]).shape[0]
     seen.append((images, torch.is_grad_enabled()))
+
+
+def _tower_images(fields: dict) -> int:
+    """How many images the vision tower encodes for one prompt's fields: Qwen's grid rows, else the pixel batch
+    (Idefics3's (1, images, C, H, W): its sub-images)."""
+    if "image_grid_thw" in fields:
+        return fields["image_grid_thw"].shape[0]
+    pixels = fields["pixel_values"]
+    return pixels.shape[0] * (pixels.shape[1] if pixels.dim() == 5 else 1)
 
 
 @contextlib.contextmanager
@@ -142,7 +151,8 @@ def _logps_and_gradients(model, batch, vision):
 
 def _assert_same_gradients(shared, per_row):
     assert shared.keys() == per_row.keys()
-    assert any("visual" in name or "vision_tower" in name for name in per_row)  # the tower's gradients are compared
+    # The tower's gradients are among those compared.
+    assert any(tower in name for tower in ("visual", "vision_tower", "vision_model") for name in per_row)
     scale = max(grad.abs().max() for grad in per_row.values())
     for name, grad in per_row.items():
         # fp32: both sum the same per-row terms, in another order (the rows' gradients meet at the shared features
@@ -159,11 +169,12 @@ def test_same_logps_and_gradients_as_encoding_every_row(family, monkeypatch):
     batch, vision = _interleaved_batch(processor)
     with _counting_images(model) as seen:
         shared_logps, shared_grads = _logps_and_gradients(model, batch, vision)
-    assert seen == [(2, True)]  # two prompts: two images, in one call of the tower
+    one = _tower_images(vision.prompts[0])  # one image per prompt (Idefics3: its sub-images)
+    assert seen == [(2 * one, True)]  # two prompts' images, in one call of the tower
     _per_row_forward(monkeypatch)
     with _counting_images(model) as seen:
         per_row_logps, per_row_grads = _logps_and_gradients(model, batch, vision)
-    assert seen == [(6, True)]  # the path this replaces: every row's image
+    assert seen == [(6 * one, True)]  # the path this replaces: every row's image
     # fp32: the tower's products batched over 2 images instead of 6 round their sums (at most 128 terms) in another
     # order, a few 2^-24 relative on the features; through the 2-layer, 64-wide language model to log-probs of order
     # one that stays near 1e-6 (measured: 0 for Qwen2.5-VL and Gemma 3, 4.8e-7 for LLaVA). A row given the other
@@ -180,7 +191,7 @@ def test_activation_checkpointing_gets_the_same_gradients(monkeypatch):
     batch, vision = _interleaved_batch(processor)
     with _counting_images(model) as seen:
         shared_logps, shared_grads = _logps_and_gradients(model, batch, vision)
-    assert seen == [(2, True)]
+    assert seen == [(2 * _tower_images(vision.prompts[0]), True)]
     _per_row_forward(monkeypatch)
     per_row_logps, per_row_grads = _logps_and_gradients(model, batch, vision)
     torch.testing.assert_close(shared_logps, per_row_logps, atol=1e-5, rtol=0)  # the bounds of the test above
@@ -220,7 +231,8 @@ def test_generate_encodes_each_prompt_once_and_samples_the_same(family, tmp_path
     keys = stream_keys(0, torch.arange(len(prompts)))  # each row's own random stream
     with _counting_images(model) as seen:
         shared = trainer.rollout_backend.generate(prompts, keys)
-    assert seen == [(2, False)]  # generate's prefill: the 2 prompts' images, not the 8 rows'
+    one = _tower_images(shared.vision.prompts[0])  # one image per prompt (Idefics3: its sub-images)
+    assert seen == [(2 * one, False)]  # generate's prefill: the 2 prompts' images, not the 8 rows'
     monkeypatch.setattr(
         hf_module,
         "images_encoded_once",
@@ -228,7 +240,7 @@ def test_generate_encodes_each_prompt_once_and_samples_the_same(family, tmp_path
     )
     with _counting_images(model) as seen:
         per_row = trainer.rollout_backend.generate(prompts, keys)
-    assert seen == [(8, False)]
+    assert seen == [(8 * one, False)]
     # The same keys draw the same tokens: the logits differ by float32 rounding at most (the log-prob test above),
     # and a Gumbel-perturbed argmax flips only where two perturbed scores lie within that rounding of each other.
     assert torch.equal(shared.completion_ids, per_row.completion_ids)
@@ -249,7 +261,8 @@ def test_a_training_step_encodes_each_prompt_once_per_forward(family, tmp_path):
     trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=image_dataset(4), processing_class=processor)
     with _counting_images(trainer.model) as seen, _counting_images(trainer.ref_model) as seen_by_reference:
         trainer.train()
-    # Each call saw the 2 prompts' 2 images, not the rows' 8: generate's prefill, π_old, then the training forward
+    # Each call saw the 2 prompts' images, not the rows' 8: generate's prefill, π_old, then the training forward
     # (the one with a gradient); the reference model's forward.
-    assert seen == [(2, False), (2, False), (2, True)]
-    assert seen_by_reference == [(2, False)]
+    one = _tower_images(encode_prompts(processor, [_image_prompt(0, "hi")], None)[2].prompts[0])  # per image
+    assert seen == [(2 * one, False), (2 * one, False), (2 * one, True)]
+    assert seen_by_reference == [(2 * one, False)]
