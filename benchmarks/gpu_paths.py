@@ -71,7 +71,9 @@ def moe_sampling(family: str, device: str, tmp: Path) -> dict:
         backend = HFGenerateBackend(lambda: model, tokenizer(), args)
         rollout = backend.generate(PROMPTS, stream_keys(11, torch.arange(len(PROMPTS))))
         entry = {"decoding_loop": rollout.decoding_loop, "routes_recorded": rollout.sampling_routes is not None}
-        if replay == "rollout" and rollout.sampling_routes is not None:
+        if rollout.sampling_logps is None:
+            entry["sampling_logps"] = "not recorded (the loop records them in full precision only)"
+        elif replay == "rollout" and rollout.sampling_routes is not None:
             fields = dict(
                 **rollout.model_inputs(), sampling_logps=rollout.sampling_logps, sampling_routes=rollout.sampling_routes
             )
@@ -153,6 +155,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="Comma-separated check-name prefixes to run.")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 sampling: the loop records its log-probs (no TF32 products)
     checks = [(f"moe_sampling/{f}", moe_sampling, f) for f in MOE_FAMILIES]
     checks += [(f"moe_trainer/qwen3_moe/{r}", moe_trainer, "qwen3_moe", r) for r in ("none", "rollout")]
     from vlm_models import BUILDERS
