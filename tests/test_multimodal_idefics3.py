@@ -10,13 +10,16 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import count_digits, small_config
 from PIL import Image
 from vlm_models import build_tiny_idefics3
 
 from gspo_trl import GSPOTrainer
 from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.micro_batch import MicroBatch
 from gspo_trl.multimodal import encode_prompts
+from gspo_trl.rollout_checkpoint import RolloutState, load_rollout_state, save_rollout_state
 
 # The builder's sizes: images resized to a longest edge of 56, split into 28×28 tiles plus the whole image at 28×28;
 # a 28×28 tile is 4×4 patches of 7, shuffled 2×2 into 4 image tokens (`image_seq_len`).
@@ -113,6 +116,26 @@ def test_rows_pad_sub_images_as_the_processor_pads_a_batch():
     assert real.sum(dim=1).tolist() == [SQUARE, SQUARE, WIDE, WIDE, TWO_SQUARES, TWO_SQUARES]
     # Left-padded ids: each row's image tokens are its own sub-images' count.
     assert ((ids == processor.image_token_id).sum(dim=1) == TOKENS_PER_SUB_IMAGE * real.sum(dim=1)).all()
+
+
+def test_a_checkpointed_rollout_keeps_each_prompts_sub_images(tmp_path):
+    """A rollout saved inside a checkpoint and loaded back gives every row the same fields: each prompt's tensors,
+    3, 5 and 10 sub-images, are saved under their own names, not stacked."""
+    _, processor = build_tiny_idefics3()
+    rows = [prompt for prompt in _mixed_prompts() for _ in range(2)]
+    ids, mask, vision = encode_prompts(processor, rows, None)
+    completion = torch.ones(len(rows), 3, dtype=torch.long)
+    batch = MicroBatch(
+        torch.cat([ids, completion], 1), F.pad(mask, (0, 3), value=1), completion, completion, vision=vision
+    )
+    state = RolloutState(
+        [batch.to_state()], sampled_at_step=1, shuffle_generator_state=torch.zeros(1), num_tokens_seen=0
+    )
+    save_rollout_state(str(tmp_path), 0, state)
+    restored = MicroBatch.from_state(load_rollout_state(str(tmp_path), 0, torch.device("cpu")).micro_batches[0])
+    assert [p["pixel_values"].shape[1] for p in restored.vision.prompts] == [SQUARE, WIDE, TWO_SQUARES]
+    before, after = vision.rows_inputs(ids.shape[1] + 3), restored.vision.rows_inputs(ids.shape[1] + 3)
+    assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
