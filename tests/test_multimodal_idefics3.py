@@ -247,3 +247,19 @@ def test_lora_bf16_and_reference(tmp_path):
         n.replace("base_model.model.", ""): p for n, p in trainer.model.named_parameters() if ".vision_model." in n
     }
     assert vision_before and all(torch.equal(vision_after[n], p) for n, p in vision_before.items())
+
+
+@pytest.mark.slow  # a full training run of several seconds
+def test_model_loaded_from_a_path(tmp_path):
+    model, processor = build_tiny_idefics3()
+    model.save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    trainer = GSPOTrainer(
+        str(tmp_path / "model"), count_digits, args=_config(tmp_path / "out", max_steps=1), train_dataset=_dataset(4)
+    )
+    assert type(trainer.model).__name__ == "Idefics3ForConditionalGeneration"
+    loaded = trainer.processing_class
+    assert type(loaded).__name__ == "Idefics3Processor" and loaded.image_seq_len == TOKENS_PER_SUB_IMAGE
+    assert loaded.image_processor.do_image_splitting
+    trainer.train()
+    assert trainer.state.global_step == 1
