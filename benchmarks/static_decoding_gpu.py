@@ -48,6 +48,12 @@ def prompts(tokenizer, rows: int, device):
     return encoded.input_ids.to(device), encoded.attention_mask.to(device)
 
 
+def max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    return float((a - b).abs().max())
+
+
 def agreement(model_dir, tokenizer, device, new_tokens: int, rows: int = 32) -> dict:
     ids, mask = prompts(tokenizer, rows, device)
     keys = stream_keys(7, torch.arange(ids.shape[0], device=device))
@@ -63,6 +69,7 @@ def agreement(model_dir, tokenizer, device, new_tokens: int, rows: int = 32) -> 
         pad_token_id=tokenizer.pad_token_id,
         processors=processors,
         uniforms=lambda rows, t: keyed_uniform(keys[rows], t, 1).squeeze(1),
+        logp_temperature=0.9,  # record each token's log-prob and the mass top-p kept (truncation-aware)
     )
     results = {}
     for name, dtype, autocast in [
@@ -72,13 +79,12 @@ def agreement(model_dir, tokenizer, device, new_tokens: int, rows: int = 32) -> 
     ]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            graphed = static.sample(
+            graphed_out = static.sample(
                 model, ids, mask, graphs=device.type == "cuda", window_block=64, check_every=4, **kwargs
-            ).completion_ids
-            eager = static.sample(
-                model, ids, mask, graphs=False, window_block=64, check_every=4, **kwargs
-            ).completion_ids
-            from_dynamic = dynamic.sample(model, ids, mask, **kwargs).completion_ids
+            )
+            eager_out = static.sample(model, ids, mask, graphs=False, window_block=64, check_every=4, **kwargs)
+            dynamic_out = dynamic.sample(model, ids, mask, **kwargs)
+        graphed, eager, from_dynamic = graphed_out.completion_ids, eager_out.completion_ids, dynamic_out.completion_ids
         ended = torch.isin(graphed, torch.tensor(stops, device=device))
         lengths = torch.where(ended.any(1), ended.float().argmax(1) + 1, graphed.shape[1])
         results[name] = {
@@ -87,6 +93,14 @@ def agreement(model_dir, tokenizer, device, new_tokens: int, rows: int = 32) -> 
             if graphed.shape == from_dynamic.shape
             else None,
             "shapes": [list(graphed.shape), list(from_dynamic.shape)],
+            # The same kernels on the same tokens: the recorded log-probs and kept masses are equal too.
+            "logps_max_abs_diff_graphs_vs_eager": max_abs_diff(graphed_out.logps, eager_out.logps),
+            "kept_log_mass_max_abs_diff_graphs_vs_eager": max_abs_diff(
+                graphed_out.kept_log_mass, eager_out.kept_log_mass
+            ),
+            "mean_kept_log_mass": None
+            if graphed_out.kept_log_mass is None
+            else float(graphed_out.kept_log_mass[graphed != tokenizer.pad_token_id].mean()),
             "rows_that_ended": int(ended.any(1).sum()),
             "distinct_lengths": len(set(lengths.tolist())),
         }

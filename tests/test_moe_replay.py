@@ -97,6 +97,19 @@ def test_without_replay_only_the_sampled_tokens_positions_are_recorded(tmp_path)
     assert float((logps - batch.sampling_logps)[batch.completion_mask.bool()].abs().max()) <= TOLERANCE
 
 
+def test_a_moe_model_decodes_with_the_dynamic_loop_where_cuda_graphs_would_run(tmp_path, monkeypatch):
+    # On a GPU the static loop (CUDA graphs) records no routes, and its capture fails for the experts' dispatch; a
+    # MoE model decodes with the dynamic loop there so that the routing metrics have the sampler's routes. Forced on
+    # CPU here; a dense model still takes the static loop.
+    monkeypatch.setattr(HFGenerateBackend, "_uses_static_loop", lambda self, device: self.cuda_graphs)
+    args = small_config(tmp_path, temperature=TEMPERATURE, max_completion_length=4)
+    keys = stream_keys(11, torch.arange(len(PROMPTS)))
+    moe = HFGenerateBackend(lambda: build("qwen3_moe", "eager"), tokenizer(), args).generate(PROMPTS, keys)
+    assert moe.decoding_loop == "dynamic" and moe.sampling_routes is not None
+    dense = HFGenerateBackend(lambda: build("llama", "eager"), tokenizer(), args).generate(PROMPTS, keys)
+    assert dense.decoding_loop == "static" and dense.sampling_routes is None
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_a_perturbed_router_shows_as_route_mismatch_and_replay_keeps_the_sampled_experts(family, tmp_path):
     model = build(family, "eager")

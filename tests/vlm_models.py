@@ -1,12 +1,14 @@
 """Tiny random vision-language models and their processors, built offline from the tokenizer of `conftest`.
 
-Three families: Qwen2.5-VL (patches flattened over the batch, `image_grid_thw` splits them; M-RoPE positions from
-`mm_token_type_ids`), LLaVA (one (C, H, W) tensor per image, a CLIP tower) and Gemma 3 (a SigLIP tower; bidirectional
-attention over an image's tokens from `token_type_ids`, sliding-window layers). No torchvision here: the processors
-use the `*ImageProcessorPil` classes, and Qwen2.5-VL's processor is built without its video processor (which needs
-torchvision). Image token counts match the configs: a 56×56 image is a 4×4 grid of 14-pixel patches, merged 2×2 into
-4 Qwen tokens; LLaVA and Gemma 3 resize to 28×28, 2×2 patches of 14, 4 tokens (LLaVA drops its CLS token; Gemma 3's
-`image_seq_length` = `mm_tokens_per_image` = 4).
+Four families: Qwen2.5-VL (patches flattened over the batch, `image_grid_thw` splits them; M-RoPE positions from
+`mm_token_type_ids`), LLaVA (one (C, H, W) tensor per image, a CLIP tower), Gemma 3 (a SigLIP tower; bidirectional
+attention over an image's tokens from `token_type_ids`, sliding-window layers) and Idefics3, SmolVLM's architecture
+(each image split into tiles plus the whole image: `pixel_values` (1, N, C, H, W) and `pixel_attention_mask` per
+prompt). No torchvision here: the processors use the `*ImageProcessorPil` classes, and Qwen2.5-VL's processor is built
+without its video processor (which needs torchvision). Image token counts match the configs: a 56×56 image is a 4×4
+grid of 14-pixel patches, merged 2×2 into 4 Qwen tokens; LLaVA and Gemma 3 resize to 28×28, 2×2 patches of 14, 4
+tokens (LLaVA drops its CLS token; Gemma 3's `image_seq_length` = `mm_tokens_per_image` = 4); Idefics3 cuts 28×28 tiles,
+each 4×4 patches of 7 shuffled 2×2 into 4 tokens (`image_seq_len` = (28 / 7)² / `scale_factor`²).
 """
 
 from __future__ import annotations
@@ -182,7 +184,50 @@ def build_tiny_gemma3(seed: int = 0):
     return _finish(model, tokenizer), processor
 
 
-BUILDERS = {"qwen2_5_vl": build_tiny_qwen2_5_vl, "llava": build_tiny_llava, "gemma3": build_tiny_gemma3}
+def build_tiny_idefics3(seed: int = 0, do_image_splitting: bool = True, model_type: str = "idefics3"):
+    """(model, processor): a random Idefics3 with a one-layer SigLIP-like tower, or with `model_type="smolvlm"` a
+    SmolVLM model of the same sizes. SmolVLM's own processor needs a video processor (torchvision) and `num2words`;
+    for images it writes the same tiles and tags as Idefics3's, which both models read alike."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = build_tiny_tokenizer()
+    # The processor writes the sub-image tags as text: without them in the vocabulary they would be split into pieces.
+    tags = [f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)]
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tags]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    template = IMAGE_TEMPLATE.replace("{{ IMAGE }}", "<image>")
+    tokenizer.chat_template = template
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=do_image_splitting
+    )
+    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=4, chat_template=template)
+    config = AutoConfig.for_model(
+        model_type,
+        text_config=dict(model_type="llama", **_text_config(tokenizer)),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=7,
+        ),
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return _finish(AutoModelForImageTextToText.from_config(config), tokenizer), processor
+
+
+BUILDERS = {
+    "qwen2_5_vl": build_tiny_qwen2_5_vl,
+    "llava": build_tiny_llava,
+    "gemma3": build_tiny_gemma3,
+    "idefics3": build_tiny_idefics3,
+}
 
 
 def solid_image(color: tuple[int, int, int], size: int = 56) -> Image.Image:

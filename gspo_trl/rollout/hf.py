@@ -266,7 +266,7 @@ class HFGenerateBackend(RolloutBackend):
             keep_states=keep_states,
             logp_temperature=self.logp_temperature,
         )
-        if self._uses_static_loop(ids.device):
+        if self._uses_static_loop(ids.device) and recorder is None:
             if cache is None:
                 cache = prefill(model, ids, mask)
             reason = static.unsupported_reason(model, cache)
@@ -276,6 +276,11 @@ class HFGenerateBackend(RolloutBackend):
             if not self._static_refusal_logged:
                 logger.warning(f"decode_cuda_graphs: decoding without CUDA graphs because of {reason}.")
                 self._static_refusal_logged = True
+        if recorder is not None and self._uses_static_loop(ids.device) and not self._static_refusal_logged:
+            # The experts' token dispatch copies to the host, which graph capture refuses (measured on an H200 for
+            # Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3), and the dynamic loop records the routes the metrics need.
+            logger.warning("decode_cuda_graphs: a Mixture-of-Experts model decodes without CUDA graphs.")
+            self._static_refusal_logged = True
         sampling["route_recorder"] = recorder
         return dynamic.sample(model, ids, mask, cache=cache, cpu_kernels=self.cpu_kernels, **sampling), "dynamic"
 
