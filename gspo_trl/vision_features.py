@@ -7,8 +7,9 @@ language model reads (Qwen's `image_grid_thw` for M-RoPE positions, `mm_token_ty
 `token_type_ids`), and for the duration of the call replaces the model's `get_image_features` by one that encodes
 the distinct prompts and gives every row its prompt's features (`features_to_rows`). The encoding stays inside the
 model's own forward (so DDP, DeepSpeed and PEFT wrappers see it), and the gradient of every row reaches the shared
-features. What it does not own: which prompt each row answers (`multimodal.VisionInputs`), the forward itself
-(`logprobs`, `rollout.hf`).
+features. The replacement is an attribute of the model while the context is open: a forward of the same model in
+another thread meanwhile would read it too. What it does not own: which prompt each row answers
+(`multimodal.VisionInputs`), the forward itself (`logprobs`, `rollout.hf`).
 """
 
 from __future__ import annotations
