@@ -112,7 +112,7 @@ def _counting_images(model):
 
 
 def _per_row_forward(monkeypatch):
-    """Today's path before this module: every row's fields, `pixel_values` included, to the forward."""
+    """The path `images_encoded_once` replaces: every row's fields, `pixel_values` included, to the forward."""
     monkeypatch.setattr(
         logprobs_module,
         "images_encoded_once",
@@ -159,7 +159,8 @@ def _assert_same_gradients(shared, per_row):
         # instead of in the tower's weights) and over differently batched products of at most 128 terms: each sum
         # moves by a few 2^-24 of its terms' magnitude, which is at most the model's largest gradient. 1e-5 of that
         # bounds it (some entries are exactly zero in exact arithmetic, attention keys' biases: only `atol` holds
-        # them); 1e-4 relative covers the rest with margin and is far below a gradient missing one row's share.
+        # them; measured: at most 2e-7 of the largest gradient); 1e-4 relative covers the rest with margin and is far
+        # below a gradient missing one row's share.
         torch.testing.assert_close(shared[name], grad, rtol=1e-4, atol=1e-5 * float(scale), msg=name)
 
 
@@ -177,8 +178,8 @@ def test_same_logps_and_gradients_as_encoding_every_row(family, monkeypatch):
     assert seen == [(6 * one, True)]  # the path this replaces: every row's image
     # fp32: the tower's products batched over 2 images instead of 6 round their sums (at most 128 terms) in another
     # order, a few 2^-24 relative on the features; through the 2-layer, 64-wide language model to log-probs of order
-    # one that stays near 1e-6 (measured: 0 for Qwen2.5-VL and Gemma 3, 4.8e-7 for LLaVA). A row given the other
-    # prompt's features moves its log-probs by O(0.1) (the image test of test_multimodal.py).
+    # one that stays near 1e-6 (measured: 0 for Qwen2.5-VL, Gemma 3 and Idefics3, 4.8e-7 for LLaVA). A row given the
+    # other prompt's features moves its log-probs by O(0.1) (the image test of test_multimodal.py).
     torch.testing.assert_close(shared_logps, per_row_logps, atol=1e-5, rtol=0)
     _assert_same_gradients(shared_grads, per_row_grads)
 
