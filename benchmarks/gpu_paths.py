@@ -67,12 +67,14 @@ def moe_sampling(family: str, device: str, tmp: Path) -> dict:
             routing_replay=replay,
             temperature=TEMPERATURE,
             max_completion_length=16,
+            decode_logprobs_as_old=True,  # the loop records its log-probs whatever the precision it finds
         )
         backend = HFGenerateBackend(lambda: model, tokenizer(), args)
         rollout = backend.generate(PROMPTS, stream_keys(11, torch.arange(len(PROMPTS))))
         entry = {"decoding_loop": rollout.decoding_loop, "routes_recorded": rollout.sampling_routes is not None}
+        entry["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
         if rollout.sampling_logps is None:
-            entry["sampling_logps"] = "not recorded (the loop records them in full precision only)"
+            entry["sampling_logps"] = "not recorded"
         elif replay == "rollout" and rollout.sampling_routes is not None:
             fields = dict(
                 **rollout.model_inputs(), sampling_logps=rollout.sampling_logps, sampling_routes=rollout.sampling_routes
