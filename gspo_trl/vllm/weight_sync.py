@@ -70,12 +70,15 @@ def named_weights(
     done_prefixes: list[str] = []
 
     def out(tensor: torch.Tensor) -> torch.Tensor:
+        gathered = getattr(tensor, "ds_status", None) is not None  # its storage is freed when the gather ends
         tensor = dequantized(tensor).detach()  # a 4-bit/8-bit base weight as the floats its layer multiplies by
         if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor): all-gathered, a collective like ZeRO-3's
             tensor = tensor.full_tensor()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        return tensor.to("cpu", copy=True).contiguous() if to_cpu else tensor.contiguous()
+        if to_cpu:
+            return tensor.to("cpu", copy=True).contiguous()
+        return tensor.clone() if gathered else tensor.contiguous()
 
     for module_name, module in base.named_modules():
         if any(module_name.startswith(prefix) for prefix in done_prefixes):
