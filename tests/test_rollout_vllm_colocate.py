@@ -135,3 +135,13 @@ def test_two_processes_push_merged_lora_into_their_own_engines(tmp_path, served_
     # Each engine sampled its own prompts with its own seed: the ranks' rollouts differ.
     first, second = ([rollout["completion_ids"] for rollout in rank["rollouts"]] for rank in ranks)
     assert first != second
+
+
+@pytest.mark.slow  # a real vLLM engine, sampling in the trainer's background thread
+def test_the_engine_samples_the_next_rollout_ahead_with_the_weights_of_its_launch(tmp_path, served_model_dir):  # noqa: F811
+    (result,) = run_worker(served_model_dir, "async", tmp_path / "async")
+    # Rollouts for steps 0, 2 and 4 were launched at steps 0, 0 and 2: the engine got the weights of steps 0 and 2.
+    assert [sync["step"] for sync in result["syncs"]] == [0, 2, -1]
+    assert all(sync["max_error"] < LOGPROB_TOLERANCE for sync in result["syncs"])
+    assert [rollout["thread"] for rollout in result["rollouts"]] == ["gspo-rollout_0"] * 3
+    assert [log["rollout/staleness"] for log in result["logs"]] == [0, 1, 2, 3, 2, 3]

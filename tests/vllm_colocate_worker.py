@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import torch
 from datasets import Dataset
@@ -60,6 +61,10 @@ def record(trainer, syncs: list, rollouts: list) -> None:
 
     def recorded_generate(prompts, stream_keys=None):
         rollout = generate(prompts, stream_keys)
+        rows, thread = rollout.completion_ids.shape[0], threading.current_thread().name
+        if trainer.args.async_rollouts:  # sampled ahead: the trainer's weights move on meanwhile
+            rollouts.append({"rows": rows, "thread": thread, "completion_ids": rollout.completion_ids.tolist()})
+            return rollout
         ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
         completion = (rollout.completion_ids, rollout.completion_mask)
@@ -67,8 +72,9 @@ def record(trainer, syncs: list, rollouts: list) -> None:
             ours = completion_logprobs(trainer.model_wrapped, ids, mask, *completion)
         valid = rollout.completion_mask.bool()
         gap = (rollout.sampling_logps[valid] - ours.logps[valid]).abs().max().item()
-        rows = rollout.completion_ids.shape[0]
-        rollouts.append({"rows": rows, "max_error": gap, "completion_ids": rollout.completion_ids.tolist()})
+        rollouts.append(
+            {"rows": rows, "thread": thread, "max_error": gap, "completion_ids": rollout.completion_ids.tolist()}
+        )
         return rollout
 
     backend.update_weights, backend.generate = recorded_update, recorded_generate
@@ -94,7 +100,8 @@ def main(model_dir: str, setup: str, out: str) -> None:
         save_strategy="no",
         use_vllm=True,
         vllm_mode="colocate",
-        vllm_logprobs_as_old="as_old" in setup,
+        async_rollouts="async" in setup,
+        vllm_logprobs_as_old="async" in setup,  # π_old of a rollout sampled ahead: the engine's
     )
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if lora else None
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
@@ -111,7 +118,7 @@ def main(model_dir: str, setup: str, out: str) -> None:
         "sync_seconds": trainer.rollout_backend.sync_seconds,
         "ld_preload": os.environ.get("LD_PRELOAD"),
         "logs": [
-            {k: e[k] for k in ("step", "loss", "reward", "sampling/mismatch_kl", "ratio/max") if k in e}
+            {k: e[k] for k in ("step", "loss", "reward", "sampling/mismatch_kl", "rollout/staleness") if k in e}
             for e in trainer.state.log_history
             if "loss" in e
         ],
