@@ -1,5 +1,6 @@
 """Run by test_rollout_vllm_colocate.py with the vLLM venv's Python (alone, or under `torchrun --nproc_per_node 2`): a
-short GSPO run with `vllm_mode="colocate"` (a vLLM engine in this process) on a tiny tied Llama. After every real
+short GSPO run with `vllm_mode="colocate"` (a vLLM engine in this process) on a tiny tied Llama; `setup` names the
+variant ("learn": full weights and a learnable reward; "lora+kl"; "async": rollouts sampled ahead). After every real
 weight push it records the engine's and the trainer's log-probs of a fixed text; after every rollout, the largest gap
 between the engine's log-probs of what it sampled and the trainer's own. Each rank writes <out>.rank<R>.json.
 
@@ -24,6 +25,12 @@ FIXED_TEXT = [5, 17, 40, 99, 120, 7, 33, 250, 12, 64, 3, 81]  # token ids whose 
 def count_digits(completions, **kwargs):
     """A dense toy reward: the fraction of characters that are digits."""
     return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in completions]
+
+
+def low_tokens(completion_ids, **kwargs):
+    """A reward the tiny model can learn in a few steps: the share of sampled tokens in the lower half of the
+    vocabulary (about 0.5 for a random model)."""
+    return [sum(token < 200 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
 def engine_logprobs(backend, ids: list[int]) -> torch.Tensor:
@@ -86,12 +93,12 @@ def main(model_dir: str, setup: str, out: str) -> None:
     lora = "lora" in setup
     config = GSPOConfig(
         output_dir=f"{out}.output",
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=8 if setup == "learn" else 4,
         num_generations=4,
         steps_per_generation=2,
-        max_steps=6,
+        max_steps=12 if setup == "learn" else 6,
         max_completion_length=12,
-        learning_rate=3e-2 if lora else 1e-2,
+        learning_rate=3e-2 if lora or setup == "learn" else 1e-2,
         beta=0.05 if "kl" in setup else 0.0,
         logging_steps=1,
         report_to="none",
@@ -105,7 +112,8 @@ def main(model_dir: str, setup: str, out: str) -> None:
     )
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if lora else None
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
-    trainer = GSPOTrainer(model_dir, count_digits, args=config, train_dataset=dataset, peft_config=peft_config)
+    reward = low_tokens if setup == "learn" else count_digits
+    trainer = GSPOTrainer(model_dir, reward, args=config, train_dataset=dataset, peft_config=peft_config)
     syncs, rollouts = [], []
     record(trainer, syncs, rollouts)
     trainer.train()
