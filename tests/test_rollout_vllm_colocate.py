@@ -4,6 +4,7 @@ transformers older than .venv's, so the trainer runs there too, as `tests/vllm_c
 weight push the engine's log-probs are the trainer's (full weights and merged LoRA, one process and two under
 torchrun), a toy reward rises, and the next rollout is sampled ahead in the background (`async_rollouts`)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -59,6 +60,17 @@ def test_a_model_without_a_checkpoint_is_refused(tiny_model):
         checkpoint_path(tiny_model)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this environment")
+def test_without_vllm_the_trainer_says_where_to_get_it(tmp_path, tiny_model_dir):
+    from helpers import count_digits, text_dataset
+
+    from gspo_trl import GSPOTrainer
+
+    args = small_config(tmp_path, use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ImportError, match="scripts/setup_vllm_cpu.sh"):
+        GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
+
+
 def test_samples_keep_each_sampled_tokens_logprob_in_order():
     def logprob(value):
         return SimpleNamespace(logprob=value)
@@ -86,6 +98,9 @@ def run_worker(model_dir: str, setup: str, out: Path, processes: int = 1) -> lis
             f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
             "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests)."
         )
+    probe = subprocess.run([VLLM_PYTHON, "-c", "import trl, peft, accelerate, datasets"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.fail(f"The vLLM venv at {VLLM_PYTHON} lacks the trainer's dependencies: run scripts/setup_vllm_cpu.sh.")
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     root = Path(__file__).resolve().parents[1]
     env = {

@@ -9,9 +9,11 @@ prompts and samples (`rollout.vllm_colocate`), the weights as named tensors (`we
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import socket
+import sys
 from collections.abc import Iterable
 
 import numpy as np
@@ -78,6 +80,12 @@ class ColocatedEngine:
     """One vLLM `LLM` in this process, holding a copy of the policy."""
 
     def __init__(self, args, model, accelerator):
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(
+                f"vllm_mode='colocate' runs a vLLM engine in the training process, and this environment "
+                f"({sys.executable}) has no vLLM: `pip install 'gspo-trl[vllm]'` on GPUs; on CPU, run the trainer with "
+                "the Python of the venv scripts/setup_vllm_cpu.sh builds (docs/vllm.md#colocated-vllm)."
+            )
         on_cpu = accelerator.device.type == "cpu"
         world_size, process_index = accelerator.num_processes, accelerator.process_index
         if world_size % args.vllm_tensor_parallel_size:
