@@ -87,12 +87,7 @@ class ColocatedEngine:
                 "the Python of the venv scripts/setup_vllm_cpu.sh builds (docs/vllm.md#colocated-vllm)."
             )
         on_cpu = accelerator.device.type == "cpu"
-        world_size, process_index = accelerator.num_processes, accelerator.process_index
-        if world_size % args.vllm_tensor_parallel_size:
-            raise ValueError(
-                f"vllm_tensor_parallel_size ({args.vllm_tensor_parallel_size}) must divide the number of training "
-                f"processes ({world_size}): each group of that many processes shares one engine."
-            )
+        world_size, process_index = accelerator.num_processes, accelerator.process_index  # tp divides it (config)
         kwargs = engine_kwargs(args, model, process_index, world_size, on_cpu)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, where the weights are
         if "distributed_executor_backend" in kwargs:  # vLLM joins the process group (torchrun sets these)
@@ -112,6 +107,7 @@ class ColocatedEngine:
         # Building the engine re-seeds the global random generators and, on CPU, adds its allocator to LD_PRELOAD,
         # which every child process would inherit: both are put back as they were.
         rng_states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         ld_preload = os.environ.get("LD_PRELOAD")
         try:
             self.llm = LLM(**kwargs)
@@ -119,6 +115,8 @@ class ColocatedEngine:
             random.setstate(rng_states[0])
             np.random.set_state(rng_states[1])
             torch.random.set_rng_state(rng_states[2])
+            if cuda_states is not None:
+                torch.cuda.set_rng_state_all(cuda_states)
             if ld_preload is None:
                 os.environ.pop("LD_PRELOAD", None)
             else:
