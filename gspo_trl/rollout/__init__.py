@@ -1,11 +1,10 @@
 """Rollouts: prompts in, sampled completions out, by whichever engine the config names.
 
-`types` holds the record every backend returns and the interface they implement; `hf` samples on the trained model
-in this process (its decoding loops live in `gspo_trl.decoding`); `vllm_server` asks a vLLM server; `vllm_colocate`
-a vLLM engine in this process; `episodes` plays
-multi-turn episodes on any backend; `rollout_func` takes TRL's user-written rollout instead; `streams` gives each
-row its own random stream. The trainer asks for completions and hands over new weights; it never learns which engine
-answered.
+`types` holds the record every backend returns and the interface they implement; `hf` samples on the trained model in
+this process (its decoding loops live in `gspo_trl.decoding`); `vllm_server` asks a vLLM server; `vllm_colocate` a vLLM
+engine in this process; `episodes` plays multi-turn episodes on any backend; `rollout_func` takes TRL's user-written
+rollout instead; `streams` gives each row its own random stream. The trainer asks for completions and hands over new
+weights; it never learns which engine answered.
 """
 
 from __future__ import annotations
