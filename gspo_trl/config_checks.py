@@ -383,13 +383,10 @@ def check_vllm(config) -> None:
         if config.vllm_logprobs_as_old:
             raise ValueError("vllm_logprobs_as_old=True needs use_vllm=True (the log-probs come from the server).")
         return
+    if config.vllm_mode not in ("server", "colocate"):
+        raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {config.vllm_mode!r}.")
     if config.vllm_mode == "colocate":
-        raise ValueError(
-            "vllm_mode='colocate' is not available in gspo-trl yet. Start a server with `gspo-trl vllm-serve "
-            "MODEL` and set vllm_mode='server' (docs/vllm.md); use_vllm=False samples on the trained model."
-        )
-    if config.vllm_mode != "server":
-        raise ValueError(f"vllm_mode must be 'server' (or 'colocate', not available yet), got {config.vllm_mode!r}.")
+        check_colocate(config)
     if (
         config.loss_type == "vespo"
         and config.vllm_importance_sampling_correction
@@ -408,6 +405,23 @@ def check_vllm(config) -> None:
         logger.warning(
             "decode_loop and cache_implementation apply to sampling on the trained model; with "
             "use_vllm=True the vLLM server samples."
+        )
+
+
+def check_colocate(config) -> None:
+    """A colocated engine's layout; sleep mode, which vLLM offers on GPUs only."""
+    if config.vllm_tensor_parallel_size < 1 or config.world_size % config.vllm_tensor_parallel_size:
+        raise ValueError(
+            f"vllm_tensor_parallel_size ({config.vllm_tensor_parallel_size}) must divide the number of training "
+            f"processes ({config.world_size}): each group of that many processes drives one colocated engine."
+        )
+    if not 0 < config.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {config.vllm_gpu_memory_utilization}.")
+    on_cpu = config.use_cpu or not torch.cuda.is_available()
+    if config.vllm_enable_sleep_mode and on_cpu:
+        raise ValueError(
+            "vllm_enable_sleep_mode=True needs a GPU: vLLM's sleep mode offloads GPU memory and is not supported on "
+            "CPU (its weights and KV cache stay in host memory anyway). Set vllm_enable_sleep_mode=False here."
         )
 
 

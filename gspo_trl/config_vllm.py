@@ -1,4 +1,5 @@
-"""The vLLM fields of `GSPOConfig`: sampling on a vLLM server and the mismatch correction, with TRL's names.
+"""The vLLM fields of `GSPOConfig`: sampling on a vLLM server or a colocated engine, and the mismatch correction,
+with TRL's names.
 
 A mixin dataclass that `GSPOConfig` inherits; its checks are `config_checks.check_vllm`.
 """
@@ -16,15 +17,16 @@ class VLLMFields:
     use_vllm: bool = field(
         default=False,
         metadata={
-            "help": "Sample completions on a vLLM server instead of the trained model; the server gets the trained "
-            "weights before each rollout whose weights changed. See docs/vllm.md#set-up."
+            "help": "Sample completions with vLLM (a server, or an engine in each training process: vllm_mode) "
+            "instead of the trained model; it gets the trained weights before each rollout whose weights changed. "
+            "See docs/vllm.md#set-up."
         },
     )
     vllm_mode: str = field(
         default="server",
         metadata={
-            "help": "'server': a vLLM server started with `gspo-trl vllm-serve MODEL` (the default here). 'colocate', "
-            "TRL's default, is not available yet."
+            "help": "'server': a vLLM server started with `gspo-trl vllm-serve MODEL` (the default here); "
+            "'colocate' (TRL's default): a vLLM engine in each training process. See docs/vllm.md#colocated-vllm."
         },
     )
     vllm_server_base_url: str | None = field(
@@ -61,15 +63,35 @@ class VLLMFields:
         metadata={"help": "TRL's NCCL weight-sync port. Accepted for compatibility; gspo-trl syncs through files."},
     )
     vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Colocate mode only (not available yet); set it on the server instead."}
+        default=0.3,
+        metadata={
+            "help": "Colocate mode: the share of GPU memory (on CPU, of the machine's memory) the engine may use for "
+            "weights and KV cache; for a server, pass it when starting the server."
+        },
     )
     vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocate mode only (not available yet); set it on the server instead."}
+        default=1,
+        metadata={
+            "help": "Colocate mode: how many training processes share one engine, split tensor-parallel (it must "
+            "divide the number of processes); for a server, pass it when starting the server."
+        },
     )
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Colocate mode only (not available yet)."})
-    vllm_model_impl: str = field(default="vllm", metadata={"help": "Colocate mode only (not available yet)."})
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Colocate mode on GPUs: offload the engine's weights and free its KV cache while training, and "
+            "wake it before sampling (vLLM has no sleep mode on CPU)."
+        },
+    )
+    vllm_model_impl: str = field(
+        default="vllm", metadata={"help": "Colocate mode: the engine's model implementation, 'vllm' or 'transformers'."}
+    )
     vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "Colocate mode only (not available yet); set --max-model-len on the server."}
+        default=None,
+        metadata={
+            "help": "Colocate mode: the engine's context length; None: max_prompt_length + max_completion_length, or "
+            "the model's own without max_prompt_length. For a server, pass --max-model-len."
+        },
     )
     vllm_structured_outputs_regex: str | None = field(
         default=None, metadata={"help": "Constrain the server's completions to this regular expression."}

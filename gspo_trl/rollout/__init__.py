@@ -1,10 +1,10 @@
 """Rollouts: prompts in, sampled completions out, by whichever engine the config names.
 
-`types` holds the record every backend returns and the interface they implement; `hf` samples on the trained model
-in this process (its decoding loops live in `gspo_trl.decoding`); `vllm_server` asks a vLLM server; `episodes` plays
-multi-turn episodes on any backend; `rollout_func` takes TRL's user-written rollout instead; `streams` gives each
-row its own random stream. The trainer asks for completions and hands over new weights; it never learns which engine
-answered.
+`types` holds the record every backend returns and the interface they implement; `hf` samples on the trained model in
+this process (its decoding loops live in `gspo_trl.decoding`); `vllm_server` asks a vLLM server; `vllm_colocate` a vLLM
+engine in this process; `episodes` plays multi-turn episodes on any backend; `rollout_func` takes TRL's user-written
+rollout instead; `streams` gives each row its own random stream. The trainer asks for completions and hands over new
+weights; it never learns which engine answered.
 """
 
 from __future__ import annotations
@@ -51,8 +51,13 @@ __all__ = [
 def create_rollout_backend(
     args, tokenizer: PreTrainedTokenizerBase, accelerator, model_getter, processor=None
 ) -> RolloutBackend:
-    """The backend `args` asks for: a vLLM server (`use_vllm`), or the trained model itself (`processor`: a
-    vision-language model's multimodal processor, which encodes its prompts)."""
+    """The backend `args` asks for: a vLLM server (`use_vllm`), a vLLM engine in this process (`vllm_mode="colocate"`),
+    or the trained model itself (`processor`: a vision-language model's multimodal processor, which encodes its
+    prompts)."""
+    if args.use_vllm and args.vllm_mode == "colocate":
+        from .vllm_colocate import VLLMColocateBackend  # vLLM is imported only where an engine is built
+
+        return VLLMColocateBackend(tokenizer, args, accelerator, model_getter())
     if args.use_vllm:
         from .vllm_server import VLLMServerBackend  # the server's client is imported only where one is used
 

@@ -1,8 +1,8 @@
 """The rollout record and the backend interface: what every way of sampling hands the trainer.
 
 Owns `Rollout` (sampled completions aligned with their prompts), `SampledRollout` (a rollout before it is
-scored), the `RolloutBackend` interface the backends implement (`hf`, `vllm_server`; `episodes` plays
-multi-turn episodes on any of them), and the prompt helpers they share: chat-template rendering,
+scored), the `RolloutBackend` interface the backends implement (`hf`, `vllm_server`, `vllm_colocate`; `episodes`
+plays multi-turn episodes on any of them), and the prompt helpers they share: chat-template rendering,
 tokenization with left padding, and the EOS bookkeeping of completions. What it does not own: how
 completions are sampled, rewards, advantages and log-probabilities.
 """

@@ -219,6 +219,10 @@ class VLLMServerBackend(RolloutBackend):
         samples = [sample for _, n in runs for sample in next(pending[n])]
         return self._rollout(prompt_ids, prompt_mask, samples)
 
+    def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples: list[dict]) -> Rollout:
+        pad_id, device = self.tokenizer.pad_token_id, self.accelerator.device
+        return rollout_from_samples(prompt_ids, prompt_mask, samples, self.eos_token_ids, pad_id, device)
+
     def generate_from_ids(
         self,
         prompt_ids: list[list[int]],
@@ -232,20 +236,29 @@ class VLLMServerBackend(RolloutBackend):
         ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id)
         return self._rollout(ids, mask, [samples[0] for samples in answers])
 
-    def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples: list[dict]) -> Rollout:
-        completion_ids, sampling_logps = pad_samples(samples, self.tokenizer.pad_token_id)
-        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
-        sampling_logps = sampling_logps.masked_fill(completion_mask == 0, 0.0)
-        device = self.accelerator.device
-        return Rollout(
-            prompt_ids.to(device),
-            prompt_mask.to(device),
-            completion_ids.to(device),
-            completion_mask.to(device),
-            is_truncated.to(device),
-            sampling_logps.to(device),
-        )
+
+def rollout_from_samples(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    samples: list[dict],
+    eos_token_ids: list[int],
+    pad_id: int,
+    device: torch.device,
+) -> Rollout:
+    """The `Rollout` of one sample per prompt row (`token_ids` and their `logprobs`, as vLLM returns them): cut after
+    the first EOS, padded, the engine's log-probs as `sampling_logps`."""
+    completion_ids, sampling_logps = pad_samples(samples, pad_id)
+    completion_mask, is_truncated = completion_mask_from_eos(completion_ids, eos_token_ids)
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
+    sampling_logps = sampling_logps.masked_fill(completion_mask == 0, 0.0)
+    return Rollout(
+        prompt_ids.to(device),
+        prompt_mask.to(device),
+        completion_ids.to(device),
+        completion_mask.to(device),
+        is_truncated.to(device),
+        sampling_logps.to(device),
+    )
 
 
 def _torch_dtype(name: str | None) -> torch.dtype | None:
@@ -253,4 +266,11 @@ def _torch_dtype(name: str | None) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
-__all__ = ["VLLMServerBackend", "VLLMServerError", "server_base_url", "sampling_params"]
+__all__ = [
+    "VLLMServerBackend",
+    "VLLMServerError",
+    "prompt_runs",
+    "rollout_from_samples",
+    "sampling_params",
+    "server_base_url",
+]

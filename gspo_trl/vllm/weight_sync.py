@@ -53,10 +53,12 @@ def _lora_merged_weight(layer) -> torch.Tensor:
 
 
 def named_weights(
-    model: torch.nn.Module, dtype: torch.dtype | None = None, merge_lora: bool = True
+    model: torch.nn.Module, dtype: torch.dtype | None = None, merge_lora: bool = True, to_cpu: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, CPU tensor) for every parameter of the policy as the base model would save it; LoRA layers
-    with their adapter merged in, or, with `merge_lora=False`, the frozen base weights alone.
+    """(checkpoint name, tensor) for every parameter of the policy as the base model would save it; LoRA layers
+    with their adapter merged in, or, with `merge_lora=False`, the frozen base weights alone. `to_cpu`: each tensor
+    a CPU copy (for a snapshot); False: where the weight lives, uncopied where no conversion is needed (for an
+    engine in this process, which copies it into its own weights at once).
 
     Every process must iterate (ZeRO-3 gathers are collective); the tensors are only worth keeping on one.
     A tied LM head is the embedding's parameter and is yielded once, under the embedding's name.
@@ -68,12 +70,15 @@ def named_weights(
     done_prefixes: list[str] = []
 
     def out(tensor: torch.Tensor) -> torch.Tensor:
+        gathered = getattr(tensor, "ds_status", None) is not None  # its storage is freed when the gather ends
         tensor = dequantized(tensor).detach()  # a 4-bit/8-bit base weight as the floats its layer multiplies by
         if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor): all-gathered, a collective like ZeRO-3's
             tensor = tensor.full_tensor()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        return tensor.to("cpu", copy=True).contiguous()
+        if to_cpu:
+            return tensor.to("cpu", copy=True).contiguous()
+        return tensor.clone() if gathered else tensor.contiguous()
 
     for module_name, module in base.named_modules():
         if any(module_name.startswith(prefix) for prefix in done_prefixes):

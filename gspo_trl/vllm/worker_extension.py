@@ -11,20 +11,26 @@ import os
 import torch
 
 
+def reload_in_place(worker, **reload_kwargs) -> None:
+    """vLLM's in-place reload on `worker` (`weights_path=` a snapshot, or `weights_iterator=` (name, tensor) pairs in
+    checkpoint names), then the re-packing the reload leaves stale."""
+    runner = worker.model_runner
+    runner.reload_weights(**reload_kwargs)
+    model = runner.get_model()
+    # A tied LM head shares the embedding's weight, but CPU kernels keep their own pre-packed copy of it that
+    # reload_weights does not refresh (the engine would sample with the new embedding and the old head).
+    lm_head = getattr(model, "lm_head", None)
+    quant_method = getattr(lm_head, "quant_method", None)
+    if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+        quant_method.process_weights_after_loading(lm_head)
+
+
 class WeightSyncExtension:
     """Methods a vLLM worker gains: reload the weights a trainer wrote, and describe the served model."""
 
     def gspo_reload_weights(self, weights_path: str) -> str:
         """Load the safetensors snapshot in `weights_path` in place, then re-pack what the load left stale."""
-        runner = self.model_runner
-        runner.reload_weights(weights_path=weights_path)
-        model = runner.get_model()
-        # A tied LM head shares the embedding's weight, but CPU kernels keep their own pre-packed copy of it that
-        # reload_weights does not refresh (the server would sample with the new embedding and the old head).
-        lm_head = getattr(model, "lm_head", None)
-        quant_method = getattr(lm_head, "quant_method", None)
-        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-            quant_method.process_weights_after_loading(lm_head)
+        reload_in_place(self, weights_path=weights_path)
         return {"reloaded": weights_path}
 
     def gspo_can_read(self, path: str) -> dict:
