@@ -3,15 +3,19 @@
 Owns turning the `model` argument (a path/id or a `PreTrainedModel`) into a trainable causal LM,
 wrapping it with PEFT, switching dropout off, and providing reference log-probabilities for the KL
 term: the base weights with the adapter disabled under PEFT (no second copy), otherwise a frozen
-copy. What it does not own: generation, the objective, a quantized base's details (`quantization`).
+copy; and loading a checkpoint to resume from whose weight names are not the model's. What it does
+not own: generation, the objective, a quantized base's details (`quantization`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
 
 import torch
+from safetensors import safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -22,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .distributed import unwrap_model
 from .multimodal import is_processor, is_vision_config
@@ -180,16 +185,21 @@ def load_policy_and_tokenizer(
     return model, tokenizer, processor
 
 
-def load_vision_language_checkpoint(model, checkpoint_dir: str) -> bool:
-    """Load the weights of a full (not PEFT) vision-language policy from a checkpoint to resume from; False for any
-    other model, which `Trainer` loads itself.
+def load_renamed_checkpoint(model, checkpoint_dir: str) -> bool:
+    """Load the weights of a full (not PEFT) policy whose checkpoint names them otherwise than the model does, from a
+    checkpoint to resume from; False for any other model, which `Trainer` loads itself.
 
-    transformers saves these models under their checkpoint's original key names (`model.layers.*`, `visual.*` for
-    Qwen2.5-VL) and renames them back only in `from_pretrained`, while `Trainer` loads the file with
-    `load_state_dict`: every weight would be reported missing and stay as it was. The checkpoint is loaded with
-    `from_pretrained` instead and copied parameter by parameter."""
+    transformers saves some models under their checkpoint's original key names and renames or re-fuses them only in
+    `from_pretrained`: vision-language models (`model.layers.*`, `visual.*` for Qwen2.5-VL), Mixture-of-Experts
+    models whose experts it holds fused (`experts.gate_up_proj`) but saves one by one (`experts.0.gate_proj.weight`:
+    Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek-V3), GPT-NeoX's head (`embed_out`). `Trainer` loads the file with
+    `load_state_dict`, non-strict: those weights would be reported missing and stay as they were. The checkpoint is
+    loaded with `from_pretrained` instead and copied parameter by parameter."""
     model = unwrap_model(model)
-    if is_peft_model(model) or not is_vision_config(model.config):
+    if is_peft_model(model):
+        return False
+    saved_names = checkpoint_weight_names(checkpoint_dir)
+    if not is_vision_config(model.config) and (saved_names is None or saved_names <= set(model.state_dict())):
         return False
     saved = type(model).from_pretrained(checkpoint_dir, dtype=model.dtype).state_dict()
     state = model.state_dict()
@@ -200,3 +210,17 @@ def load_vision_language_checkpoint(model, checkpoint_dir: str) -> bool:
         for name, value in state.items():
             value.copy_(saved[name])
     return True
+
+
+def checkpoint_weight_names(checkpoint_dir: str) -> set[str] | None:
+    """The weight names of a checkpoint's safetensors file (or sharded files), read from its header or index; None
+    without one."""
+    index = os.path.join(checkpoint_dir, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            return set(json.load(handle)["weight_map"])
+    single = os.path.join(checkpoint_dir, SAFE_WEIGHTS_NAME)
+    if not os.path.isfile(single):
+        return None
+    with safe_open(single, framework="pt") as weights:
+        return set(weights.keys())

@@ -49,7 +49,7 @@ from .model_card import write_trainer_model_card
 from .models import (
     create_reference_model,
     load_policy_and_tokenizer,
-    load_vision_language_checkpoint,
+    load_renamed_checkpoint,
     reference_weights,
     router_aux_loss_coef,
 )
@@ -274,7 +274,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if not load_vision_language_checkpoint(model or self.model, resume_from_checkpoint):
+        if not load_renamed_checkpoint(model or self.model, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _inner_training_loop(self, *args, **kwargs):

@@ -360,6 +360,17 @@ def test_objective_comparison_table_matches_the_result_files():
     assert bench.render_table(results) in (DOCS / "objective.md").read_text(encoding="utf-8")
 
 
+def test_moe_replay_table_matches_the_result_file():
+    """docs/moe.md shows what benchmarks/results/moe_replay.json holds (benchmarks/moe_replay.py writes the table)."""
+    spec = importlib.util.spec_from_file_location("moe_replay_benchmark", ROOT / "benchmarks" / "moe_replay.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = json.loads((ROOT / "benchmarks" / "results" / "moe_replay.json").read_text())["runs"]
+    assert set(results) == set(bench.RUNS), "run: python benchmarks/moe_replay.py"
+    text = (DOCS / "moe.md").read_text(encoding="utf-8")
+    assert f"<!-- results:moe_replay -->\n{bench.render_table(results)}\n<!-- /results:moe_replay -->" in text
+
+
 def test_distributed_memory_table_matches_the_result_file():
     """docs/distributed.md shows what benchmarks/results/distributed.json holds (benchmarks/distributed.py prints
     it)."""

@@ -1,6 +1,7 @@
 """gspo_trl/models.py (and the reward models of gspo_trl/rewards.py) loading custom-code models (a directory whose
-model, tokenizer and reward head are classes defined in its own Python files, loaded only with `trust_remote_code`).
-Quantized bases are tested in test_quantization.py."""
+model, tokenizer and reward head are classes defined in its own Python files, loaded only with `trust_remote_code`),
+and loading a checkpoint to resume from whose weights transformers saves under other names. Quantized bases are tested
+in test_quantization.py."""
 
 from __future__ import annotations
 
@@ -105,3 +106,27 @@ def test_model_init_kwargs_trust_remote_code_wins_over_the_field(tmp_path, custo
     args = small_config(tmp_path, trust_remote_code=True, model_init_kwargs={"trust_remote_code": False})
     with pytest.raises(ValueError, match="trust_remote_code"):  # the model refuses; TRL's precedence
         GSPOTrainer(custom_code_dir, count_digits, args=args, train_dataset=text_dataset())
+
+
+# Families whose checkpoints transformers writes under other names than the model's own (experts saved one by one,
+# fused in the model; GPT-NeoX's head saved as `embed_out`), and one whose names agree.
+@pytest.mark.parametrize(
+    "family, renamed", [("qwen3_moe", True), ("mixtral", True), ("olmoe", True), ("gpt_neox", True), ("llama", False)]
+)
+def test_a_checkpoint_saved_under_other_names_is_loaded_back_bit_for_bit(family, renamed, tmp_path):
+    import torch
+    from test_architectures import build
+
+    from gspo_trl.models import checkpoint_weight_names, load_renamed_checkpoint
+
+    saved = build(family, None)
+    saved.save_pretrained(tmp_path)
+    assert (checkpoint_weight_names(str(tmp_path)) != set(saved.state_dict())) == renamed
+    model = build(family, None)
+    with torch.no_grad():
+        for value in model.parameters():
+            value.add_(1.0)
+    assert load_renamed_checkpoint(model, str(tmp_path)) == renamed  # False: Trainer's own load_state_dict is right
+    if renamed:
+        for (name, expected), value in zip(saved.state_dict().items(), model.state_dict().values()):
+            assert torch.equal(expected, value), name
