@@ -1,11 +1,12 @@
 """HTTP client for a vLLM server started by `gspo-trl vllm-serve` (vLLM's own OpenAI server plus our worker extension).
 
 Owns the wire format: which endpoint does what, bounded retries, and errors that name the URL and what to check.
-It knows nothing of the trainer, tensors or weights beyond a directory path.
+It knows nothing of the trainer or tensors: weights reach it as a directory path or as base64 text.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -84,8 +85,15 @@ class VLLMServerClient:
                 f"{response.text[:300]!r}"
             ) from error
 
-    def _rpc(self, method: str, **kwargs) -> list:
-        body = self._json("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+    def _rpc(self, method: str, payload: bytes | None = None, **kwargs) -> list:
+        """Call `method` on every worker; `payload` (base64 text, possibly hundreds of MB) goes in as `kwargs["data"]`
+        without being copied into a Python string first."""
+        if payload is None:
+            body = self._json("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+        else:
+            head = json.dumps({"method": method, "kwargs": kwargs})[: -len("}}")] + (", " if kwargs else "")
+            data = b"".join([head.encode(), b'"data": "', payload, b'"}}'])  # base64 needs no JSON escaping
+            body = self._json("POST", "/collective_rpc", data=data, headers={"Content-Type": "application/json"})
         results = (body or {}).get("results")
         if not isinstance(results, list) or not results:
             raise VLLMServerError(f"/collective_rpc {method} on {self.base_url} returned {body!r}")
@@ -148,6 +156,39 @@ class VLLMServerClient:
     def reload_weights(self, weights_path: str) -> None:
         """Every worker loads the safetensors snapshot in `weights_path` (a directory the server can read)."""
         self._rpc("gspo_reload_weights", weights_path=weights_path)
+
+    def load_weights_chunk(self, payload: bytes) -> None:
+        """Every worker loads the weights in `payload` (base64 safetensors, whole layers) in place."""
+        self._rpc("gspo_load_weights_chunk", payload)
+
+    def finish_weight_load(self) -> None:
+        """After the last chunk: the workers re-pack what the chunks' reloads left stale (a tied LM head)."""
+        self._rpc("gspo_finish_weight_load")
+
+    def send_file(self, directory: str, path: str, piece_bytes: int) -> str:
+        """Copy the local file `path` into `directory` (a plain name) of the server's temporary folder, in pieces of at
+        most `piece_bytes`; returns that folder's path on the server."""
+        import base64
+        import os
+
+        size, offset, folder = os.path.getsize(path), 0, None
+        with open(path, "rb") as handle:
+            while offset == 0 or offset < size:
+                piece = handle.read(piece_bytes)
+                last = offset + len(piece) >= size
+                results = self._rpc(
+                    "gspo_receive_file",
+                    base64.b64encode(piece),
+                    directory=directory,
+                    name=os.path.basename(path),
+                    offset=str(offset),
+                    last="1" if last else "0",
+                )
+                folder = results[0]["directory"]
+                offset += len(piece)
+                if last:
+                    break
+        return folder
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Load (or replace in place) the LoRA adapter saved in `path` under `name`; requests then name it as model."""
