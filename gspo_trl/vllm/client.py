@@ -190,6 +190,14 @@ class VLLMServerClient:
                     break
         return folder
 
+    def remove_directory(self, directory: str) -> None:
+        """Best effort, once, without retries (the server may be gone): remove a directory `send_file` filled."""
+        body = {"method": "gspo_remove_directory", "kwargs": {"directory": directory}}
+        try:
+            self.session.post(f"{self.base_url}/collective_rpc", json=body, timeout=5)
+        except requests.RequestException:
+            pass
+
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Load (or replace in place) the LoRA adapter saved in `path` under `name`; requests then name it as model."""
         response = self._request(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+import weakref
 
 import torch
 from transformers.utils import logging
@@ -58,6 +59,7 @@ class HTTPTransport:
         self.directory = directory  # local scratch for the adapter's files (the writer's only)
         self.chunk_bytes = chunk_bytes
         self.remote_dir = f"gspo-trl-adapter-{uuid.uuid4().hex[:12]}"  # in the server's temporary folder
+        self.cleanup = None
 
     def send_weights(self, model: torch.nn.Module, is_writer: bool, dtype: torch.dtype | None, merge_lora: bool) -> int:
         weights = named_weights(model, dtype, merge_lora)
@@ -78,6 +80,8 @@ class HTTPTransport:
         remote = None
         for name in sorted(os.listdir(local)):
             remote = self.client.send_file(self.remote_dir, os.path.join(local, name), self.chunk_bytes)
+        if self.cleanup is None:  # the server's copy goes when this transport does
+            self.cleanup = weakref.finalize(self, self.client.remove_directory, self.remote_dir)
         return remote
 
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import tempfile
 
 import torch
@@ -89,6 +90,11 @@ class WeightSyncExtension:
         if str(last) == "1":
             os.replace(partial, target)
         return {"directory": folder}
+
+    def gspo_remove_directory(self, directory: str) -> dict:
+        """Remove a directory `gspo_receive_file` wrote (when the trainer is done with it)."""
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), _safe_name(directory, "directory")), ignore_errors=True)
+        return {"removed": directory}
 
     def gspo_can_read(self, path: str) -> dict:
         """Whether this worker sees `path` (the trainer checks that both sides share the weight-sync directory).
