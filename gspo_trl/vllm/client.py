@@ -1,11 +1,12 @@
 """HTTP client for a vLLM server started by `gspo-trl vllm-serve` (vLLM's own OpenAI server plus our worker extension).
 
 Owns the wire format: which endpoint does what, bounded retries, and errors that name the URL and what to check.
-It knows nothing of the trainer or tensors: weights reach it as a directory path or as base64 text.
+It knows nothing of the trainer or tensors: weights reach it as a directory path or as a safetensors file's bytes.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from typing import Any
@@ -26,6 +27,25 @@ class VLLMServerUnreachable(VLLMServerError, ConnectionError):
 
 class MissingEndpointError(VLLMServerError):
     """The server has no such endpoint (HTTP 404): a server of another kind, or started without dev mode."""
+
+
+class Base64JSONBody:
+    """A request body `head + base64(payload) + tail`, produced piece by piece: requests streams an iterable with a
+    length (Content-Length, no chunked encoding), and iterating again (a retry) starts over."""
+
+    PIECE = 3 * 2**20  # a multiple of 3 bytes: the pieces' base64 texts concatenate to the whole's
+
+    def __init__(self, head: bytes, payload: bytes, tail: bytes):
+        self.head, self.payload, self.tail = head, memoryview(payload), tail
+
+    def __len__(self) -> int:
+        return len(self.head) + 4 * ((len(self.payload) + 2) // 3) + len(self.tail)
+
+    def __iter__(self):
+        yield self.head
+        for start in range(0, len(self.payload), self.PIECE):
+            yield base64.b64encode(self.payload[start : start + self.PIECE])
+        yield self.tail
 
 
 class VLLMServerClient:
@@ -86,13 +106,13 @@ class VLLMServerClient:
             ) from error
 
     def _rpc(self, method: str, payload: bytes | None = None, **kwargs) -> list:
-        """Call `method` on every worker; `payload` (base64 text, possibly hundreds of MB) goes in as `kwargs["data"]`
-        without being copied into a Python string first."""
+        """Call `method` on every worker; `payload` (bytes, possibly hundreds of MB) goes in as `kwargs["data"]`,
+        base64-encoded piece by piece as the request is sent (never a second whole copy)."""
         if payload is None:
             body = self._json("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
         else:
             head = json.dumps({"method": method, "kwargs": kwargs})[: -len("}}")] + (", " if kwargs else "")
-            data = b"".join([head.encode(), b'"data": "', payload, b'"}}'])  # base64 needs no JSON escaping
+            data = Base64JSONBody(f'{head}"data": "'.encode(), payload, b'"}}')
             body = self._json("POST", "/collective_rpc", data=data, headers={"Content-Type": "application/json"})
         results = (body or {}).get("results")
         if not isinstance(results, list) or not results:
@@ -158,7 +178,7 @@ class VLLMServerClient:
         self._rpc("gspo_reload_weights", weights_path=weights_path)
 
     def load_weights_chunk(self, payload: bytes) -> None:
-        """Every worker loads the weights in `payload` (base64 safetensors, whole layers) in place."""
+        """Every worker loads the weights in `payload` (a safetensors file's bytes, whole layers) in place."""
         self._rpc("gspo_load_weights_chunk", payload)
 
     def finish_weight_load(self) -> None:
@@ -168,7 +188,6 @@ class VLLMServerClient:
     def send_file(self, directory: str, path: str, piece_bytes: int) -> str:
         """Copy the local file `path` into `directory` (a plain name) of the server's temporary folder, in pieces of at
         most `piece_bytes`; returns that folder's path on the server."""
-        import base64
         import os
 
         size, offset, folder = os.path.getsize(path), 0, None
@@ -178,7 +197,7 @@ class VLLMServerClient:
                 last = offset + len(piece) >= size
                 results = self._rpc(
                     "gspo_receive_file",
-                    base64.b64encode(piece),
+                    piece,
                     directory=directory,
                     name=os.path.basename(path),
                     offset=str(offset),

@@ -18,7 +18,7 @@ import torch
 from transformers.utils import logging
 
 from .client import VLLMServerClient
-from .weight_sync import encode_chunk, named_weights, weight_chunks, write_adapter, write_snapshot
+from .weight_sync import named_weights, serialize_chunk, weight_chunks, write_adapter, write_snapshot
 
 logger = logging.get_logger(__name__)
 
@@ -69,7 +69,7 @@ class HTTPTransport:
             return 0
         total = 0
         for chunk in weight_chunks(weights, self.chunk_bytes):
-            self.client.load_weights_chunk(encode_chunk(chunk))
+            self.client.load_weights_chunk(serialize_chunk(chunk))
             total += sum(tensor.numel() * tensor.element_size() for _, tensor in chunk)
         self.client.finish_weight_load()
         return total

@@ -212,13 +212,11 @@ def weight_chunks(
         yield chunk + group
 
 
-def encode_chunk(chunk: list[tuple[str, torch.Tensor]]) -> bytes:
-    """A chunk as the base64 text of a safetensors file (what `/collective_rpc` can carry in JSON)."""
-    import base64
-
+def serialize_chunk(chunk: list[tuple[str, torch.Tensor]]) -> bytes:
+    """A chunk as the bytes of a safetensors file."""
     from safetensors.torch import save
 
-    return base64.b64encode(save(dict(chunk), metadata={"format": "pt"}))
+    return save(dict(chunk), metadata={"format": "pt"})
 
 
 def remove_snapshot(directory: str) -> None:
