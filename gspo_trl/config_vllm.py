@@ -60,7 +60,8 @@ class VLLMFields:
         default=64,
         metadata={
             "help": "With the HTTP transport, the most MiB of weights in one request (a layer larger than that goes "
-            "alone); each side holds a few chunks' worth at a time."
+            "alone). The trainer holds about two chunks at a time, the server about ten; see "
+            "docs/vllm.md#several-hosts."
         },
     )
     vllm_lora_adapter_sync: bool | None = field(

@@ -441,7 +441,7 @@ def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_th
     assert len(logged) == 4 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+@pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+http"])
 @pytest.mark.slow  # the real vLLM server
 def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
     import json
@@ -470,7 +470,8 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
     assert completed.returncode == 0, completed.stderr[-4000:]
     ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
     assert all(r["world_size"] == 2 for r in ranks)
-    assert ranks[0]["partitioned"] == (mode == "zero3")
+    assert ranks[0]["partitioned"] == mode.startswith("zero3")
+    assert [r["transport"] for r in ranks] == ["http" if mode.endswith("+http") else "shared_dir"] * 2
     assert [r["syncs"] for r in ranks] == [3, 3]  # two rollouts, then the final sync
     assert ranks[0]["logs"] == ranks[1]["logs"] and len(ranks[0]["logs"]) == 4  # every rank logs the same numbers
     assert ranks[0]["max_error"] < 1e-4  # the server holds the trained (gathered) weights

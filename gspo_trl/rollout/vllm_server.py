@@ -11,6 +11,7 @@ turning the model into named tensors (`weight_sync`), and the correction for the
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -105,9 +106,7 @@ class VLLMServerBackend(RolloutBackend):
         self.server_info = self.client.model_info()
         self.sends_adapter = self._choose_adapter_sync(model)
         self.base_sent = False  # adapter syncs: the server's base weights are the trainer's (sent once)
-        if accelerator.is_main_process:
-            self._check_same_model(unwrap_model(model))
-        self._choose_transport()
+        self._check_and_choose_transport(model)
 
     # --- construction checks -------------------------------------------------------------------
 
@@ -143,18 +142,25 @@ class VLLMServerBackend(RolloutBackend):
             )
         return reason is None and wanted is not False
 
-    def _choose_transport(self) -> None:
-        """Process 0 picks the transport (probing the server where asked) and the others follow its choice."""
-        choice = [None]
+    def _check_and_choose_transport(self, model) -> None:
+        """Process 0 checks the served model and picks the transport (probing the server where asked); the others
+        follow its choice, or raise its error with it rather than wait for it."""
+        choice: list = [None]
         if self.accelerator.is_main_process:
-            self.snapshot_dir = local_sync_dir(self.args.vllm_weight_sync_dir)
-            weakref.finalize(self, remove_snapshot, self.snapshot_dir)  # the snapshot goes with the backend
-            self.transport = choose_transport(self.args, self.client, self.snapshot_dir)
-            choice = [self.transport.name]
+            try:
+                self._check_same_model(unwrap_model(model))
+                self.snapshot_dir = local_sync_dir(self.args.vllm_weight_sync_dir)
+                weakref.finalize(self, remove_snapshot, os.path.abspath(self.snapshot_dir))  # goes with the backend
+                self.transport = choose_transport(self.args, self.client, self.snapshot_dir)
+                choice = [self.transport.name]
+            except ValueError as error:
+                choice = [error]
         if self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(choice)
+        if isinstance(choice[0], ValueError):
+            raise choice[0]
         if not self.accelerator.is_main_process:  # they only take part in the collective gathers
             chunk_bytes = int(self.args.vllm_weight_chunk_mb * 1024**2)
             http = HTTPTransport(self.client, None, chunk_bytes)
