@@ -323,6 +323,7 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name for the same bound
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         checks.check_vllm(self)
+        checks.check_vllm_weight_transport(self)
         checks.check_liger(self)
         checks.check_logging(self)
         self.pad_to_multiple_of = checks.pad_to_multiple_of(self.pad_to_multiple_of)

@@ -425,6 +425,18 @@ def check_colocate(config) -> None:
         )
 
 
+def check_vllm_weight_transport(config) -> None:
+    """How the weights reach the vLLM server: one of the transports, chunks of a positive size."""
+    transports = ("auto", "shared_dir", "http")
+    if config.vllm_weight_transport not in transports:
+        raise ValueError(
+            f"vllm_weight_transport must be one of {transports}, got {config.vllm_weight_transport!r}: 'auto' sends "
+            "the weights over HTTP when the server cannot read vllm_weight_sync_dir."
+        )
+    if not config.vllm_weight_chunk_mb > 0:
+        raise ValueError(f"vllm_weight_chunk_mb must be > 0 (MiB per HTTP chunk), got {config.vllm_weight_chunk_mb}.")
+
+
 def check_liger(config) -> None:
     """liger-kernel's layer kernels are Triton GPU kernels, which do not run on CPU."""
     on_cpu = config.use_cpu or not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))

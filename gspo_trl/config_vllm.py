@@ -50,6 +50,22 @@ class VLLMFields:
             "docs/vllm.md#the-weights-on-their-way-to-the-server."
         },
     )
+    vllm_weight_transport: str = field(
+        default="auto",
+        metadata={
+            "help": "How weights reach the server: 'shared_dir' (a snapshot in vllm_weight_sync_dir), 'http' (chunks "
+            "through the server's HTTP endpoint, for a server on another machine) or 'auto' (HTTP when the server "
+            "cannot read the directory). See docs/vllm.md#several-hosts."
+        },
+    )
+    vllm_weight_chunk_mb: float = field(
+        default=64,
+        metadata={
+            "help": "With the HTTP transport, the most MiB of weights in one request (a layer larger than that goes "
+            "alone). The trainer holds about two chunks at a time, the server about ten; see "
+            "docs/vllm.md#several-hosts."
+        },
+    )
     vllm_lora_adapter_sync: bool | None = field(
         default=None,
         metadata={
@@ -60,7 +76,9 @@ class VLLMFields:
     )
     vllm_group_port: int = field(
         default=51216,
-        metadata={"help": "TRL's NCCL weight-sync port. Accepted for compatibility; gspo-trl syncs through files."},
+        metadata={
+            "help": "TRL's NCCL weight-sync port. Accepted for compatibility; gspo-trl syncs through files or HTTP."
+        },
     )
     vllm_gpu_memory_utilization: float = field(
         default=0.3,

@@ -31,7 +31,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from .distributed import unwrap_model
 from .multimodal import is_processor, is_vision_config
 from .precision import cast_lm_head_to_fp32, check_precision
-from .quantization import prepare_quantized, quantized_load_kwargs
+from .quantization import check_device_map, is_quantized, prepare_quantized, quantized_load_kwargs, refuse_sharded
 
 
 def load_policy(
@@ -176,7 +176,12 @@ def load_policy_and_tokenizer(
 ) -> tuple[PreTrainedModel, object, object]:
     """The policy to train (loaded, quantized with `quantization_config` if given, prepared, under a PEFT adapter with
     `peft_config`, its precision checked), its tokenizer, and its multimodal processor (None for a text model)."""
+    check_device_map(args.model_init_kwargs, args.use_cpu)
+    if quantization_config is not None or (args.model_init_kwargs or {}).get("quantization_config") is not None:
+        refuse_sharded(args)  # before loading: ZeRO-3 partitions the weights as they load
     model = load_policy(model, args.model_init_kwargs, args.trust_remote_code, quantization_config)
+    if is_quantized(model):
+        refuse_sharded(args)
     model = prepare_quantized(model, peft_config, has_adapter=is_peft_model(model))
     tokenizer, processor = load_tokenizer(processing_class, model, args.trust_remote_code)
     prepare_weights(model, args)

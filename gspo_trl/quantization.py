@@ -42,6 +42,49 @@ def quantized_load_kwargs(model_init_kwargs: dict | None, quantization_config) -
     return kwargs
 
 
+def refuse_sharded(args) -> None:
+    """A quantized base under DeepSpeed ZeRO-3 or FSDP is refused: their partitioning flattens bitsandbytes' packed
+    weights apart from the quantization state that decodes them."""
+    import os
+
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    environ = os.environ
+    accelerate_zero3 = environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and (
+        environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    )
+    sharding = "DeepSpeed ZeRO-3" if is_deepspeed_zero3_enabled() or accelerate_zero3 else None
+    if getattr(args, "fsdp", None) or environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        sharding = "FSDP"
+    if sharding:
+        raise ValueError(
+            f"A quantized base (quantization_config, QLoRA) cannot be trained under {sharding}: gspo-trl does not "
+            "shard 4-bit/8-bit weights. Train QLoRA with one process per GPU under DDP (each holds the whole "
+            f"quantized base, which QLoRA makes small), or drop quantization_config to use {sharding}."
+        )
+
+
+def check_device_map(model_init_kwargs: dict | None, use_cpu: bool) -> None:
+    """With `use_cpu=True`, a `device_map` in `model_init_kwargs` must leave the model on the CPU: transformers would
+    place it on a GPU, where the CPU training step cannot reach it."""
+    device_map = (model_init_kwargs or {}).get("device_map")
+    if not use_cpu or device_map is None:
+        return
+    placements = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    automatic = ("auto", "balanced", "balanced_low_0", "sequential")
+    has_accelerator = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    off_cpu = [
+        p
+        for p in placements
+        if not (str(p) in ("cpu", "disk") or (str(p) in automatic and not has_accelerator))  # "auto" finds no GPU
+    ]
+    if off_cpu:
+        raise ValueError(
+            f"model_init_kwargs['device_map']={device_map!r} places the model on {off_cpu[0]!r}, but use_cpu=True "
+            "trains on the CPU. Remove device_map (or set it to 'cpu'), or set use_cpu=False to train on the GPU."
+        )
+
+
 def is_quantized(model: torch.nn.Module) -> bool:
     """Whether `model` (or the model under its PEFT wrapper) was loaded with bitsandbytes 4-bit or 8-bit weights."""
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))

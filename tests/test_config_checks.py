@@ -143,3 +143,17 @@ def test_routing_replay_is_refused_where_no_routes_are_recorded_or_replayed(tmp_
     with pytest.raises(ValueError, match=match):
         GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **replay)
     GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **{**values, "routing_replay": "none"})  # fine without replay
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"vllm_weight_transport": "nccl"}, "vllm_weight_transport must be one of"),
+        ({"vllm_weight_chunk_mb": 0}, "vllm_weight_chunk_mb must be > 0"),
+    ],
+)
+def test_bad_vllm_weight_transport_settings_are_refused_at_construction(tmp_path, values, match):
+    from gspo_trl import GSPOConfig
+
+    with pytest.raises(ValueError, match=match):
+        GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **values)

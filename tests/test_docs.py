@@ -407,6 +407,16 @@ def test_vllm_page_shows_the_measured_table_and_demo_run():
     assert f"+{demo['reward_gain']:.3f}" in text
 
 
+def test_vllm_page_shows_the_measured_weight_transports():
+    """docs/vllm.md's "several hosts" table is what benchmarks/results/vllm_weight_transport.json holds."""
+    path = ROOT / "benchmarks" / "vllm_weight_transport.py"
+    spec = importlib.util.spec_from_file_location("vllm_transport_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    record = json.loads((ROOT / "benchmarks" / "results" / "vllm_weight_transport.json").read_text())
+    assert bench.render_table(record) in (DOCS / "vllm.md").read_text(encoding="utf-8"), f"run: python {path}"
+
+
 def test_agents_page_shows_the_measured_retry_run():
     """docs/agents.md's table is what benchmarks/results/retry_env_demo.json holds."""
     text = (DOCS / "agents.md").read_text(encoding="utf-8")

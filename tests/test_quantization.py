@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,14 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 from gspo_trl import GSPOTrainer  # noqa: E402
-from gspo_trl.quantization import dequantized, is_quantized, keep_one_cpu_path, quantized_load_kwargs  # noqa: E402
+from gspo_trl.quantization import (  # noqa: E402
+    check_device_map,
+    dequantized,
+    is_quantized,
+    keep_one_cpu_path,
+    quantized_load_kwargs,
+    refuse_sharded,
+)
 from gspo_trl.vllm.weight_sync import named_weights  # noqa: E402
 
 # NF4's 16 levels (QLoRA, arXiv 2305.14314, appendix E), in units of a block's absmax. A weight is stored as the
@@ -143,6 +151,66 @@ def test_a_model_passed_already_quantized_is_prepared_for_its_adapter(tmp_path, 
     assert all(not layer.support_avx512bf16_for_cpu for layer in quantized_layers(trainer.model))
     # prepare_model_for_kbit_training keeps the unquantized parameters (embeddings, norms, head) in fp32.
     assert {p.dtype for p in trainer.model.parameters() if p.dtype != torch.uint8} == {torch.float32}
+
+
+def test_a_quantized_base_under_fsdp_or_zero3_is_refused_at_construction(tmp_path, tiny_model_dir, monkeypatch):
+    args = small_config(tmp_path, fsdp="full_shard", fsdp_config={"version": 2})
+    for model, quantization in ((tiny_model_dir, nf4()), (load_4bit(tiny_model_dir), None)):
+        with pytest.raises(ValueError, match="cannot be trained under FSDP.*DDP.*drop quantization_config"):
+            GSPOTrainer(
+                model,
+                count_digits,
+                args=args,
+                train_dataset=text_dataset(),
+                quantization_config=quantization,
+                peft_config=LoraConfig(**LORA),
+            )
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    monkeypatch.setattr(hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: True)  # as a ZeRO-3 config sets it
+    with pytest.raises(ValueError, match="cannot be trained under DeepSpeed ZeRO-3"):
+        refuse_sharded(SimpleNamespace(fsdp=None))
+    monkeypatch.setattr(hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: False)
+    refuse_sharded(SimpleNamespace(fsdp=None))  # DDP, ZeRO-1/2: no sharded weights
+    # `accelerate launch` with a ZeRO-3 or FSDP config says so in the environment of every process.
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3"):
+        refuse_sharded(SimpleNamespace(fsdp=None))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    refuse_sharded(SimpleNamespace(fsdp=None))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="under FSDP"):
+        refuse_sharded(SimpleNamespace(fsdp=None))
+
+
+@pytest.mark.parametrize("device_map", ["cuda", "cuda:1", 0, {"": 0}, {"model": "cpu", "lm_head": "cuda:0"}])
+def test_a_device_map_off_the_cpu_is_refused_with_use_cpu(tmp_path, tiny_model_dir, device_map):
+    args = small_config(tmp_path, model_init_kwargs={"device_map": device_map})
+    with pytest.raises(ValueError, match=r"device_map.*use_cpu=True"):
+        GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset())
+
+
+def test_an_automatic_device_map_is_refused_with_use_cpu_only_where_it_would_find_a_gpu(monkeypatch):
+    for device_map in ("auto", "balanced", {"": "auto"}):
+        check_device_map({"device_map": device_map}, use_cpu=True)  # this machine has no GPU: it stays on the CPU
+    check_device_map({"device_map": "cuda"}, use_cpu=False)  # training on the GPU: transformers places it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="places the model on 'auto', but use_cpu=True"):
+        check_device_map({"device_map": "auto"}, use_cpu=True)
+
+
+def test_qlora_with_device_map_cpu_loads_on_the_cpu(tmp_path, tiny_model_dir):
+    args = small_config(tmp_path, model_init_kwargs={"device_map": "cpu"})
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        count_digits,
+        args=args,
+        train_dataset=text_dataset(),
+        quantization_config=nf4(),
+        peft_config=LoraConfig(**LORA),
+    )
+    assert is_quantized(trainer.model) and {p.device.type for p in trainer.model.parameters()} == {"cpu"}
 
 
 # --- what bitsandbytes runs on CPU ---------------------------------------------------------------------------------

@@ -153,7 +153,20 @@ def trainer_logprobs(trainer, ids):
         return completion_logprobs(model, ids, torch.ones_like(ids), ids[:, 1:], torch.ones_like(ids[:, 1:])).logps[0]
 
 
-def record_syncs(trainer):
+def fp32_logprobs(trainer, ids):
+    """The log-probs of an fp32 copy of the trainer's (bf16) model: what an fp32 server holding its weights computes.
+    Built afresh: a deep copy would keep the autocast wrapper accelerate puts on the model's forward."""
+    from transformers import AutoModelForCausalLM
+
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    model = AutoModelForCausalLM.from_config(trained.config).float()
+    model.load_state_dict({name: tensor.float() for name, tensor in trained.state_dict().items()})
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        return completion_logprobs(model, ids, torch.ones_like(ids), ids[:, 1:], torch.ones_like(ids[:, 1:])).logps[0]
+
+
+def record_syncs(trainer, reference=trainer_logprobs):
     """Wrap the backend's update_weights: after each real sync, the server's and the trainer's log-probs of a text."""
     backend, syncs = trainer.rollout_backend, []
     original = backend.update_weights
@@ -166,7 +179,7 @@ def record_syncs(trainer):
                 (
                     global_step,
                     torch.tensor(backend.client.prompt_logprobs(FIXED_TEXT)),
-                    trainer_logprobs(trainer, FIXED_TEXT),
+                    reference(trainer, FIXED_TEXT),
                 )
             )
 
@@ -240,6 +253,79 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
     assert all(entry["sampling/corrected_fraction"] == 0.0 for entry in logged)
 
 
+def record_transport(backend):
+    """Every path the trainer names to the server (snapshot reloads, adapters) and the HTTP chunks it sends."""
+    client, seen = backend.client, {"paths": [], "chunks": 0}
+    reload_weights, load_adapter, load_chunk = (
+        client.reload_weights,
+        client.load_lora_adapter,
+        client.load_weights_chunk,
+    )
+    client.reload_weights = lambda path: seen["paths"].append(path) or reload_weights(path)
+    client.load_lora_adapter = lambda name, path: seen["paths"].append(path) or load_adapter(name, path)
+    client.load_weights_chunk = lambda payload: seen.__setitem__("chunks", seen["chunks"] + 1) or load_chunk(payload)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "setup", ["full, auto", "full, bf16 weights", "lora adapter + KL", "lora merged", "qlora adapter + KL"]
+)
+@pytest.mark.slow  # the real vLLM server
+def test_weights_sent_over_http_reach_a_server_that_cannot_see_the_trainers_files(
+    tmp_path, server, served_model_dir, setup, monkeypatch
+):
+    """The HTTP transport: chunks of whole layers through /collective_rpc, the adapter copied into the server's own
+    temporary folder. The sync directory is relative to the trainer's working directory, which is not the server's:
+    the server cannot see it, so 'auto' picks HTTP, and no path of the trainer's is ever named to the server."""
+    monkeypatch.chdir(tmp_path)
+    peft_config = (
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
+    )
+    bf16 = "bf16" in setup
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=4,
+        steps_per_generation=2,
+        learning_rate=3e-2 if peft_config else 1e-2,
+        beta=0.05 if "KL" in setup else 0.0,
+        vllm_lora_adapter_sync=False if setup.endswith("merged") else None,
+        vllm_weight_sync_dir="trainer-only",
+        vllm_weight_transport="auto" if "auto" in setup else "http",
+        vllm_weight_chunk_mb=0.05,  # 50 KiB: several chunks even for this tiny model (a layer is ~260 KiB in fp32)
+        bf16=bf16,
+        model_init_kwargs={"dtype": torch.bfloat16} if bf16 else None,
+    )
+    trainer = GSPOTrainer(
+        served_model_dir,
+        count_digits,
+        args=args,
+        train_dataset=text_dataset(),
+        quantization_config={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if "qlora" in setup else None,
+        peft_config=peft_config,
+    )
+    backend = trainer.rollout_backend
+    assert backend.transport.name == "http"
+    assert backend.sends_adapter == setup.endswith("adapter + KL")
+    if bf16:
+        # The weights go as bf16 tensors (as to a bf16 server); this fp32 server widens them exactly, so its log-probs
+        # are those of an fp32 forward of the trainer's bf16 weights.
+        backend.server_info["dtype"] = "bfloat16"
+    seen, syncs = record_transport(backend), record_syncs(trainer, fp32_logprobs if bf16 else trainer_logprobs)
+    trainer.train()
+    assert [step for step, _, _ in syncs] == [0, 2]
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    assert (syncs[0][1] - syncs[1][1]).abs().max() > 1e-3  # the server's model did change
+    # A full sync is 4 chunks: the embedding, each layer (over 50 KiB each), the final norm; adapter syncs send the
+    # base once.
+    assert seen["chunks"] == 4 * (1 if backend.sends_adapter else len(syncs))
+    # No path of the trainer's reached the server: adapters were loaded from the server's own temporary folder.
+    assert all(not str(path).startswith(str(tmp_path)) and "trainer-only" not in str(path) for path in seen["paths"])
+    server_cwd = os.readlink(f"/proc/{server['process'].pid}/cwd")
+    assert (tmp_path / "trainer-only").is_dir() and not os.path.exists(os.path.join(server_cwd, "trainer-only"))
+
+
 @pytest.mark.slow  # the real vLLM server
 def test_an_adapter_the_server_cannot_take_is_refused_when_required(tmp_path, server, served_model_dir):
     args = vllm_config(tmp_path, server, vllm_lora_adapter_sync=True)
@@ -264,8 +350,9 @@ def test_weight_sync_dir_the_server_cannot_read_is_refused(tmp_path, server, ser
     import gspo_trl.vllm.client as client
 
     monkeypatch.setattr(client.VLLMServerClient, "can_read", lambda self, path: [False])
-    with pytest.raises(ValueError, match="cannot read the weight-sync directory"):
-        GSPOTrainer(served_model_dir, count_digits, args=vllm_config(tmp_path, server), train_dataset=text_dataset())
+    args = vllm_config(tmp_path, server, vllm_weight_transport="shared_dir")
+    with pytest.raises(ValueError, match="cannot read the weight-sync directory.*vllm_weight_transport='http'"):
+        GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
 
 
 def test_unreachable_server_is_an_error_naming_the_url(tmp_path, served_model_dir):
@@ -354,7 +441,7 @@ def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_th
     assert len(logged) == 4 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+@pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+http"])
 @pytest.mark.slow  # the real vLLM server
 def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
     import json
@@ -383,7 +470,8 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
     assert completed.returncode == 0, completed.stderr[-4000:]
     ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
     assert all(r["world_size"] == 2 for r in ranks)
-    assert ranks[0]["partitioned"] == (mode == "zero3")
+    assert ranks[0]["partitioned"] == mode.startswith("zero3")
+    assert [r["transport"] for r in ranks] == ["http" if mode.endswith("+http") else "shared_dir"] * 2
     assert [r["syncs"] for r in ranks] == [3, 3]  # two rollouts, then the final sync
     assert ranks[0]["logs"] == ranks[1]["logs"] and len(ranks[0]["logs"]) == 4  # every rank logs the same numbers
     assert ranks[0]["max_error"] < 1e-4  # the server holds the trained (gathered) weights

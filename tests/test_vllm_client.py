@@ -138,3 +138,18 @@ def test_a_server_of_another_kind_is_named():
             client_for(server).served_model()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 10, 11, 12, 13])
+def test_a_payload_is_base64_encoded_piece_by_piece_into_the_json_body(monkeypatch, size):
+    import base64
+
+    from gspo_trl.vllm.client import Base64JSONBody
+
+    monkeypatch.setattr(Base64JSONBody, "PIECE", 6)  # several pieces for the larger payloads
+    payload = bytes(range(size))
+    body = Base64JSONBody(b'{"data": "', payload, b'"}')
+    sent = b"".join(body)
+    assert sent == b'{"data": "' + base64.b64encode(payload) + b'"}' and len(body) == len(sent)
+    assert b"".join(body) == sent  # a retry sends the same body again
+    assert json.loads(sent)["data"] == base64.b64encode(payload).decode()

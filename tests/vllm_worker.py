@@ -1,5 +1,6 @@
 """Run under `torchrun --nproc_per_node 2` by test_rollout_vllm_server.py: a short GSPO run sampling on a real vLLM
-server, under `ddp` or `zero3` (every parameter partitioned, so the weight sync gathers module by module on both ranks).
+server, under `ddp` or `zero3` (every parameter partitioned, so the weight sync gathers module by module on both ranks),
+`+http` sending the weights over HTTP.
 After training, one more sync; then every rank scores a fixed text through the trained (wrapped) model and rank 0
 asks the server for the same log-probs. Each rank writes <out>.rank<R>.json."""
 
@@ -33,9 +34,11 @@ def main(model_dir: str, mode: str, url: str, out: str) -> None:
         seed=0,
         use_cpu=True,
         save_strategy="no",
-        deepspeed=DEEPSPEED.get(mode),
+        deepspeed=DEEPSPEED.get(mode.split("+")[0]),
         use_vllm=True,
         vllm_server_base_url=url,
+        vllm_weight_transport="http" if mode.endswith("+http") else "auto",
+        vllm_weight_chunk_mb=0.05,
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
     trainer = GSPOTrainer(model_dir, count_digits, args=config, train_dataset=dataset)
@@ -49,6 +52,7 @@ def main(model_dir: str, mode: str, url: str, out: str) -> None:
         ).logps[0]
     rank = torch.distributed.get_rank()
     record = {
+        "transport": backend.transport.name,
         "syncs": len(backend.sync_seconds),
         "world_size": trainer.accelerator.num_processes,
         "partitioned": any(hasattr(p, "ds_id") for p in trainer.accelerator.unwrap_model(trainer.model).parameters()),

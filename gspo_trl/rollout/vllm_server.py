@@ -2,18 +2,17 @@
 
 Owns what a rollout needs from the server: prompts tokenized here and sent as token ids (no re-tokenization),
 de-duplicated (`n` samples per distinct prompt), the sampled token ids and their log-probs returned as a
-`Rollout`, and the weight sync (pause, snapshot, reload, prefix-cache reset, resume) whenever the weights
-changed since the last one. Every process sends its own prompts; process 0 alone writes and announces the
-weights, the others wait at a barrier. What it does not own: HTTP details (`client`), turning the model into
-named tensors (`weight_sync`), and the correction for the server/trainer mismatch (`sampling_correction`).
+`Rollout`, and the weight sync (pause, send the weights, prefix-cache reset, resume) whenever the weights
+changed since the last one. Every process sends its own prompts; process 0 alone sends the weights, the others
+wait at a barrier. What it does not own: HTTP details (`client`), how the weights travel (`vllm.transport`),
+turning the model into named tensors (`weight_sync`), and the correction for the server/trainer mismatch
+(`sampling_correction`).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
-import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,7 +21,8 @@ import torch
 
 from ..distributed import unwrap_model
 from ..vllm.client import VLLMServerClient, VLLMServerError
-from ..vllm.weight_sync import adapter_sync_unsupported_reason, remove_snapshot, write_adapter, write_snapshot
+from ..vllm.transport import HTTPTransport, SharedDirTransport, choose_transport, local_sync_dir
+from ..vllm.weight_sync import adapter_sync_unsupported_reason, remove_snapshot
 from .types import (
     Rollout,
     RolloutBackend,
@@ -106,11 +106,7 @@ class VLLMServerBackend(RolloutBackend):
         self.server_info = self.client.model_info()
         self.sends_adapter = self._choose_adapter_sync(model)
         self.base_sent = False  # adapter syncs: the server's base weights are the trainer's (sent once)
-        if accelerator.is_main_process:
-            self._check_same_model(unwrap_model(model))
-            self.snapshot_dir = self._make_snapshot_dir()
-            weakref.finalize(self, remove_snapshot, self.snapshot_dir)  # the snapshot goes with the backend
-            self._check_server_reads(self.snapshot_dir)
+        self._check_and_choose_transport(model)
 
     # --- construction checks -------------------------------------------------------------------
 
@@ -146,28 +142,29 @@ class VLLMServerBackend(RolloutBackend):
             )
         return reason is None and wanted is not False
 
-    def _make_snapshot_dir(self) -> str:
-        if self.args.vllm_weight_sync_dir:
-            path = os.path.join(self.args.vllm_weight_sync_dir, f"gspo-trl-weights-{uuid.uuid4().hex[:8]}")
-            os.makedirs(path)
-            return path
-        shared_memory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        return tempfile.mkdtemp(prefix="gspo-trl-weights-", dir=shared_memory)
+    def _check_and_choose_transport(self, model) -> None:
+        """Process 0 checks the served model and picks the transport (probing the server where asked); the others
+        follow its choice, or raise its error with it rather than wait for it."""
+        choice: list = [None]
+        if self.accelerator.is_main_process:
+            try:
+                self._check_same_model(unwrap_model(model))
+                self.snapshot_dir = local_sync_dir(self.args.vllm_weight_sync_dir)
+                weakref.finalize(self, remove_snapshot, os.path.abspath(self.snapshot_dir))  # goes with the backend
+                self.transport = choose_transport(self.args, self.client, self.snapshot_dir)
+                choice = [self.transport.name]
+            except ValueError as error:
+                choice = [error]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
 
-    def _check_server_reads(self, directory: str) -> None:
-        marker = f"marker-{uuid.uuid4().hex}"
-        with open(os.path.join(directory, marker), "w") as handle:
-            handle.write("gspo-trl")
-        try:
-            answers = self.client.can_read(os.path.join(directory, marker))
-        finally:
-            os.remove(os.path.join(directory, marker))
-        if not all(answers):
-            raise ValueError(
-                f"The vLLM server at {self.client.base_url} cannot read the weight-sync directory {directory}: it "
-                "runs on another machine or in another filesystem namespace. Set vllm_weight_sync_dir to a "
-                "directory both the trainer and the server can reach (a shared filesystem)."
-            )
+            broadcast_object_list(choice)
+        if isinstance(choice[0], ValueError):
+            raise choice[0]
+        if not self.accelerator.is_main_process:  # they only take part in the collective gathers
+            chunk_bytes = int(self.args.vllm_weight_chunk_mb * 1024**2)
+            http = HTTPTransport(self.client, None, chunk_bytes)
+            self.transport = http if choice[0] == http.name else SharedDirTransport(self.client, None)
 
     # --- RolloutBackend ------------------------------------------------------------------------
 
@@ -182,16 +179,10 @@ class VLLMServerBackend(RolloutBackend):
             if not self.sends_adapter or not self.base_sent:
                 # Full weights; for adapter syncs, the frozen base once, since the server may hold other weights.
                 dtype = _torch_dtype(self.server_info.get("dtype"))
-                write_snapshot(
-                    model, self.snapshot_dir or "", is_writer=is_main, dtype=dtype, merge_lora=not self.sends_adapter
-                )
-                if is_main:
-                    self.client.reload_weights(self.snapshot_dir)
+                self.transport.send_weights(model, is_writer=is_main, dtype=dtype, merge_lora=not self.sends_adapter)
                 self.base_sent = True
             if self.sends_adapter and is_main:
-                adapter_dir = os.path.join(self.snapshot_dir, "adapter")
-                write_adapter(model, adapter_dir)
-                self.client.load_lora_adapter(ADAPTER_NAME, adapter_dir)
+                self.client.load_lora_adapter(ADAPTER_NAME, self.transport.send_adapter(model))
             if is_main:
                 self.client.reset_prefix_cache()
         finally:

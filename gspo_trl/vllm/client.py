@@ -1,11 +1,13 @@
 """HTTP client for a vLLM server started by `gspo-trl vllm-serve` (vLLM's own OpenAI server plus our worker extension).
 
 Owns the wire format: which endpoint does what, bounded retries, and errors that name the URL and what to check.
-It knows nothing of the trainer, tensors or weights beyond a directory path.
+It knows nothing of the trainer or tensors: weights reach it as a directory path or as a safetensors file's bytes.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import time
 from typing import Any
 
@@ -25,6 +27,25 @@ class VLLMServerUnreachable(VLLMServerError, ConnectionError):
 
 class MissingEndpointError(VLLMServerError):
     """The server has no such endpoint (HTTP 404): a server of another kind, or started without dev mode."""
+
+
+class Base64JSONBody:
+    """A request body `head + base64(payload) + tail`, produced piece by piece: requests streams an iterable with a
+    length (Content-Length, no chunked encoding), and iterating again (a retry) starts over."""
+
+    PIECE = 3 * 2**20  # a multiple of 3 bytes: the pieces' base64 texts concatenate to the whole's
+
+    def __init__(self, head: bytes, payload: bytes, tail: bytes):
+        self.head, self.payload, self.tail = head, memoryview(payload), tail
+
+    def __len__(self) -> int:
+        return len(self.head) + 4 * ((len(self.payload) + 2) // 3) + len(self.tail)
+
+    def __iter__(self):
+        yield self.head
+        for start in range(0, len(self.payload), self.PIECE):
+            yield base64.b64encode(self.payload[start : start + self.PIECE])
+        yield self.tail
 
 
 class VLLMServerClient:
@@ -84,8 +105,15 @@ class VLLMServerClient:
                 f"{response.text[:300]!r}"
             ) from error
 
-    def _rpc(self, method: str, **kwargs) -> list:
-        body = self._json("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+    def _rpc(self, method: str, payload: bytes | None = None, **kwargs) -> list:
+        """Call `method` on every worker; `payload` (bytes, possibly hundreds of MB) goes in as `kwargs["data"]`,
+        base64-encoded piece by piece as the request is sent (never a second whole copy)."""
+        if payload is None:
+            body = self._json("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+        else:
+            head = json.dumps({"method": method, "kwargs": kwargs})[: -len("}}")] + (", " if kwargs else "")
+            data = Base64JSONBody(f'{head}"data": "'.encode(), payload, b'"}}')
+            body = self._json("POST", "/collective_rpc", data=data, headers={"Content-Type": "application/json"})
         results = (body or {}).get("results")
         if not isinstance(results, list) or not results:
             raise VLLMServerError(f"/collective_rpc {method} on {self.base_url} returned {body!r}")
@@ -148,6 +176,46 @@ class VLLMServerClient:
     def reload_weights(self, weights_path: str) -> None:
         """Every worker loads the safetensors snapshot in `weights_path` (a directory the server can read)."""
         self._rpc("gspo_reload_weights", weights_path=weights_path)
+
+    def load_weights_chunk(self, payload: bytes) -> None:
+        """Every worker loads the weights in `payload` (a safetensors file's bytes, whole layers) in place."""
+        self._rpc("gspo_load_weights_chunk", payload)
+
+    def finish_weight_load(self) -> None:
+        """After the last chunk: the workers re-pack what the chunks' reloads left stale (a tied LM head)."""
+        self._rpc("gspo_finish_weight_load")
+
+    def send_file(self, directory: str, path: str, piece_bytes: int) -> str:
+        """Copy the local file `path` into `directory` (a plain name) of the server's temporary folder, in pieces of at
+        most `piece_bytes`; returns that folder's path on the server."""
+        import os
+
+        size, offset, folder = os.path.getsize(path), 0, None
+        with open(path, "rb") as handle:
+            while offset == 0 or offset < size:
+                piece = handle.read(piece_bytes)
+                last = offset + len(piece) >= size
+                results = self._rpc(
+                    "gspo_receive_file",
+                    piece,
+                    directory=directory,
+                    name=os.path.basename(path),
+                    offset=str(offset),
+                    last="1" if last else "0",
+                )
+                folder = results[0]["directory"]
+                offset += len(piece)
+                if last:
+                    break
+        return folder
+
+    def remove_directory(self, directory: str) -> None:
+        """Best effort, once, without retries (the server may be gone): remove a directory `send_file` filled."""
+        body = {"method": "gspo_remove_directory", "kwargs": {"directory": directory}}
+        try:
+            self.session.post(f"{self.base_url}/collective_rpc", json=body, timeout=5)
+        except requests.RequestException:
+            pass
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Load (or replace in place) the LoRA adapter saved in `path` under `name`; requests then name it as model."""

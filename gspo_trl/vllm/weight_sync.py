@@ -182,5 +182,47 @@ def write_snapshot(
     return total
 
 
+def sync_group(name: str) -> str:
+    """The part of the model whose weights a partial in-place reload must receive together: a numbered block (a decoder
+    layer: vLLM fuses q/k/v, gate/up and a MoE layer's experts into one weight) or else the parameter's own module."""
+    parts = name.split(".")
+    for index, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return ".".join(parts[:-1])
+
+
+def weight_chunks(
+    weights: Iterator[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`weights` in consecutive chunks of at most `max_bytes`, never splitting a `sync_group` (a group larger than
+    `max_bytes` is a chunk of its own). A group's weights arrive together, as `named_weights` walks the module tree."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    group: list[tuple[str, torch.Tensor]] = []
+    chunk_bytes = group_bytes = 0
+    group_name = None
+    for name, tensor in weights:
+        if sync_group(name) != group_name:
+            if chunk and chunk_bytes + group_bytes > max_bytes:
+                yield chunk
+                chunk, chunk_bytes = [], 0
+            chunk, chunk_bytes = chunk + group, chunk_bytes + group_bytes
+            group, group_bytes, group_name = [], 0, sync_group(name)
+        group.append((name, tensor))
+        group_bytes += tensor.numel() * tensor.element_size()
+    if chunk and chunk_bytes + group_bytes > max_bytes:
+        yield chunk
+        chunk = []
+    if chunk or group:
+        yield chunk + group
+
+
+def serialize_chunk(chunk: list[tuple[str, torch.Tensor]]) -> bytes:
+    """A chunk as the bytes of a safetensors file."""
+    from safetensors.torch import save
+
+    return save(dict(chunk), metadata={"format": "pt"})
+
+
 def remove_snapshot(directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)

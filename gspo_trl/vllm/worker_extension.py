@@ -1,22 +1,55 @@
 """Code that `vllm serve` loads into each of its workers (`--worker-extension-cls`), called over `/collective_rpc`.
 
-It imports only torch and vllm: the server's environment need not have TRL or gspo-trl's dependencies, only this
-package on its path (`gspo-trl vllm-serve` arranges that).
+It imports only torch, vllm and what vllm depends on (safetensors): the server's environment need not have TRL or
+gspo-trl's dependencies, only this package on its path (`gspo-trl vllm-serve` arranges that).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import logging
 import os
+import re
+import shutil
+import tempfile
 
 import torch
+
+# The loggers of vLLM's in-place reload, which warn about every layer a partial reload (one HTTP chunk) leaves as is.
+RELOAD_LOGGERS = tuple(f"vllm.model_executor.model_loader.reload.{name}" for name in ("inplace", "layerwise"))
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload():
+    loggers = [logging.getLogger(name) for name in RELOAD_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _safe_name(value: str, what: str) -> str:
+    if not SAFE_NAME.match(value or "") or ".." in value:
+        raise ValueError(f"{what} {value!r} is not a plain file name")
+    return value
 
 
 def reload_in_place(worker, **reload_kwargs) -> None:
     """vLLM's in-place reload on `worker` (`weights_path=` a snapshot, or `weights_iterator=` (name, tensor) pairs in
     checkpoint names), then the re-packing the reload leaves stale."""
-    runner = worker.model_runner
-    runner.reload_weights(**reload_kwargs)
-    model = runner.get_model()
+    worker.model_runner.reload_weights(**reload_kwargs)
+    repack_tied_head(worker)
+
+
+def repack_tied_head(worker) -> None:
+    """Re-pack `worker`'s LM head after a reload."""
+    model = worker.model_runner.get_model()
     # A tied LM head shares the embedding's weight, but CPU kernels keep their own pre-packed copy of it that
     # reload_weights does not refresh (the engine would sample with the new embedding and the old head).
     lm_head = getattr(model, "lm_head", None)
@@ -26,12 +59,50 @@ def reload_in_place(worker, **reload_kwargs) -> None:
 
 
 class WeightSyncExtension:
-    """Methods a vLLM worker gains: reload the weights a trainer wrote, and describe the served model."""
+    """Methods a vLLM worker gains: reload the weights a trainer wrote or sent, and describe the served model."""
 
     def gspo_reload_weights(self, weights_path: str) -> str:
         """Load the safetensors snapshot in `weights_path` in place, then re-pack what the load left stale."""
         reload_in_place(self, weights_path=weights_path)
         return {"reloaded": weights_path}
+
+    def gspo_load_weights_chunk(self, data: str) -> dict:
+        """Load one chunk of weights sent over HTTP (base64 of a safetensors file) in place.
+
+        A chunk holds whole layers (the trainer splits between them), since vLLM's in-place reload processes a layer
+        (fusing q/k/v, re-packing for CPU kernels) once all of its weights arrived; layers absent from the chunk keep
+        their weights. `gspo_finish_weight_load` follows the last chunk."""
+        from safetensors.torch import load
+
+        tensors = load(base64.b64decode(data))
+        with _quiet_partial_reload():
+            self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+    def gspo_finish_weight_load(self) -> dict:
+        """After the last chunk: re-pack what the reloads left stale."""
+        repack_tied_head(self)
+        return {"finished": True}
+
+    def gspo_receive_file(self, directory: str, name: str, data: str, offset: str, last: str) -> dict:
+        """Write one piece (base64, at byte `offset`) of a file the trainer sends into a directory of this machine's
+        temporary folder; on the `last` piece the file takes its name (atomically, since every worker of a server
+        writes the same file). Returns the directory, which the trainer then names in /v1/load_lora_adapter."""
+        folder = os.path.join(tempfile.gettempdir(), _safe_name(directory, "directory"))
+        os.makedirs(folder, exist_ok=True)
+        target = os.path.join(folder, _safe_name(name, "file name"))
+        partial = f"{target}.part-{os.getpid()}"
+        with open(partial, "r+b" if int(offset) else "wb") as handle:
+            handle.seek(int(offset))
+            handle.write(base64.b64decode(data))
+        if str(last) == "1":
+            os.replace(partial, target)
+        return {"directory": folder}
+
+    def gspo_remove_directory(self, directory: str) -> dict:
+        """Remove a directory `gspo_receive_file` wrote (when the trainer is done with it)."""
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), _safe_name(directory, "directory")), ignore_errors=True)
+        return {"removed": directory}
 
     def gspo_can_read(self, path: str) -> dict:
         """Whether this worker sees `path` (the trainer checks that both sides share the weight-sync directory).

@@ -1,0 +1,129 @@
+"""How the trained weights reach a vLLM server: a snapshot in a directory both sides see, or chunks over HTTP.
+
+Owns the two transports behind one interface (`send_weights`: the full weights, LoRA merged or the frozen base;
+`send_adapter`: a LoRA adapter, returning the path the server loads it from) and choosing one
+(`vllm_weight_transport`; 'auto' writes a probe file in the sync directory and asks the server whether it sees it).
+What it does not own: turning the model into named tensors (`weight_sync`), the wire format (`client`), and when to
+sync (`rollout.vllm_server`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+import weakref
+
+import torch
+from transformers.utils import logging
+
+from .client import VLLMServerClient
+from .weight_sync import named_weights, serialize_chunk, weight_chunks, write_adapter, write_snapshot
+
+logger = logging.get_logger(__name__)
+
+
+class SharedDirTransport:
+    """A safetensors snapshot written into `directory`, which the server reloads from (same machine or a shared
+    filesystem): the fastest, but the server must see the trainer's files."""
+
+    name = "shared_dir"
+
+    def __init__(self, client: VLLMServerClient, directory: str | None):
+        self.client = client
+        self.directory = directory  # None on processes other than the writer
+
+    def send_weights(self, model: torch.nn.Module, is_writer: bool, dtype: torch.dtype | None, merge_lora: bool) -> int:
+        """Every process calls it (ZeRO-3 gathers are collective); only `is_writer` sends. Returns the bytes sent."""
+        total = write_snapshot(model, self.directory or "", is_writer=is_writer, dtype=dtype, merge_lora=merge_lora)
+        if is_writer:
+            self.client.reload_weights(self.directory)
+        return total
+
+    def send_adapter(self, model: torch.nn.Module) -> str:
+        """The writer alone: the adapter written where the server reads it; returns that path."""
+        adapter_dir = os.path.join(self.directory, "adapter")
+        write_adapter(model, adapter_dir)
+        return adapter_dir
+
+
+class HTTPTransport:
+    """The weights sent through the server's `/collective_rpc` endpoint, in safetensors chunks of at most
+    `chunk_bytes` (or one layer, if larger), each loaded in place by the worker extension before the next is built:
+    no file is shared, and neither side holds more than a few chunks' worth."""
+
+    name = "http"
+
+    def __init__(self, client: VLLMServerClient, directory: str | None, chunk_bytes: int):
+        self.client = client
+        self.directory = directory  # local scratch for the adapter's files (the writer's only)
+        self.chunk_bytes = chunk_bytes
+        self.remote_dir = f"gspo-trl-adapter-{uuid.uuid4().hex[:12]}"  # in the server's temporary folder
+        self.cleanup = None
+
+    def send_weights(self, model: torch.nn.Module, is_writer: bool, dtype: torch.dtype | None, merge_lora: bool) -> int:
+        weights = named_weights(model, dtype, merge_lora)
+        if not is_writer:
+            for _ in weights:  # the gathers of ZeRO-3 / FSDP2 need every process
+                pass
+            return 0
+        total = 0
+        for chunk in weight_chunks(weights, self.chunk_bytes):
+            self.client.load_weights_chunk(serialize_chunk(chunk))
+            total += sum(tensor.numel() * tensor.element_size() for _, tensor in chunk)
+        self.client.finish_weight_load()
+        return total
+
+    def send_adapter(self, model: torch.nn.Module) -> str:
+        local = os.path.join(self.directory, "adapter")
+        write_adapter(model, local)
+        remote = None
+        for name in sorted(os.listdir(local)):
+            remote = self.client.send_file(self.remote_dir, os.path.join(local, name), self.chunk_bytes)
+        if self.cleanup is None:  # the server's copy goes when this transport does
+            self.cleanup = weakref.finalize(self, self.client.remove_directory, self.remote_dir)
+        return remote
+
+
+def local_sync_dir(configured: str | None) -> str:
+    """The directory snapshots are written to: a new one under `configured`, else a temporary one in /dev/shm."""
+    if configured:
+        path = os.path.join(configured, f"gspo-trl-weights-{uuid.uuid4().hex[:8]}")
+        os.makedirs(path)
+        return path
+    shared_memory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="gspo-trl-weights-", dir=shared_memory)
+
+
+def server_sees(client: VLLMServerClient, directory: str) -> bool:
+    """Whether every worker of the server reads a probe file written into `directory`."""
+    probe = os.path.join(directory, f"probe-{uuid.uuid4().hex}")
+    with open(probe, "w") as handle:
+        handle.write("gspo-trl")
+    try:
+        return all(client.can_read(probe))
+    finally:
+        os.remove(probe)
+
+
+def choose_transport(args, client: VLLMServerClient, directory: str):
+    """The transport `args.vllm_weight_transport` asks for; 'auto' probes whether the server sees `directory`."""
+    wanted = args.vllm_weight_transport
+    chunk_bytes = int(args.vllm_weight_chunk_mb * 1024**2)
+    if wanted == "http":
+        return HTTPTransport(client, directory, chunk_bytes)
+    if server_sees(client, directory):
+        return SharedDirTransport(client, directory)
+    if wanted == "shared_dir":
+        raise ValueError(
+            f"The vLLM server at {client.base_url} cannot read the weight-sync directory {directory}: it runs on "
+            "another machine or in another filesystem namespace. Set vllm_weight_sync_dir to a directory both the "
+            "trainer and the server can reach (a shared filesystem), or vllm_weight_transport='http' (or 'auto') to "
+            "send the weights over HTTP."
+        )
+    log = logger.warning if args.vllm_weight_sync_dir else logger.info
+    log(
+        f"The vLLM server at {client.base_url} cannot read the weight-sync directory {directory}: the weights go "
+        f"to it over HTTP, in chunks of at most {args.vllm_weight_chunk_mb:g} MiB (vllm_weight_transport='auto')."
+    )
+    return HTTPTransport(client, directory, chunk_bytes)
