@@ -350,7 +350,7 @@ def gather_rollout(batch: MicroBatch, accelerator, pad_token_id: int) -> MicroBa
         "completion_ids": completion_ids,
     }
     if batch.vision is not None:  # each prompt's images once, whatever their shapes
-        result["vision"] = gather_vision(batch.vision, accelerator, prompt_ids.shape[1])
+        result["vision"] = gather_vision(batch.vision, prompt_ids.shape[1])
     for name, value in replace(batch, vision=None).to_state().items():
         if name in result or not isinstance(value, torch.Tensor):
             result.setdefault(name, value)
@@ -366,7 +366,7 @@ def gather_rollout(batch: MicroBatch, accelerator, pad_token_id: int) -> MicroBa
     return MicroBatch(**result)
 
 
-def gather_vision(vision: VisionInputs, accelerator, prompt_length: int) -> VisionInputs:
+def gather_vision(vision: VisionInputs, prompt_length: int) -> VisionInputs:
     """Every process's `VisionInputs` joined in process order, for rows whose prompts are padded to `prompt_length`
     columns. The fields travel as objects (through host memory): each prompt's tensors have shapes of their own."""
     parts = gather_object([vision.to("cpu")])

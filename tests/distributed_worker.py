@@ -124,6 +124,12 @@ def scripted_rollout(prompts, trainer):
     return output
 
 
+def longer_every_third_prompt(row: dict, index: int) -> dict:
+    if index % 3 == 0:
+        row["prompt"][0]["content"][-1]["text"] += " Answer with one number, please."
+    return row
+
+
 def force_linears(form: str) -> list:
     """Every linear layer of every model decodes in `cpu.linear`'s `form` ("transposed", or "compiled" up to its 8
     rows) at every row count; returns the list that each product computed in that form appends its row count to."""
@@ -239,8 +245,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
             passes.append(len(rows)) or take_pass(batch, rows, *more)
         )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
-    if "vlm" in options:
-        dataset = image_dataset(16)
+    if "vlm" in options:  # every third prompt longer: one process's prompts are left-padded in the gathered rollout
+        dataset = image_dataset(16).map(longer_every_third_prompt, with_indices=True)
     if "stream" in options:  # the same prompts, streamed
         dataset = dataset.to_iterable_dataset()
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
