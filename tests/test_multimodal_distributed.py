@@ -66,6 +66,11 @@ def test_one_and_two_processes_train_the_same_vlm_run(tmp_path, vlm_dir, mode):
         assert [r["distributed_type"] for r in two] == ["DistributedType.DEEPSPEED"] * 2
         assert two[0]["local_parameters"] <= 0.55 * one[0]["local_parameters"]  # partitioned: half the weights each
         assert two[0]["whole_at_generation"] == [True, True]  # gathered for generate, once per rollout
+        # ds3_gather_for_generation=False: generate on partitioned weights (ZeRO-3's hooks gather each layer, and
+        # generate keeps both ranks stepping together): the same run.
+        partitioned = launch(tmp_path, vlm_dir, mode + "+nogather", name="partitioned")
+        assert partitioned[0]["whole_at_generation"] == [False, False]
+        assert_same_run(two[0], partitioned[0], 0)
 
 
 @pytest.mark.slow  # torchrun launches
