@@ -4,10 +4,11 @@ Owns finding the Hugging Face model inside whatever wraps it (DDP, a DeepSpeed e
 `torch.compile`), joining the process group before the model is built, telling ZeRO-3-partitioned
 modules apart and gathering the weights for a whole rollout's generation (ZeRO-3, FSDP2) or for the LM
 head outside the forward (FSDP2), placing (and under FSDP2 sharding) evaluation-only models like the
-policy, gathering a rollout across processes, choosing the process group's backend for a multi-process
-launch on a machine without an accelerator, the context a rollout is sampled in (`generation_context`), and
-saying when a requested sharding was not applied. What it does not own: gathering rewards and metrics
-(`scoring`, `metrics`, through accelerate) and the policy's sharding itself (accelerate, DeepSpeed, FSDP).
+policy, gathering a rollout across processes (a vision-language rollout's images included), choosing the
+process group's backend for a multi-process launch on a machine without an accelerator, the context a rollout
+is sampled in (`generation_context`), and saying when a requested sharding was not applied. What it does not
+own: gathering rewards and metrics (`scoring`, `metrics`, through accelerate) and the policy's sharding itself
+(accelerate, DeepSpeed, FSDP).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from dataclasses import replace
 
 import torch
+from accelerate.utils import gather_object
 from transformers.utils import logging
 
 from .checkpointing import checkpoint_kwargs
 from .micro_batch import MicroBatch
+from .multimodal import VisionInputs
 from .precision import precision_context
 
 logger = logging.get_logger(__name__)
@@ -345,7 +349,9 @@ def gather_rollout(batch: MicroBatch, accelerator, pad_token_id: int) -> MicroBa
         "attention_mask": torch.cat([prompt_mask, completion_attention], dim=1),
         "completion_ids": completion_ids,
     }
-    for name, value in batch.to_state().items():
+    if batch.vision is not None:  # each prompt's images once, whatever their shapes
+        result["vision"] = gather_vision(batch.vision, prompt_ids.shape[1])
+    for name, value in replace(batch, vision=None).to_state().items():
         if name in result or not isinstance(value, torch.Tensor):
             result.setdefault(name, value)
         elif value.dim() == 0:  # a count over the whole rollout (num_items_in_batch)
@@ -358,6 +364,13 @@ def gather_rollout(batch: MicroBatch, accelerator, pad_token_id: int) -> MicroBa
         else:
             result[name] = accelerator.gather(value)
     return MicroBatch(**result)
+
+
+def gather_vision(vision: VisionInputs, prompt_length: int) -> VisionInputs:
+    """Every process's `VisionInputs` joined in process order, for rows whose prompts are padded to `prompt_length`
+    columns. The fields travel as objects (through host memory): each prompt's tensors have shapes of their own."""
+    parts = gather_object([vision.to("cpu")])
+    return VisionInputs.joined(parts, prompt_length).to(vision.groups.device)
 
 
 def gather_ragged(values: torch.Tensor, accelerator) -> torch.Tensor:

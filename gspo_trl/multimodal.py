@@ -114,6 +114,20 @@ class VisionInputs:
                 inputs[name] = _concatenated(parts)
         return inputs
 
+    @classmethod
+    def joined(cls, parts: list[VisionInputs], prompt_length: int) -> VisionInputs:
+        """The rows of `parts` one after another, as one batch whose prompts are `prompt_length` columns wide (every
+        process's rollout gathered): each part's prompt indices follow the earlier parts' prompts, and its
+        token-aligned fields are left-padded to the joined width, as its ids are."""
+        prompts, groups = [], []
+        for part in parts:
+            groups.append(part.groups + len(prompts))
+            for fields in part.prompts:
+                aligned = {name: value for name, value in fields.items() if name in TOKEN_ALIGNED_FIELDS}
+                widened = {name: F.pad(value, (prompt_length - value.shape[1], 0)) for name, value in aligned.items()}
+                prompts.append({**fields, **widened})
+        return cls(prompts, torch.cat(groups))
+
     def to_state(self) -> dict[str, torch.Tensor]:
         """Flat tensors for a checkpoint: `vision.groups`, and `vision.<prompt>.<field>` for each prompt's fields."""
         state = {f"{STATE_PREFIX}groups": self.groups}
@@ -230,13 +244,11 @@ def check_vision_support(processor, args, episodes: bool, rollout_func) -> None:
         "pad_to_multiple_of (the images' token positions are not padded with the rows)": args.pad_to_multiple_of
         is not None,
         "padding_free=True (packed rows hold no per-row images)": args.padding_free is True,
-        f"more than one process (world_size={args.world_size}: a rollout's images are not gathered across "
-        "processes yet)": args.world_size > 1,
     }
     for option, is_set in refused.items():
         if is_set:
             raise ValueError(
                 f"A vision-language model (processing_class is a {type(processor).__name__}) cannot be trained with "
-                f"{option} yet. Sampling runs on the trained model with transformers' generate, on padded rows, in "
-                "one process: unset that option."
+                f"{option} yet. Sampling runs on the trained model with transformers' generate, on padded rows: "
+                "unset that option."
             )

@@ -18,7 +18,8 @@ rollout in the background during the first one's training (async_rollouts), `+li
 from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
 completions per micro-step over however many processes run, `+dynsamp` trains with dynamic sampling on a reward
-that is constant for half the prompts. Each rank writes
+that is constant for half the prompts, `+vlm` trains the tiny Qwen2.5-VL saved at the model path on prompts with
+images (`vlm_models`). Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
@@ -37,6 +38,7 @@ import torch
 from datasets import Dataset
 from helpers import count_digits, leave_worker, length_reward
 from transformers import TrainerCallback
+from vlm_models import build_tiny_qwen2_5_vl, image_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.distributed import unwrap_model
@@ -122,6 +124,12 @@ def scripted_rollout(prompts, trainer):
     return output
 
 
+def longer_every_third_prompt(row: dict, index: int) -> dict:
+    if index % 3 == 0:
+        row["prompt"][0]["content"][-1]["text"] += " Answer with one number, please."
+    return row
+
+
 def force_linears(form: str) -> list:
     """Every linear layer of every model decodes in `cpu.linear`'s `form` ("transposed", or "compiled" up to its 8
     rows) at every row count; returns the list that each product computed in that form appends its row count to."""
@@ -172,6 +180,9 @@ def main(model_dir: str, mode: str, out: str) -> None:
         )
     if "scripted" in options:  # 8 completions per micro-step over all processes, from the rollout_func
         schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]))
+    processor = None
+    if "vlm" in options:  # its processor does not load without torchvision: built, before the config turns ZeRO-3 on
+        processor = build_tiny_qwen2_5_vl()[1]
     deepspeed_config = DEEPSPEED.get(mode)
     if "offload" in options:  # ZeRO-Offload: optimizer states (and, under ZeRO-3, parameters) in CPU memory
         deepspeed_config = copy.deepcopy(deepspeed_config)
@@ -234,6 +245,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
             passes.append(len(rows)) or take_pass(batch, rows, *more)
         )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
+    if "vlm" in options:  # every third prompt longer: one process's prompts are left-padded in the gathered rollout
+        dataset = image_dataset(16).map(longer_every_third_prompt, with_indices=True)
     if "stream" in options:  # the same prompts, streamed
         dataset = dataset.to_iterable_dataset()
     rewards = [fails_on_rank_1] if "raise" in options else [count_digits, length_reward]
@@ -248,6 +261,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         train_dataset=dataset,
         quantization_config={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if "qlora" in options else None,
         peft_config=peft_config,
+        processing_class=processor,
         callbacks=[KillRank1MidWindow()] if "kill" in options else None,
         env_factory=MoreDigits if "episodes" in options else None,
         rollout_func=scripted_rollout if "scripted" in options else None,
@@ -343,6 +357,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 "reference_checksums": reference_checksums,
             },
             handle,
+            default=lambda value: type(value).__name__,  # +vlm: the images in the sampled prompts
         )
 
 
