@@ -113,3 +113,18 @@ def test_warm_up_lowers_the_answer_loss():
     # A random model spreads its next-token mass over the ~400-token vocabulary (loss near ln 400 = 6.0); six steps
     # at the default rate take it well below that (measured: 5.9 -> about 3).
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_docs_show_the_recorded_learning_runs():
+    """docs/vision-language.md's learning-check table is what benchmarks/results/vision_learning.json holds."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    record = json.loads((root / "benchmarks" / "results" / "vision_learning.json").read_text())
+    text = (root / "docs" / "vision-language.md").read_text(encoding="utf-8")
+    assert record["runs"] and (root / "docs" / "vision_reward_curve.png").exists()
+    for run in record["runs"]:
+        first, last = run["reward"][:10], run["reward"][-10:]
+        row = f"| {run['seed']} | {sum(first) / 10:.3f} | {sum(last) / 10:.3f} | {run['cpu_seconds']:.0f} |"
+        assert row in text, row
