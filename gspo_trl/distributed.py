@@ -349,6 +349,14 @@ def gather_rollout(batch: MicroBatch, accelerator, pad_token_id: int) -> MicroBa
         "attention_mask": torch.cat([prompt_mask, completion_attention], dim=1),
         "completion_ids": completion_ids,
     }
+    # Every process takes the same path below (the images' gather is a collective): one whose prompts have no images
+    # beside one whose prompts do is refused on all of them, rather than left waiting.
+    with_images = accelerator.gather(torch.tensor([batch.vision is not None], device=prompt_ids.device))
+    if with_images.any() and not with_images.all():
+        raise ValueError(
+            "A rollout mixes processes whose prompts have images with processes whose prompts have none: give every "
+            "row of the dataset an image (its 'image' or 'images' column), or none."
+        )
     if batch.vision is not None:  # each prompt's images once, whatever their shapes
         result["vision"] = gather_vision(batch.vision, prompt_ids.shape[1])
     for name, value in replace(batch, vision=None).to_state().items():

@@ -310,7 +310,9 @@ class FirstRolloutCheck:
         if not self.pending:
             return padding_free
         self.pending = False
-        if scored.vision is not None:  # its plain forward takes no images; a VLM samples with generate, on padded rows
+        # A plain forward takes no images. Decided from the model, the same on every process (the check's collectives
+        # would wait for a process whose prompts have images, and skip it).
+        if scored.vision is not None or getattr(unwrap_model(model).config, "vision_config", None) is not None:
             logger.info("check_logprobs: vision-language rollouts are not checked.")
             return padding_free
         # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are those of

@@ -245,7 +245,9 @@ def main(model_dir: str, mode: str, out: str) -> None:
             passes.append(len(rows)) or take_pass(batch, rows, *more)
         )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})
-    if "vlm" in options:  # every third prompt longer: one process's prompts are left-padded in the gathered rollout
+    # +vlm: every third prompt longer, so one process's prompts are left-padded in the gathered rollout; +mixed: rank
+    # 1 keeps the text prompts (no images)
+    if "vlm" in options and not ("mixed" in options and int(os.environ.get("RANK", "0")) == 1):
         dataset = image_dataset(16).map(longer_every_third_prompt, with_indices=True)
     if "stream" in options:  # the same prompts, streamed
         dataset = dataset.to_iterable_dataset()

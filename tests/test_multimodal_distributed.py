@@ -84,3 +84,15 @@ def test_kill_9_mid_rollout_then_resume_continues_with_its_images(tmp_path, vlm_
     assert_same_run(whole[0], resumed[0], 1e-6, steps=4)  # the same weights and rows: 0 seen
     assert_same_run(resumed[0], resumed[1], 0, steps=4)
     assert any(e["ratio/max"] != 1.0 for e in resumed[0]["logs"] if e["step"] == 3)  # the continued rollout
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_processes_with_and_without_images_are_refused_on_every_process(tmp_path, vlm_dir):
+    # Rank 1's prompts have no images, rank 0's do: the first-rollout check is skipped on both (it is decided from
+    # the model), and the rollout's gather refuses the mix on both, instead of one rank waiting in a collective the
+    # other never enters.
+    completed = launch(tmp_path, vlm_dir, "ddp+vlm+mixed", must_succeed=False)
+    assert completed.returncode != 0
+    assert "A rollout mixes processes whose prompts have images with processes whose prompts have none" in (
+        completed.stderr
+    )
