@@ -155,7 +155,14 @@ def create_reference_model(model: PreTrainedModel, source, args) -> PreTrainedMo
         reference = load_policy(source, args.model_init_kwargs, args.trust_remote_code)
         prepare_weights(reference, args)
     else:
-        reference = copy.deepcopy(model)
+        # A forward another library set on the instance (TRL's SFTTrainer adds its fused LM head that way) closes over
+        # the policy's own bound forward: copied, the reference would run the policy's weights. It gets its class's.
+        instance_forward = model.__dict__.pop("forward", None)
+        try:
+            reference = copy.deepcopy(model)
+        finally:
+            if instance_forward is not None:
+                model.forward = instance_forward
     for parameter in reference.parameters():
         parameter.requires_grad_(False)
     return reference.eval()

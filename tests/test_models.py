@@ -10,6 +10,7 @@ import shutil
 import uuid
 
 import pytest
+import torch
 from helpers import count_digits, small_config
 
 from gspo_trl import GSPOTrainer
@@ -130,3 +131,24 @@ def test_a_checkpoint_saved_under_other_names_is_loaded_back_bit_for_bit(family,
     if renamed:
         for (name, expected), value in zip(saved.state_dict().items(), model.state_dict().values()):
             assert torch.equal(expected, value), name
+
+
+def test_the_reference_copy_does_not_run_a_forward_another_library_put_on_the_policy(tmp_path, tiny_model):
+    # TRL's SFTTrainer adds its fused LM head by replacing the instance's `forward` with a wrapper that closes over the
+    # model's own bound forward. A plain deep copy would keep calling the policy's forward (its weights): the
+    # reference's log-probs would follow the policy's and the KL term would vanish.
+    from trl.trainer.utils import add_fused_lm_head
+
+    from gspo_trl.models import create_reference_model
+
+    add_fused_lm_head(tiny_model)
+    wrapper = tiny_model.forward
+    reference = create_reference_model(tiny_model, tiny_model, small_config(tmp_path, beta=0.1))
+    assert tiny_model.forward == wrapper  # the policy keeps its wrapper
+    assert "forward" not in reference.__dict__  # the copy runs its class's forward, on its own weights
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        before = reference(input_ids=ids).logits
+        for parameter in tiny_model.parameters():
+            parameter.add_(0.5)
+        assert torch.equal(reference(input_ids=ids).logits, before)  # the policy's new weights do not reach it
