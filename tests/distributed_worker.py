@@ -18,7 +18,8 @@ rollout in the background during the first one's training (async_rollouts), `+li
 from
 a TRL `rollout_func` (the same tokens in any process layout, with an environment reply under env_mask 0) and 8
 completions per micro-step over however many processes run, `+dynsamp` trains with dynamic sampling on a reward
-that is constant for half the prompts, `+vlm` trains the tiny Qwen2.5-VL saved at the model path on prompts with
+that is constant for half the prompts, `+vlm` trains the tiny Qwen2.5-VL (or with
+`+llava`, `+gemma3`, `+idefics3` that family) saved at the model path on prompts with
 images (`vlm_models`). Each rank writes
 its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
@@ -38,7 +39,7 @@ import torch
 from datasets import Dataset
 from helpers import count_digits, leave_worker, length_reward
 from transformers import TrainerCallback
-from vlm_models import build_tiny_qwen2_5_vl, image_dataset
+from vlm_models import BUILDERS, image_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.distributed import unwrap_model
@@ -182,7 +183,7 @@ def main(model_dir: str, mode: str, out: str) -> None:
         schedule.update(per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]))
     processor = None
     if "vlm" in options:  # its processor does not load without torchvision: built, before the config turns ZeRO-3 on
-        processor = build_tiny_qwen2_5_vl()[1]
+        processor = BUILDERS[next((family for family in BUILDERS if family in options), "qwen2_5_vl")]()[1]
     deepspeed_config = DEEPSPEED.get(mode)
     if "offload" in options:  # ZeRO-Offload: optimizer states (and, under ZeRO-3, parameters) in CPU memory
         deepspeed_config = copy.deepcopy(deepspeed_config)

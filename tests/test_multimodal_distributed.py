@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_distributed import assert_same_run, launch
-from vlm_models import build_tiny_qwen2_5_vl
+from vlm_models import BUILDERS, build_tiny_qwen2_5_vl
 
 from gspo_trl.multimodal import VisionInputs
 
@@ -96,3 +96,16 @@ def test_processes_with_and_without_images_are_refused_on_every_process(tmp_path
     assert "A rollout mixes processes whose prompts have images with processes whose prompts have none" in (
         completed.stderr
     )
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3"])
+@pytest.mark.slow  # torchrun launches
+def test_one_and_two_processes_train_the_same_run_for_each_family(tmp_path, family):
+    # The other image plumbings: LLaVA's fixed image tokens, Gemma 3's token_type_ids (bidirectional attention over an
+    # image's tokens), Idefics3's sub-images with pixel_attention_mask (padded across the gathered prompts).
+    model_dir = tmp_path / family
+    BUILDERS[family]()[0].save_pretrained(model_dir)
+    one = launch(tmp_path, str(model_dir), f"ddp+seeded+vlm+{family}", processes=1, name="one")
+    two = launch(tmp_path, str(model_dir), f"ddp+seeded+vlm+{family}", processes=2, name="two")
+    assert_same_run(one[0], two[0], 1e-5)  # the tolerance of the Qwen2.5-VL test above
+    assert_same_run(two[0], two[1], 0)
