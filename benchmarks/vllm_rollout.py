@@ -49,6 +49,11 @@ def parse_args(argv=None):
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(HERE / "results" / "vllm_rollout.json"))
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="Also time a colocated engine (vllm_mode='colocate') in this process: run with the vLLM venv's Python.",
+    )
     return parser.parse_args(argv)
 
 
@@ -95,6 +100,14 @@ def start_server(model_path: str, vllm_python: str | None) -> tuple[subprocess.P
                 return process, url, time.perf_counter() - started
         except requests.RequestException:
             time.sleep(1)
+
+
+def process_tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its children, MiB (read from /proc)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
 
 
 def timed(function) -> tuple[float, object]:
@@ -153,6 +166,14 @@ def main(argv=None) -> None:
         server_backend = full.rollout_backend
         server_backend.update_weights(full.model, 0)
         backends = {"vllm_server": server_backend, "gspo_loop": local, "generate": with_generate}
+        memory = {"server_rss_mib": process_tree_rss_mib(server.pid)}
+        if args.colocate:  # the engine in this process, beside the trained model
+            before = process_tree_rss_mib(os.getpid())
+            colocate_start_s, colocated = timed(lambda: trainer(vllm_mode="colocate"))
+            colocate_backend = colocated.rollout_backend
+            colocate_backend.update_weights(colocated.model, 0)  # builds the engine and pushes the weights
+            memory["colocate_engine_rss_mib"] = process_tree_rss_mib(os.getpid()) - before
+            backends["vllm_colocate"] = colocate_backend
         rollouts = {name: [] for name in backends}
         lengths = {name: [] for name in backends}
         for repeat in range(args.repeats + 1):
@@ -163,13 +184,20 @@ def main(argv=None) -> None:
                     rollouts[name].append(seconds)
                     lengths[name].append(rollout.completion_mask.sum(1).float().mean().item())
 
+        memory["server_rss_after_rollouts_mib"] = process_tree_rss_mib(server.pid)
         syncs = {"full": [], "lora_adapter": [], "lora_merged": []}
+        if args.colocate:
+            syncs["colocate_full"] = []
         for repeat in range(args.repeats + 1):
             with torch.no_grad():
                 next(model.parameters()).add_(1e-6)  # the weights changed: the next rollout needs a sync
             seconds, _ = timed(lambda: server_backend.update_weights(full.model, -1 - repeat))
             if repeat:
                 syncs["full"].append(seconds)
+            if args.colocate:
+                seconds, _ = timed(lambda: colocate_backend.update_weights(colocated.model, -1 - repeat))
+                if repeat:
+                    syncs["colocate_full"].append(seconds)
         for name, adapter in (("lora_adapter", True), ("lora_merged", False)):
             lora = trainer(LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), vllm_lora_adapter_sync=adapter)
             lora.rollout_backend.update_weights(lora.model, 0)  # adapter syncs send the frozen base once, first
@@ -202,7 +230,10 @@ def main(argv=None) -> None:
         },
         "weight_sync": {name: summary(seconds) for name, seconds in syncs.items()},
         "old_logprob_forward": summary(old_forward),
+        "memory": memory,
     }
+    if args.colocate:
+        result["colocate_engine_start_s"] = colocate_start_s
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(render_table(result))
 
@@ -225,6 +256,7 @@ def render_table(result: dict) -> str:
         ("vllm_server", "rollout on the vLLM server"),
         ("gspo_loop", 'rollout on the trained model (`decode_loop="gspo"`)'),
         ("generate", "rollout on the trained model with transformers' `generate` (TRL's path)"),
+        ("vllm_colocate", 'rollout on a vLLM engine colocated in the trainer\'s process (`vllm_mode="colocate"`)'),
     ):
         row = result["rollout"].get(name)
         if row is None:
@@ -245,12 +277,31 @@ def render_table(result: dict) -> str:
     ):
         row = result["weight_sync"][name]
         lines.append(f"| {label} | {row['min_s']:.2f} | {row['median_s']:.2f} | {notes} |")
+    row = result["weight_sync"].get("colocate_full")
+    if row is not None:
+        lines.append(
+            f"| weight push to the colocated engine, full fine-tuning | {row['min_s']:.2f} | {row['median_s']:.2f} "
+            "| in memory: in-place reload, tied-head re-pack, prefix-cache reset |"
+        )
     row = result["old_logprob_forward"]
     lines.append(
         f"| π_old forward over the rollout | {row['min_s']:.2f} | {row['median_s']:.2f} | what "
         "`vllm_logprobs_as_old=True` skips |"
     )
     lines.append(f"| server start-up (`gspo-trl vllm-serve`) | {result['server_startup_s']:.1f} | | once per run |")
+    if "colocate_engine_start_s" in result:
+        lines.append(
+            f"| colocated engine start-up (trainer built with it) | {result['colocate_engine_start_s']:.1f} | "
+            "| once per run |"
+        )
+    memory = result.get("memory")
+    if memory and "colocate_engine_rss_mib" in memory:
+        lines += [
+            "",
+            f"Resident memory: the server process tree {memory['server_rss_after_rollouts_mib']:.0f} MiB after the "
+            f"rollouts; the colocated engine added {memory['colocate_engine_rss_mib']:.0f} MiB to the trainer's "
+            "process.",
+        ]
     return "\n".join(lines)
 
 
