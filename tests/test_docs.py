@@ -402,6 +402,8 @@ def test_vllm_page_shows_the_measured_table_and_demo_run():
     text = (DOCS / "vllm.md").read_text(encoding="utf-8")
     record = json.loads((ROOT / "benchmarks" / "results" / "vllm_rollout.json").read_text())
     assert bench.render_table(record) in text, "run: python benchmarks/vllm_rollout.py"
+    colocated = json.loads((ROOT / "benchmarks" / "results" / "vllm_colocate_rollout.json").read_text())
+    assert bench.render_table(colocated) in text, "run: benchmarks/vllm_rollout.py --colocate in the vLLM venv"
     demo = json.loads((ROOT / "benchmarks" / "results" / "vllm_demo_metrics.json").read_text())["summary"]
     assert f"| **{demo['reward_last_window']:.3f}** |" in text and f"| {demo['reward_first_window']:.3f} |" in text
     assert f"+{demo['reward_gain']:.3f}" in text
