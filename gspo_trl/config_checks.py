@@ -417,6 +417,11 @@ def check_colocate(config) -> None:
         )
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {config.vllm_gpu_memory_utilization}.")
+    if config.vllm_tensor_parallel_size > 1 and config.async_rollouts:
+        raise ValueError(
+            "async_rollouts=True with vllm_tensor_parallel_size > 1: the engine's group collectives would run on the "
+            "sampling thread beside training's own. Set vllm_tensor_parallel_size=1 or async_rollouts=False."
+        )
     on_cpu = config.use_cpu or not torch.cuda.is_available()
     if config.vllm_enable_sleep_mode and on_cpu:
         raise ValueError(

@@ -10,6 +10,7 @@ forward itself (`logprobs`) and the loss, which never sees images.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +245,9 @@ def check_vision_support(processor, args, episodes: bool, rollout_func) -> None:
         "pad_to_multiple_of (the images' token positions are not padded with the rows)": args.pad_to_multiple_of
         is not None,
         "padding_free=True (packed rows hold no per-row images)": args.padding_free is True,
+        "FSDP (untested with images; resuming would load its sharded checkpoint as a whole one)": bool(
+            getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+        ),
     }
     for option, is_set in refused.items():
         if is_set:

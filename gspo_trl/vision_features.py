@@ -102,6 +102,12 @@ def images_encoded_once(model, vision: VisionInputs, input_ids: torch.Tensor) ->
     once = {name: _concatenated([fields[name] for fields in prompts]) for name in prompts[0] if name in parameters}
     per_row = [{name: value for name, value in fields.items() if name not in ENCODER_ONLY_FIELDS} for fields in prompts]
     inputs = VisionInputs(per_row, vision.groups).rows_inputs(input_ids.shape[1])
+    hidden = [name for name in ENCODER_ONLY_FIELDS if name in prompts[0] and name not in once]
+    if hidden:  # the forward would run without the images
+        raise ValueError(
+            f"{type(owner).__name__}.get_image_features names no {hidden[0]!r} parameter: gspo-trl hands each prompt's "
+            "images to it once by name, as transformers' vision-language models define it. Use a model that has one."
+        )
     inputs.update({name: once[name] for name in ENCODER_ONLY_FIELDS if name in once})
     row_tokens = (input_ids == image_token_id(unwrap_model(model).config)).sum(1)  # (B,)
     groups = vision.groups.to(row_tokens.device)
@@ -113,6 +119,12 @@ def images_encoded_once(model, vision: VisionInputs, input_ids: torch.Tensor) ->
         extra = arguments.pop(variadic[0], {}) if variadic else {}
         arguments.update(once)  # the distinct prompts' fields, not the rows' the forward passes
         outputs = encode(**arguments, **extra)
+        if getattr(outputs, "deepstack_features", None) is not None:  # Qwen3-VL's per-layer features
+            raise ValueError(
+                f"{type(owner).__name__}'s vision tower returns deepstack features (Qwen3-VL and its kin), which "
+                "gspo-trl does not share among a prompt's rows yet. Supported: Qwen2-VL and Qwen2.5-VL, LLaVA, "
+                "Gemma 3, Idefics3 and SmolVLM (docs/vision-language.md)."
+            )
         outputs.pooler_output = features_to_rows(outputs.pooler_output, row_tokens, groups)
         return outputs
 

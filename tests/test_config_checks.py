@@ -157,3 +157,29 @@ def test_bad_vllm_weight_transport_settings_are_refused_at_construction(tmp_path
 
     with pytest.raises(ValueError, match=match):
         GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **values)
+
+
+def test_colocated_tensor_parallel_groups_refuse_what_would_leave_a_process_waiting():
+    # The engine's tensor-parallel group samples together: a sampling thread beside training (async_rollouts) and
+    # episodes whose processes play different numbers of turns would leave a process waiting in a group collective.
+    from types import SimpleNamespace
+
+    from gspo_trl.config_checks import check_colocate
+    from gspo_trl.rollout.episodes import episode_runner_for
+
+    config = SimpleNamespace(
+        world_size=2,
+        vllm_tensor_parallel_size=2,
+        vllm_gpu_memory_utilization=0.3,
+        async_rollouts=True,
+        vllm_enable_sleep_mode=False,
+        use_cpu=True,
+        use_vllm=True,
+        vllm_mode="colocate",
+    )
+    with pytest.raises(ValueError, match="async_rollouts=True with vllm_tensor_parallel_size > 1"):
+        check_colocate(config)
+    config.async_rollouts = False
+    check_colocate(config)  # a group of two on two processes, sampling in step
+    with pytest.raises(ValueError, match="Multi-turn episodes with a colocated engine"):
+        episode_runner_for(None, lambda: None, tokenizer=None, args=config)

@@ -350,3 +350,13 @@ def test_checkpoint_between_rollouts_saves_the_processor(tmp_path):
     trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=image_dataset(4), processing_class=processor)
     trainer.train()
     assert (tmp_path / "checkpoint-2" / "processor_config.json").exists()
+
+
+def test_fsdp_is_refused(tmp_path, monkeypatch):
+    # `accelerate launch` with an FSDP config says so in every process's environment; untested with images, and a
+    # resume would load its sharded checkpoint as a whole one.
+    model, processor = build_tiny_llava()
+    args = _config(tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="FSDP"):
+        GSPOTrainer(model, count_digits, args=args, train_dataset=image_dataset(4), processing_class=processor)

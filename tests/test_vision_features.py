@@ -5,6 +5,7 @@ calls counted in a training step on tiny random Qwen2.5-VL, LLaVA and Gemma 3 mo
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -74,6 +75,30 @@ def test_the_owner_is_the_inner_model_and_the_patch_is_undone():
         assert inputs["pixel_values"].shape == vision.prompts[0]["pixel_values"].shape
         assert inputs["image_grid_thw"].shape[0] == 3 and inputs["mm_token_type_ids"].shape == ids.shape
     assert "get_image_features" not in owner.__dict__
+
+
+def test_a_vision_tower_with_deepstack_features_is_refused_by_name(monkeypatch):
+    # Qwen3-VL's tower also returns per-layer "deepstack" features, which would stay one set per prompt while the rows
+    # repeat it: refused with the families that work, instead of a shape error deep in the model. Qwen2.5-VL's own
+    # output is given that field here (no tiny Qwen3-VL can be built offline: its processor needs torchvision).
+    model, processor = build_tiny_qwen2_5_vl()
+    owner = type(feature_owner(model))
+    encode = owner.get_image_features
+
+    def with_deepstack(self, *args, **kwargs):
+        outputs = encode(self, *args, **kwargs)
+        outputs.deepstack_features = [outputs.pooler_output]
+        return outputs
+
+    content = [{"type": "image", "image": noise_image(0)}, {"type": "text", "text": "a"}]
+    ids, mask, vision = encode_prompts(processor, [[{"role": "user", "content": content}]] * 2, None)
+    monkeypatch.setattr(owner, "get_image_features", functools.wraps(encode)(with_deepstack))
+    with pytest.raises(ValueError, match="deepstack features"):
+        completion_logprobs(model, ids, mask, ids[:, -1:], mask[:, -1:], vision=vision)
+    # An encoder that takes its pixels through **kwargs only would be handed none: refused too, not run text-only.
+    monkeypatch.setattr(owner, "get_image_features", lambda self, **kwargs: encode(self, **kwargs))
+    with pytest.raises(ValueError, match="names no 'pixel_values' parameter"):
+        completion_logprobs(model, ids, mask, ids[:, -1:], mask[:, -1:], vision=vision)
 
 
 # --- the same log-probs and gradients as encoding every row's images ------------------------------------------------

@@ -78,6 +78,13 @@ class EpisodeBatch:
 def episode_runner_for(tool_episodes, env_factory, tokenizer, args) -> EpisodeRunner | None:
     """The runner of a trainer's episodes: TRL's tools/environments (turns bounded by `max_tool_calling_iterations`
     + 1 and `max_turns`), a gym-style `env_factory`, or None for single-turn rollouts."""
+    episodes = tool_episodes is not None or env_factory is not None
+    if episodes and args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
+        raise ValueError(
+            "Multi-turn episodes with a colocated engine and vllm_tensor_parallel_size > 1: each process plays its own "
+            "number of turns, while the engine's group samples together (a process done early would leave the others "
+            "waiting). Set vllm_tensor_parallel_size=1."
+        )
     if tool_episodes is not None:
         iterations = args.max_tool_calling_iterations
         max_turns = args.max_turns if iterations is None else min(args.max_turns or iterations + 1, iterations + 1)
