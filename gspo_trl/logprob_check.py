@@ -29,6 +29,7 @@ from .decoding.truncation import policy_logps
 from .distributed import has_sharded_parameters, unwrap_model
 from .logprobs import completion_logprobs
 from .micro_batch import MicroBatch
+from .multimodal import is_vision_config
 from .precision import precision_context
 
 logger = logging.get_logger(__name__)
@@ -312,7 +313,7 @@ class FirstRolloutCheck:
         self.pending = False
         # A plain forward takes no images. Decided from the model, the same on every process (the check's collectives
         # would wait for a process whose prompts have images, and skip it).
-        if scored.vision is not None or getattr(unwrap_model(model).config, "vision_config", None) is not None:
+        if scored.vision is not None or is_vision_config(unwrap_model(model).config):
             logger.info("check_logprobs: vision-language rollouts are not checked.")
             return padding_free
         # Sampled ahead (async_rollouts: a resumed run's first rollout can be), the recorded log-probs are those of

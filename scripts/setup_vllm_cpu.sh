@@ -30,7 +30,7 @@ fi
 # This checkout, editable (cheap: no dependencies), unless the venv already imports gspo_trl from here.
 installed=$(cd / && "$PY" -c 'import importlib.util as u; s = u.find_spec("gspo_trl"); print(s.origin if s else "")')
 if [ "$installed" != "$REPO/gspo_trl/__init__.py" ]; then
-  pip_install --no-deps --no-build-isolation -e "$REPO"
+  pip_install --no-deps -e "$REPO"
 fi
 (cd / && "$PY" -c "import vllm, trl, gspo_trl")
 echo "$PY"
