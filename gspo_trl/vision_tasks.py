@@ -148,8 +148,7 @@ def warm_up(model, processor, steps: int, images_per_step: int = 2, learning_rat
     """Fit `model` in place for `steps` AdamW steps on `warm_up_dataset`, `images_per_step` images (each with every
     colour) per step: cross-entropy on
     the answer's tokens and the end-of-turn token, the prompt (image included) masked, in fp32. Returns the mean loss
-    of each step. A plain loop rather than TRL's `SFTTrainer`, which replaces `model.forward` with a fused-head
-    forward that a copy of the model (the reference of `beta > 0`) would still route to the original."""
+    of each step."""
     import torch
 
     rows = warm_up_dataset(steps * images_per_step, seed)
