@@ -45,7 +45,7 @@ def smollm2_tokenizer_dir(cache_dir: Path) -> Path:
     if not (target / "tokenizer.json").exists():
         from transformers import AutoTokenizer
 
-        from gspo_trl.default_model import default_model_path
+        from gspo_trl.demo.default_model import default_model_path
 
         AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(target)
     return target

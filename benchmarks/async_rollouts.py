@@ -51,8 +51,8 @@ def run_once(args) -> dict:
     from transformers import TrainerCallback
 
     from gspo_trl import GSPOConfig, GSPOTrainer
-    from gspo_trl.default_model import default_model_path
-    from gspo_trl.tasks import default_task_dataset, default_task_reward
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.demo.tasks import default_task_dataset, default_task_reward
 
     steps_per_rollout = 4
     step_ends = []

@@ -2,7 +2,7 @@
 """One decoding step's time by rows and context length, in four forms: `F.linear` with transformers' SDPA attention,
 `cpu.linear`'s measured linear forms, those with `cpu.attention`'s packed query heads (transformers' forward, as the
 loop ran every step before 2026-11-26), and that computation in `cpu.forward`'s step (the loop's now): the levers of
-`gspo_trl.decoding.cpu.CPUKernels`, switched on one after the other.
+`gspo_trl.rollout.decoding.cpu.CPUKernels`, switched on one after the other.
 
 A step is one forward of one new token per row over a KV cache of `--contexts` positions (random keys and values,
 held at that length), as the decoding loop runs it: SmolLM2-135M-Instruct fp32 on
@@ -57,7 +57,7 @@ def filled_cache(model, rows: int, context: int):
     the decoding loop's growing buffers."""
     from transformers import DynamicCache
 
-    from gspo_trl.decoding.dynamic import preallocate
+    from gspo_trl.rollout.decoding.dynamic import preallocate
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -72,7 +72,7 @@ def filled_cache(model, rows: int, context: int):
 @torch.no_grad()
 def step_ms(model, cache, rows: int, context: int, repeats: int, step_forward=None) -> float:
     """The median milliseconds of `model`'s forward, or of `step_forward` (a `cpu.forward.StepForward`)."""
-    from gspo_trl.decoding.kv_cache import cache_kwargs
+    from gspo_trl.rollout.decoding.kv_cache import cache_kwargs
 
     vocab = model.config.vocab_size
     token, mask = torch.randint(0, vocab, (rows, 1)), torch.ones(rows, context + 1, dtype=torch.long)
@@ -102,9 +102,9 @@ def main(argv=None) -> None:
     from distributed import cpu_model  # benchmarks/, on the path when this script runs
     from transformers import AutoModelForCausalLM
 
-    from gspo_trl.decoding import cpu
-    from gspo_trl.decoding.cpu import kernel, linear
-    from gspo_trl.default_model import default_model_path
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.rollout.decoding import cpu
+    from gspo_trl.rollout.decoding.cpu import kernel, linear
 
     model = AutoModelForCausalLM.from_pretrained(args.model or default_model_path(), dtype=torch.float32).eval()
     kernels = cpu.CPUKernels(packing=not args.unpacked, compiled=not args.no_compiled)

@@ -74,11 +74,11 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gspo_trl import GSPOConfig
-    from gspo_trl.decoding import cpu, dynamic
-    from gspo_trl.decoding.cpu import kernel
-    from gspo_trl.default_model import default_model_path
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.demo.tasks import default_task_dataset
     from gspo_trl.rollout import HFGenerateBackend, stream_keys
-    from gspo_trl.tasks import default_task_dataset
+    from gspo_trl.rollout.decoding import cpu, dynamic
+    from gspo_trl.rollout.decoding.cpu import kernel
 
     model_path = args.model or default_model_path()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32

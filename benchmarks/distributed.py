@@ -150,8 +150,8 @@ def worker(args) -> None:
     from transformers import TrainerCallback
 
     from gspo_trl import GSPOConfig, GSPOTrainer
-    from gspo_trl.default_model import default_model_path
-    from gspo_trl.tasks import default_task_dataset, default_task_reward
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.demo.tasks import default_task_dataset, default_task_reward
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     mode = args.worker
@@ -313,7 +313,7 @@ def main(argv=None) -> None:
         return
     import tempfile
 
-    from gspo_trl.default_model import default_model_path
+    from gspo_trl.demo.default_model import default_model_path
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:

@@ -53,7 +53,7 @@ def worker(variant: str, overrides: dict, out: str) -> None:
     from transformers import TrainerCallback
 
     from gspo_trl import GSPOTrainer
-    from gspo_trl.cli import build_run, parse_train_args
+    from gspo_trl.demo.cli import build_run, parse_train_args
 
     class WallClock(TrainerCallback):
         """The seconds since training began at each optimizer step's log."""

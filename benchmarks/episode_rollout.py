@@ -52,7 +52,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     from gspo_trl import GSPOTrainer
-    from gspo_trl.cli import build_run, parse_train_args
+    from gspo_trl.demo.cli import build_run, parse_train_args
 
     flags = ["--env", args.env, "--output_dir", "/tmp/episode-rollout-benchmark", "--report_to", "none"]
     if args.model:

@@ -39,10 +39,10 @@ from helpers import count_digits, small_config, text_dataset  # noqa: E402
 from test_architectures import PROMPTS, TEMPERATURE, build, tokenizer  # noqa: E402
 
 from gspo_trl import GSPOTrainer  # noqa: E402
-from gspo_trl.logprobs import completion_logprobs  # noqa: E402
-from gspo_trl.micro_batch import MicroBatch  # noqa: E402
-from gspo_trl.moe.replay import RoutingReplay  # noqa: E402
+from gspo_trl.models.moe.replay import RoutingReplay  # noqa: E402
 from gspo_trl.rollout import HFGenerateBackend, stream_keys  # noqa: E402
+from gspo_trl.training.logprobs import completion_logprobs  # noqa: E402
+from gspo_trl.training.micro_batch import MicroBatch  # noqa: E402
 
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"]
 

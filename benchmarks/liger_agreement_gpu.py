@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from architectures import build_random_model  # noqa: E402
 
-from gspo_trl.logprobs import completion_logprobs  # noqa: E402
+from gspo_trl.training.logprobs import completion_logprobs  # noqa: E402
 
 
 def score(model, batch, padding_free: bool):

@@ -22,8 +22,8 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from gspo_trl.logprobs import _chunk_logps_and_entropy
-from gspo_trl.loss import policy_loss
+from gspo_trl.objective.loss import policy_loss
+from gspo_trl.training.logprobs import _chunk_logps_and_entropy
 
 
 def ours_loss(hidden, head, labels, old, advantages, mask, chunk, epsilon, epsilon_high):

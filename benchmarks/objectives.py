@@ -48,7 +48,7 @@ def run(name: str, out: Path) -> None:
     command = [
         sys.executable,
         "-m",
-        "gspo_trl.cli",
+        "gspo_trl.demo.cli",
         "train",
         f"--output_dir={run_dir}",
         f"--metrics_file={run_dir}.metrics.json",

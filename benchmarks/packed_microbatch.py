@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     parser.add_argument("--short_length", type=int, default=150)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--no_checkpointing", action="store_true")
-    parser.add_argument("--no_pool", action="store_true", help="skip gspo_trl.cpu_memory.pool_freed_memory()")
+    parser.add_argument("--no_pool", action="store_true", help="skip gspo_trl.training.cpu_memory.pool_freed_memory()")
     parser.add_argument(
         "--one_forward",
         action="store_true",
@@ -51,14 +51,16 @@ def main(argv=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import gspo_trl.logprobs
-    from gspo_trl.cpu_memory import pool_freed_memory
-    from gspo_trl.default_model import default_model_path
-    from gspo_trl.logprobs import completion_logprobs
-    from gspo_trl.packing import pack_shared_prefix, relative_attention_cost
+    import gspo_trl.training.logprobs
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.models.packing import pack_shared_prefix, relative_attention_cost
+    from gspo_trl.training.cpu_memory import pool_freed_memory
+    from gspo_trl.training.logprobs import completion_logprobs
 
     if args.one_forward:
-        gspo_trl.logprobs.plan_forwards = lambda prompt_ids, *rest, **kwargs: [torch.arange(prompt_ids.shape[0])]
+        gspo_trl.training.logprobs.plan_forwards = lambda prompt_ids, *rest, **kwargs: [
+            torch.arange(prompt_ids.shape[0])
+        ]
 
     if not args.no_pool:
         pool_freed_memory()  # as the trainer does on CPU
@@ -76,7 +78,7 @@ def main(argv=None) -> None:
     input_ids = torch.cat([prompt, completions], dim=1)
     attention_mask = torch.cat([torch.ones_like(prompt), completion_mask], dim=1)
     pair_cost = relative_attention_cost(model.config)
-    forwards = gspo_trl.logprobs.plan_forwards(
+    forwards = gspo_trl.training.logprobs.plan_forwards(
         prompt, torch.ones_like(prompt), completions, completion_mask, attention_pair_cost=pair_cost
     )
     layout = []  # the first level of the plan (completion_logprobs plans each side again)

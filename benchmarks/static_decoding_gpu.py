@@ -30,12 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from architectures import build_random_model, smollm2_tokenizer_dir  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessorList  # noqa: E402
 
-from gspo_trl.decoding import (
-    dynamic,
-    static,  # noqa: E402
-)
-from gspo_trl.decoding.prefix_sharing import prefill  # noqa: E402
 from gspo_trl.rollout import keyed_uniform, stream_keys  # noqa: E402
+from gspo_trl.rollout.decoding import dynamic, static
+from gspo_trl.rollout.decoding.prefix_sharing import prefill  # noqa: E402
 
 
 def prompts(tokenizer, rows: int, device):

@@ -21,7 +21,7 @@ worker process only, the methods that do them (neither library is edited):
     phase          TRL 1.16 GRPOTrainer                             gspo-trl GSPOTrainer
     rollout        _generate_and_score_completions                  _generate_and_score
     generate       _generate (tokenize + model.generate + decode)   rollout_backend.generate (tokenize + generate)
-    reward         _calculate_rewards                               gspo_trl.scoring.compute_rewards
+    reward         _calculate_rewards                               gspo_trl.scoring.score.compute_rewards
     old_logps      _get_per_token_logps_and_entropies in rollout    _score_without_grad (counted in rollout)
     train_forward  compute_loss                                     compute_loss
 
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument(
         "--model",
         default=None,
-        help="Model directory. Default: gspo_trl.default_model.default_model_path() (SmolLM2-135M-Instruct, fp32).",
+        help="Model directory. Default: the demo's (gspo_trl.demo.default_model.default_model_path(), fp32).",
     )
     work.add_argument("--dataset_size", type=int, default=256, help="Prompts drawn from the demo's reasoning-gym task.")
     work.add_argument("--num_generations", type=int, default=8)
@@ -317,12 +317,12 @@ def instrument_ours(recorder: PhaseRecorder) -> None:
             "completions": int(rollout.completion_ids.shape[0]),
         },
     )
-    import gspo_trl.scoring as scoring_module
+    import gspo_trl.scoring.score as scoring_module
 
     scoring_module.compute_rewards = recorder.wrap(scoring_module.compute_rewards, "reward")
     cls._score_without_grad = recorder.wrap(cls._score_without_grad, "old_logps")
     cls.compute_loss = recorder.wrap(cls.compute_loss, "train_forward")
-    import gspo_trl.logprobs as logprobs_module
+    import gspo_trl.training.logprobs as logprobs_module
 
     pack = logprobs_module.pack_shared_prefix
 
@@ -589,7 +589,7 @@ def describe_trainer(impl: str, trainer) -> dict:
 
 
 def _decode_kernel_available() -> bool:
-    from gspo_trl.decoding.cpu import kernel
+    from gspo_trl.rollout.decoding.cpu import kernel
 
     return kernel.available()
 
@@ -710,10 +710,10 @@ def the_work(args, scratch_dir: str):
         tokenizer_dir = args.tokenizer or smollm2_tokenizer_dir(Path(scratch_dir))
         model_path = build_random_model(args.architecture, tokenizer_dir, Path(scratch_dir) / "model", args.seed)
         return model_path, synthetic_prompts(args.dataset_size, seed=0), length_reward
-    from gspo_trl.tasks import default_task_dataset, default_task_reward
+    from gspo_trl.demo.tasks import default_task_dataset, default_task_reward
 
     if args.model is None:
-        from gspo_trl.default_model import default_model_path
+        from gspo_trl.demo.default_model import default_model_path
 
         model_path = default_model_path()
     else:

@@ -8,7 +8,8 @@
     python benchmarks/train_length.py --layouts packed --checkpointing full keep_attention
 
 `--checkpointing`: none (every activation kept, the default), full (activation checkpointing, every operator
-recomputed in the backward pass) or keep_attention (checkpointing that keeps SDPA's output: `gspo_trl.checkpointing`,
+recomputed in the backward pass) or keep_attention (checkpointing that keeps SDPA's output:
+`gspo_trl.models.checkpointing`,
 GSPOConfig's default with activation checkpointing on).
 
 Completions are random token ids of exactly the given length (the cost does not depend on their values), after a
@@ -48,7 +49,7 @@ def parse_args(argv=None):
 def enable_checkpointing(model, checkpointing: str) -> None:
     from types import SimpleNamespace
 
-    from gspo_trl.checkpointing import checkpoint_kwargs
+    from gspo_trl.models.checkpointing import checkpoint_kwargs
 
     if checkpointing == "none":
         return
@@ -65,9 +66,9 @@ def run_once(args, length: int, packed: bool, checkpointing: str = "none") -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gspo_trl.cpu_memory import pool_freed_memory
-    from gspo_trl.default_model import default_model_path
-    from gspo_trl.logprobs import completion_logprobs
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.training.cpu_memory import pool_freed_memory
+    from gspo_trl.training.logprobs import completion_logprobs
 
     pool_freed_memory()  # as the trainer does on CPU
     torch.manual_seed(0)

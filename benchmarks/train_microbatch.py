@@ -43,10 +43,10 @@ def main(argv=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import gspo_trl.logprobs as logprobs
-    from gspo_trl import packing
-    from gspo_trl.cpu_memory import pool_freed_memory
-    from gspo_trl.default_model import default_model_path
+    import gspo_trl.training.logprobs as logprobs
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.models import packing
+    from gspo_trl.training.cpu_memory import pool_freed_memory
 
     pool_freed_memory()  # as the trainer does on CPU
     model = AutoModelForCausalLM.from_pretrained(args.model or default_model_path(), attn_implementation="sdpa")

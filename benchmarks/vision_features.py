@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Time and memory of one training forward + backward of a vision-language micro-batch, the vision tower run once
-per prompt (`gspo_trl.vision_features`) against once per row (every row's `pixel_values`, as before), alternating in
+per prompt (`gspo_trl.models.vision_features`) against once per row (every row's `pixel_values`, as before),
+alternating in
 one process, on a small random Qwen2.5-VL (CPU, fp32).
 
     python benchmarks/vision_features.py                        # 2 prompts x 8 completions, one 224x224 image each
@@ -22,9 +23,9 @@ import time
 
 import torch
 
-import gspo_trl.logprobs as logprobs_module
-from gspo_trl.logprobs import completion_logprobs
-from gspo_trl.multimodal import VisionInputs
+import gspo_trl.training.logprobs as logprobs_module
+from gspo_trl.models.multimodal import VisionInputs
+from gspo_trl.training.logprobs import completion_logprobs
 
 IMAGE, VISION_START, VISION_END, PAD = 5, 6, 7, 0
 

@@ -4,7 +4,8 @@
 
 A tiny random Gemma 3 (the test suite's, `tests/vlm_models.py`: 64-wide, 2 layers, a one-layer SigLIP tower, the
 test tokenizer) is first warmed up on transcripts where every image is answered with every colour word
-(`gspo_trl.vision_tasks.warm_up`): it learns to answer with one colour word, each equally likely whatever the image,
+(`gspo_trl.demo.vision_tasks.warm_up`): it learns to answer with one colour word, each equally likely whatever the
+image,
 so it starts at chance (1/4). GSPO then trains it with `colour_reward` (1 for the right colour, 0 otherwise), one
 rollout of 16 images x 8 completions per optimizer step, with a KL term towards the warmed-up model (`--beta`, 0.1:
 without it the answers collapse to fixed ones in most seeds). Writes every rollout's reward per seed to a JSON file and
@@ -42,7 +43,7 @@ def run(
     from vlm_models import build_tiny_gemma3
 
     from gspo_trl import GSPOConfig, GSPOTrainer
-    from gspo_trl.vision_tasks import chance_accuracy, colour_dataset, colour_reward, warm_up
+    from gspo_trl.demo.vision_tasks import chance_accuracy, colour_dataset, colour_reward, warm_up
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="vision-learning-")
     model, processor = build_tiny_gemma3(seed=seed)
@@ -139,7 +140,7 @@ def main() -> None:
     }
     Path(cli.out).write_text(json.dumps(record, indent=2) + "\n")
     if cli.plot:
-        from gspo_trl.plotting import plot_reward_curve
+        from gspo_trl.reporting.plotting import plot_reward_curve
 
         steps = runs[0]["step"]
         mean = [sum(run["reward"][index] for run in runs) / len(runs) for index in range(len(steps))]

@@ -64,7 +64,7 @@ def start_server(model_path: str, vllm_python: str | None) -> tuple[subprocess.P
     command = [
         sys.executable,
         "-m",
-        "gspo_trl.cli",
+        "gspo_trl.demo.cli",
         "vllm-serve",
         model_path,
         "--port",
@@ -125,9 +125,9 @@ def main(argv=None) -> None:
     from peft import LoraConfig
 
     from gspo_trl import GSPOConfig, GSPOTrainer
-    from gspo_trl.default_model import default_model_path
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.demo.tasks import default_task_dataset, default_task_reward
     from gspo_trl.rollout import HFGenerateBackend
-    from gspo_trl.tasks import default_task_dataset, default_task_reward
 
     model_path = default_model_path()
     rows = args.prompts * args.num_generations

@@ -90,9 +90,9 @@ def main(argv=None) -> None:
     from peft import LoraConfig
 
     from gspo_trl import GSPOConfig, GSPOTrainer
-    from gspo_trl.default_model import default_model_path
-    from gspo_trl.logprobs import completion_logprobs
-    from gspo_trl.tasks import default_task_dataset, default_task_reward
+    from gspo_trl.demo.default_model import default_model_path
+    from gspo_trl.demo.tasks import default_task_dataset, default_task_reward
+    from gspo_trl.training.logprobs import completion_logprobs
     from gspo_trl.vllm.weight_sync import named_weights
 
     model_path = default_model_path()

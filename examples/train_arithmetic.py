@@ -7,8 +7,8 @@ model, dataset and reward functions. Add `peft_config=LoraConfig(...)` to train 
 """
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.default_model import default_model_path
-from gspo_trl.tasks import default_task_dataset, default_task_reward
+from gspo_trl.demo.default_model import default_model_path
+from gspo_trl.demo.tasks import default_task_dataset, default_task_reward
 
 
 def main():

@@ -5,7 +5,7 @@
 The task is a product of a three-digit and a two-digit number, which a 135M model gets wrong in its head. The tools
 follow TRL's `environment_factory` convention, unchanged (docs/agents.md): `Calculator.reset(**row)` starts an
 episode, its public methods `add` and `multiply` are the tools, and the reward function gets the conversation and
-checks the final answer (`gspo_trl/environments/calculator.py`, which `gspo-trl train --env calculator` runs too).
+checks the final answer (`gspo_trl/demo/calculator.py`, which `gspo-trl train --env calculator` runs too).
 
 Asked cold, SmolLM2-135M-Instruct writes no tool call at all (none in 64 samples, with the Hermes format described in
 the prompt or with SmolLM2's own function-calling prompt), so RL would have nothing to reinforce. A short warm-up
@@ -21,8 +21,8 @@ import sys
 import time
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.default_model import default_model_path
-from gspo_trl.environments.calculator import Calculator, correct_answer, questions, warm_up
+from gspo_trl.demo.calculator import Calculator, correct_answer, questions, warm_up
+from gspo_trl.demo.default_model import default_model_path
 
 
 def main():

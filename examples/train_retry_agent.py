@@ -9,8 +9,8 @@ version of this environment, which scores answers with the reasoning-gym verifie
 """
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.default_model import default_model_path
-from gspo_trl.tasks import default_task_dataset, extract_answer
+from gspo_trl.demo.default_model import default_model_path
+from gspo_trl.demo.tasks import default_task_dataset, extract_answer
 
 
 class RetryArithmeticEnv:

@@ -21,13 +21,12 @@ from transformers import Trainer, set_seed
 from transformers.utils import logging
 
 from . import __version__
-from .async_rollouts import RolloutPipeline, check_async_rollouts_supported
-from .checkpointing import enable_kept_attention
-from .completion_logs import CompletionLog
-from .config import GSPOConfig
-from .cpu_memory import pool_freed_memory
-from .dataset_checks import check_datasets, collate_rows, trainer_config
-from .distributed import (
+from .config.gspo_config import GSPOConfig
+from .config.trl_attributes import TRLAttributes
+from .data.checks import check_datasets, collate_rows, trainer_config
+from .data.streaming import check_stream_resume, micro_steps_per_epoch, streamed
+from .models.checkpointing import enable_kept_attention
+from .models.distributed import (
     check_deepspeed_batch_fields,
     fsdp_deferral,
     generation_context,
@@ -36,37 +35,38 @@ from .distributed import (
     set_up_process_group,
     warn_if_fsdp_dropped,
 )
-from .dynamic_sampling import DynamicSampler
-from .entropy_control import EntropyCoefficient
-from .environments.tools import environment_reward_functions, tool_episode_factory
-from .logprob_check import FirstRolloutCheck
-from .logprobs import completion_logprobs, logprobs_without_grad
-from .loss import Objective
-from .metrics import MetricsBuffer, record_rollout_metrics, reward_columns
-from .micro_batch import MicroBatch
-from .micro_batch_loss import micro_batch_loss
-from .model_card import write_trainer_model_card
-from .models import (
+from .models.loading import (
     create_reference_model,
     load_policy_and_tokenizer,
     load_renamed_checkpoint,
     reference_weights,
     router_aux_loss_coef,
 )
-from .moe.replay import RoutingReplay
-from .multimodal import IMAGE_COLUMNS, check_vision_support, prompts_with_images
-from .packing import padding_free_in_use
-from .passes import pass_budget, passes_on_every_process, take_pass
-from .precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
-from .reference_sync import ReferenceSync
-from .rewards import load_rewards, prepare_reward_models
+from .models.moe.replay import RoutingReplay
+from .models.multimodal import IMAGE_COLUMNS, check_vision_support, prompts_with_images
+from .models.packing import padding_free_in_use
+from .models.precision import precision_context, warn_if_fp32_head_is_cast_by_fsdp2
+from .objective.entropy_control import EntropyCoefficient
+from .objective.loss import Objective
+from .reporting.completion_logs import CompletionLog
+from .reporting.metrics import MetricsBuffer, record_rollout_metrics, reward_columns
+from .reporting.model_card import write_trainer_model_card
 from .rollout import SampledRollout, create_rollout_backend, episode_runner_for, stream_keys
+from .rollout.environments.tools import environment_reward_functions, tool_episode_factory
 from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
-from .rollout_checkpoint import checkpoint_to_resume, save_rollout_state
-from .schedule import RolloutSchedule, fill_old_logps, rollout_tokens
-from .scoring import completions_per_prompt, reward_and_score, scored_batch
-from .streaming import check_stream_resume, micro_steps_per_epoch, streamed
-from .trl_compat import TRLAttributes
+from .scoring.dynamic_sampling import DynamicSampler
+from .scoring.rewards import load_rewards, prepare_reward_models
+from .scoring.score import completions_per_prompt, reward_and_score, scored_batch
+from .training.async_rollouts import RolloutPipeline, check_async_rollouts_supported
+from .training.cpu_memory import pool_freed_memory
+from .training.logprob_check import FirstRolloutCheck
+from .training.logprobs import completion_logprobs, logprobs_without_grad
+from .training.micro_batch import MicroBatch
+from .training.micro_batch_loss import micro_batch_loss
+from .training.passes import pass_budget, passes_on_every_process, take_pass
+from .training.reference_sync import ReferenceSync
+from .training.rollout_checkpoint import checkpoint_to_resume, save_rollout_state
+from .training.schedule import RolloutSchedule, fill_old_logps, rollout_tokens
 
 logger = logging.get_logger(__name__)
 

@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 from vlm_models import BUILDERS, image_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.distributed import unwrap_model
+from gspo_trl.models.distributed import unwrap_model
 
 DEEPSPEED = {
     "zero1": {
@@ -134,8 +134,8 @@ def longer_every_third_prompt(row: dict, index: int) -> dict:
 def force_linears(form: str) -> list:
     """Every linear layer of every model decodes in `cpu.linear`'s `form` ("transposed", or "compiled" up to its 8
     rows) at every row count; returns the list that each product computed in that form appends its row count to."""
-    from gspo_trl.decoding.cpu import kernel as decode_kernel
-    from gspo_trl.decoding.cpu import linear as decode_linear
+    from gspo_trl.rollout.decoding.cpu import kernel as decode_kernel
+    from gspo_trl.rollout.decoding.cpu import linear as decode_linear
 
     calls = []
     decode_linear.MIN_WEIGHT_BYTES = 0

@@ -25,11 +25,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-from gspo_trl.decoding import dynamic, static
-from gspo_trl.decoding.prefix_sharing import prefill
-from gspo_trl.distributed import fsdp2_modules, fsdp2_whole_weights, prepare_frozen_model
-from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.models.distributed import fsdp2_modules, fsdp2_whole_weights, prepare_frozen_model
 from gspo_trl.rollout import keyed_uniform, stream_keys
+from gspo_trl.rollout.decoding import dynamic, static
+from gspo_trl.rollout.decoding.prefix_sharing import prefill
+from gspo_trl.training.logprobs import completion_logprobs
 
 PROMPTS = [["What is 2 + 3?", "Hi there"], ["Solve: 7 - 4", "Say ok"]]  # rank r scores PROMPTS[r]
 

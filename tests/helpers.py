@@ -81,9 +81,9 @@ def sampler_with_rows_ending_apart(model, tokenizer, prompts: list[str]):
     at different steps and the last one decodes alone; returns (the call, the encoded prompts)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
-    from gspo_trl.decoding import cpu
-    from gspo_trl.decoding.dynamic import logits_processors, sample
     from gspo_trl.rollout import keyed_uniform, stream_keys
+    from gspo_trl.rollout.decoding import cpu
+    from gspo_trl.rollout.decoding.dynamic import logits_processors, sample
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
@@ -118,9 +118,9 @@ def force_choices(monkeypatch, form: str, calls: list | None = None):
     every row count up to MAX_ROWS, whatever this machine would measure (a tiny model's weights stay in cache, where
     the measurement means nothing). The compiled form computes up to `kernel.MAX_LINEAR_ROWS` rows; more rows in it
     take `F.linear`."""
-    from gspo_trl.decoding.cpu import kernel as decode_kernel
-    from gspo_trl.decoding.cpu import linear as decode_linear
-    from gspo_trl.decoding.cpu.linear import MAX_ROWS
+    from gspo_trl.rollout.decoding.cpu import kernel as decode_kernel
+    from gspo_trl.rollout.decoding.cpu import linear as decode_linear
+    from gspo_trl.rollout.decoding.cpu.linear import MAX_ROWS
 
     assert form in (decode_linear.LINEAR, decode_linear.TRANSPOSED, decode_linear.PACKED, decode_linear.COMPILED), form
     # The pinned CPU torch runs oneDNN, and CI's machine has a C compiler: a test of the packed or compiled form must
@@ -141,7 +141,7 @@ def force_choices(monkeypatch, form: str, calls: list | None = None):
 def force_attention_kernel(monkeypatch):
     """The packed attention of every decoding loop in the compiled kernel wherever it takes the tensors, whatever this
     machine would time (CI's machine has a C compiler: a test of the kernel must not pass by quietly running SDPA)."""
-    from gspo_trl.decoding.cpu import attention, kernel
+    from gspo_trl.rollout.decoding.cpu import attention, kernel
 
     assert kernel.available()
     monkeypatch.setattr(attention, "_choices", {})

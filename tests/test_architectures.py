@@ -23,13 +23,13 @@ from helpers import count_digits, sampler_with_rows_ending_apart, small_config, 
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.decoding import dynamic, static
-from gspo_trl.decoding.prefix_sharing import prefill
-from gspo_trl.decoding.truncation import policy_logps
-from gspo_trl.logprobs import completion_logprobs
-from gspo_trl.models import router_aux_loss_coef
-from gspo_trl.packing import padding_free_in_use, padding_free_unsupported_reason
+from gspo_trl.models.loading import router_aux_loss_coef
+from gspo_trl.models.packing import padding_free_in_use, padding_free_unsupported_reason
 from gspo_trl.rollout import HFGenerateBackend, completion_mask_from_eos, stream_keys
+from gspo_trl.rollout.decoding import dynamic, static
+from gspo_trl.rollout.decoding.prefix_sharing import prefill
+from gspo_trl.rollout.decoding.truncation import policy_logps
+from gspo_trl.training.logprobs import completion_logprobs
 
 DOCS_TABLE = Path(__file__).resolve().parent.parent / "docs" / "architectures.md"
 

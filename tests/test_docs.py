@@ -19,7 +19,7 @@ from transformers import Trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.metrics import LOSS_STAT_NAMES, SAMPLING_STAT_NAMES, completion_length_metrics
+from gspo_trl.reporting.metrics import LOSS_STAT_NAMES, SAMPLING_STAT_NAMES, completion_length_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gspo_trl.cli import main
+from gspo_trl.demo.cli import main
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """A vision-language model learns from GSPO's reward on CPU: a tiny random Gemma 3, warmed up to answer "What colour
-is the shape?" with a colour word at chance (`gspo_trl.vision_tasks`), must name the colour of the shape in the image
+is the shape?" with a colour word at chance (`gspo_trl.demo.vision_tasks`), must name the colour of the shape in the
+image
 well above chance after a short GSPO run (benchmarks/vision_learning.py; its longer runs are in
 docs/vision-language.md)."""
 

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
 
     import gspo_trl
     from gspo_trl import GSPOTrainer
-    from gspo_trl.cli import main
+    from gspo_trl.demo.cli import main
 
     out = {{}}
     trainer = GSPOTrainer({model!r}, count_digits, args=small_config({tmp!r} + "/lib", max_steps=1),

@@ -130,3 +130,61 @@ def test_no_module_is_longer_than_the_limit_and_the_trainer_stays_an_orchestrato
     lengths = {name: len(path.read_text().splitlines()) for name, path in package_modules().items()}
     assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
     assert lengths["gspo_trl.trainer"] <= MAX_TRAINER_LINES
+
+
+# The top level a newcomer reads as the pipeline, and the order the stages import each other in: a module imports only
+# from its own entry or from entries below it (the trainer from everything, `models` from none of the others). The
+# package's `__init__` imports nothing when it loads (its names load on first use); the trainer reads its version.
+ENTRIES_TOP_DOWN = [
+    "demo",  # the `gspo-trl` command and its default run: drives the trainer
+    "trainer",
+    "data",  # what the user hands the trainer, checked
+    "config",
+    "scoring",  # completions -> rewards -> advantages
+    "training",  # a scored rollout -> optimizer steps
+    "objective",  # the loss's math
+    "reporting",
+    "rollout",  # prompts -> completions, by any engine, with its decoding loops and environments
+    "vllm",
+    "models",
+]
+MAX_TOP_LEVEL_ENTRIES = 12
+
+
+def top_level_entry(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_the_top_level_shows_the_pipeline_in_at_most_a_dozen_entries():
+    entries = sorted(path.name for path in PACKAGE_ROOT.iterdir() if path.name != "__pycache__")
+    assert len(entries) <= MAX_TOP_LEVEL_ENTRIES, entries
+    named = {name.removesuffix(".py") for name in entries} - {"__init__"}
+    assert named == set(ENTRIES_TOP_DOWN), "a new top-level entry needs its place in ENTRIES_TOP_DOWN (and a reason)"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The arrows of `graph` from an entry to an entry above it in `ENTRIES_TOP_DOWN`."""
+    rank = {entry: position for position, entry in enumerate(ENTRIES_TOP_DOWN)}
+    upward = []
+    for name, targets in sorted(graph.items()):
+        source = top_level_entry(name)
+        for target in sorted(targets):
+            destination = top_level_entry(target)
+            if source in rank and destination in rank and rank[destination] < rank[source]:
+                upward.append(f"{name} -> {target}")
+    return upward
+
+
+def test_an_arrow_back_up_is_found_and_arrows_down_or_within_an_entry_are_not():
+    graph = {
+        "gspo_trl.models.loading": {"gspo_trl.training.schedule", "gspo_trl.models.precision"},
+        "gspo_trl.trainer": {"gspo_trl.models.loading", "gspo_trl"},
+    }
+    assert upward_imports(graph) == ["gspo_trl.models.loading -> gspo_trl.training.schedule"]
+
+
+def test_imports_run_down_the_stages_never_back_up():
+    modules = package_modules()
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert upward_imports(graph) == []

@@ -14,9 +14,9 @@ from datasets import Dataset
 from helpers import count_digits, length_reward, small_config, text_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.decoding.truncation import policy_logps
-from gspo_trl.micro_batch import MicroBatch
-from gspo_trl.schedule import fill_old_logps
+from gspo_trl.rollout.decoding.truncation import policy_logps
+from gspo_trl.training.micro_batch import MicroBatch
+from gspo_trl.training.schedule import fill_old_logps
 
 
 def chat_dataset(n=8):
@@ -291,7 +291,7 @@ def test_report_to_backends_write_the_gspo_metrics_offline(tmp_path, tiny_model_
 def test_activation_checkpointing_with_lora_trains_and_samples_with_kv_cache(tmp_path, tiny_model_dir, monkeypatch):
     from peft import LoraConfig
 
-    from gspo_trl.decoding import dynamic
+    from gspo_trl.rollout.decoding import dynamic
 
     config = make_config(tmp_path, activation_checkpointing=True, steps_per_generation=1)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -542,7 +542,7 @@ def test_activation_checkpointing_keeps_attention_outputs_by_default(tmp_path, t
 
 
 def test_micro_batches_hold_whole_groups():
-    from gspo_trl.schedule import split_into_micro_batches
+    from gspo_trl.training.schedule import split_into_micro_batches
 
     rows = torch.arange(16)
     batch = MicroBatch(rows.unsqueeze(1), torch.ones(16, 1), rows.unsqueeze(1), torch.ones(16, 1))

@@ -137,7 +137,7 @@ def test_training_passes_with_a_whole_micro_batch_quantile_are_refused_by_name(t
             train_dataset=dataset,
             args=small_config(tmp_path, top_entropy_quantile=0.2, max_tokens_per_pass=64),
         )
-    from gspo_trl.passes import pass_budget
+    from gspo_trl.training.passes import pass_budget
 
     assert pass_budget(small_config(tmp_path, top_entropy_quantile=0.2), "cuda", router_aux_loss=False) is None
     assert pass_budget(small_config(tmp_path), "cuda", router_aux_loss=True) is None

@@ -11,8 +11,8 @@ import torch
 from helpers import count_digits, small_config, text_dataset
 
 from gspo_trl import GSPOTrainer
-from gspo_trl.loss import policy_loss
-from gspo_trl.micro_batch import MicroBatch
+from gspo_trl.objective.loss import policy_loss
+from gspo_trl.training.micro_batch import MicroBatch
 
 # TRL-style option sets: each must build a TRL GRPOConfig and a GSPOConfig alike, then train.
 TRL_OPTIONS = {

@@ -18,7 +18,7 @@ import torch
 from datasets import Dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.training.logprobs import completion_logprobs
 
 FIXED_TEXT = [5, 17, 40, 99, 120, 7, 33, 250, 12, 64, 3, 81]  # token ids whose log-probs both sides compute
 

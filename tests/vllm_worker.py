@@ -15,7 +15,7 @@ from distributed_worker import DEEPSPEED
 from helpers import count_digits, leave_worker
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.logprobs import completion_logprobs
+from gspo_trl.training.logprobs import completion_logprobs
 
 FIXED_TEXT = [5, 17, 40, 99, 120, 7, 33, 250, 12, 64, 3, 81]
 

@@ -1,7 +1,8 @@
 """Rollouts: prompts in, sampled completions out, by whichever engine the config names.
 
 `types` holds the record every backend returns and the interface they implement; `hf` samples on the trained model in
-this process (its decoding loops live in `gspo_trl.decoding`); `vllm_server` asks a vLLM server; `vllm_colocate` a vLLM
+this process (its decoding loops live in `gspo_trl.rollout.decoding`); `vllm_server` asks a vLLM server;
+`vllm_colocate` a vLLM
 engine in this process; `episodes` plays multi-turn episodes on any backend; `rollout_func` takes TRL's user-written
 rollout instead; `streams` gives each row its own random stream. The trainer asks for completions and hands over new
 weights; it never learns which engine answered.
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from .episodes import EpisodeBatch, EpisodeRunner, episode_runner_for
+from .episodes import EpisodeRunner, episode_runner_for
 from .hf import HFGenerateBackend, records_decode_logprobs
 from .streams import KeyedGumbelSampler, keyed_uniform, stream_keys
 from .types import (
+    EpisodeBatch,
     Rollout,
     RolloutBackend,
     SampledRollout,

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ..environments import text_env
-from ..environments.chat import ObservationEncoder
+from .environments import text_env
+from .environments.chat import ObservationEncoder
 from .streams import stream_keys
-from .types import Rollout, RolloutBackend, is_conversational_prompt, tokenize_prompts
+from .types import EpisodeBatch, Rollout, RolloutBackend, is_conversational_prompt, tokenize_prompts
 
 # Why an episode ended. "length" and "budget" mean the completion budget ran out: they are the episode's
 # `is_truncated` (what mask_truncated_completions drops).
@@ -57,22 +57,6 @@ class Episode:
         self.turn_ids += [-1] * len(ids)
         self.sampling_logps += [0.0] * len(ids)
         self.kept_log_mass += [0.0] * len(ids)
-
-
-@dataclass
-class EpisodeBatch:
-    """A batch of finished episodes, row by row with the dataset rows that started them."""
-
-    rollout: Rollout  # completions hold every turn and observation; env_mask and turn_ids tell them apart
-    prompts: list  # each episode's first prompt (the row's prompt with the reset observation)
-    turn_rewards: torch.Tensor  # (N, K) the reward after each assistant turn, 0 past an episode's end
-    reached: torch.Tensor  # (N, K) bool, the turns each episode played
-    completions: list  # for reward functions: the messages after the prompt, or the completion's text
-    completion_ids: list[list[int]]  # every completion token (turns and observations), as TRL passes them
-    environments: list  # each episode's environment, in its final state (reward functions get `environments=`)
-    ends: list[str]  # why each episode ended (`END_REASONS`)
-    tool_calls: torch.Tensor  # (N,) tool calls per episode (0 without tools)
-    tool_failures: torch.Tensor  # (N,) tool calls that failed (an error result)
 
 
 def episode_runner_for(tool_episodes, env_factory, tokenizer, args) -> EpisodeRunner | None:

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from ..decoding import cpu, dynamic, memory, static
-from ..decoding.kv_cache import cache_kwargs
-from ..decoding.prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
-from ..moe.replay import pad_routes, rollout_routes, route_recorder_for
-from ..multimodal import VisionInputs, encode_prompts
-from ..packing import padding_free_unsupported_reason
-from ..vision_features import images_encoded_once
+from ..models.moe.replay import pad_routes, rollout_routes, route_recorder_for
+from ..models.multimodal import VisionInputs, encode_prompts
+from ..models.packing import padding_free_unsupported_reason
+from ..models.vision_features import images_encoded_once
+from .decoding import cpu, dynamic, memory, static
+from .decoding.kv_cache import cache_kwargs
+from .decoding.prefix_sharing import prefill, prefill_after_states, prefill_shared_prefixes, prefill_shared_prompts
 from .streams import KeyedGumbelSampler, keyed_uniform
 from .types import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, left_pad, tokenize_prompts
 

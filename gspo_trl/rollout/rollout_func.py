@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from ..rewards import RESERVED_REWARD_KWARGS
-from .types import Rollout, SampledRollout, eos_token_ids_of, left_pad
+from .types import RESERVED_REWARD_KWARGS, Rollout, SampledRollout, eos_token_ids_of, left_pad
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 

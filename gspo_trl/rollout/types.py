@@ -11,16 +11,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
-from ..multimodal import VisionInputs
+from ..models.multimodal import VisionInputs
 
-if TYPE_CHECKING:
-    from .episodes import EpisodeBatch
+# The keyword arguments every reward function receives (TRL's); a dataset column or a rollout_func field of one of
+# these names would be shadowed, so both are refused.
+RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 
 
 @dataclass
@@ -83,6 +84,22 @@ class Rollout:
             "completion_ids": self.completion_ids,
             "completion_mask": self.sampled_mask,
         }
+
+
+@dataclass
+class EpisodeBatch:
+    """A batch of finished episodes, row by row with the dataset rows that started them."""
+
+    rollout: Rollout  # completions hold every turn and observation; env_mask and turn_ids tell them apart
+    prompts: list  # each episode's first prompt (the row's prompt with the reset observation)
+    turn_rewards: torch.Tensor  # (N, K) the reward after each assistant turn, 0 past an episode's end
+    reached: torch.Tensor  # (N, K) bool, the turns each episode played
+    completions: list  # for reward functions: the messages after the prompt, or the completion's text
+    completion_ids: list[list[int]]  # every completion token (turns and observations), as TRL passes them
+    environments: list  # each episode's environment, in its final state (reward functions get `environments=`)
+    ends: list[str]  # why each episode ended (`END_REASONS`)
+    tool_calls: torch.Tensor  # (N,) tool calls per episode (0 without tools)
+    tool_failures: torch.Tensor  # (N,) tool calls that failed (an error result)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import unwrap_model
+from ..models.distributed import unwrap_model
 from ..vllm.colocate import ColocatedEngine
 from ..vllm.weight_sync import named_weights
 from .types import Rollout, RolloutBackend, eos_token_ids_of, left_pad, tokenize_prompts

@@ -19,18 +19,11 @@ from typing import Any
 
 import torch
 
-from ..distributed import unwrap_model
+from ..models.distributed import unwrap_model
 from ..vllm.client import VLLMServerClient, VLLMServerError
 from ..vllm.transport import HTTPTransport, SharedDirTransport, choose_transport, local_sync_dir
 from ..vllm.weight_sync import adapter_sync_unsupported_reason, remove_snapshot
-from .types import (
-    Rollout,
-    RolloutBackend,
-    completion_mask_from_eos,
-    eos_token_ids_of,
-    left_pad,
-    tokenize_prompts,
-)
+from .types import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, left_pad, tokenize_prompts
 
 ADAPTER_NAME = "gspo-trl-policy"  # the name the trained LoRA adapter is served under
 

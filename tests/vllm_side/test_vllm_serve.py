@@ -1,0 +1,70 @@
+"""Tests for gspo_trl.vllm.serve: the command and environment `gspo-trl vllm-serve` starts vLLM with."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from gspo_trl.demo.cli import main
+from gspo_trl.vllm.serve import WORKER_EXTENSION, find_vllm_python, server_environment
+
+
+def test_print_command_has_the_extension_processed_logprobs_and_localhost(capsys):
+    assert (
+        main(["vllm-serve", "some/model", "--vllm-python", sys.executable, "--print-command", "--dtype", "bfloat16"])
+        == 0
+    )
+    line = capsys.readouterr().out.split()
+    assert line[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert line[line.index("--model") + 1] == "some/model"
+    assert line[line.index("--host") + 1] == "127.0.0.1" and line[line.index("--port") + 1] == "8000"
+    assert line[line.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert line[line.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert line[-2:] == ["--dtype", "bfloat16"]  # unknown arguments go to vLLM unchanged
+
+
+def test_environment_enables_dev_mode_and_finds_the_extension():
+    env = server_environment({"PYTHONPATH": "/elsewhere"})
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    root = env["PYTHONPATH"].split(os.pathsep)[0]
+    assert (Path(root) / "gspo_trl" / "vllm" / "worker_extension.py").is_file()
+    assert env["PYTHONPATH"].endswith("/elsewhere")
+
+
+def test_worker_extension_imports_without_trl(tmp_path):
+    # The server's environment has torch and vllm, not TRL: importing the extension must not pull in the trainer.
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['trl'] = None; sys.modules['vllm'] = type(sys)('vllm'); "
+        "import gspo_trl.vllm.worker_extension as w; print(w.WeightSyncExtension.__name__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=server_environment(), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "WeightSyncExtension"
+
+
+def test_missing_vllm_names_the_ways_to_provide_it(monkeypatch):
+    monkeypatch.delenv("GSPO_TRL_VLLM_PYTHON", raising=False)
+    with pytest.raises(FileNotFoundError, match="--vllm-python"):
+        find_vllm_python(None)  # this venv has no vllm
+    with pytest.raises(FileNotFoundError, match="No Python executable"):
+        find_vllm_python("/nonexistent/python")
+
+
+def test_without_a_model_the_demo_model_is_served_and_vllm_flags_pass_through(capsys, monkeypatch):
+    import gspo_trl.demo.default_model as default_model
+
+    monkeypatch.setattr(default_model, "default_model_path", lambda: "/cache/SmolLM2-135M-Instruct")
+    assert (
+        main(
+            ["vllm-serve", "--enforce-eager", "--dtype", "float32", "--vllm-python", sys.executable, "--print-command"]
+        )
+        == 0
+    )
+    line = capsys.readouterr().out.split()
+    assert line[line.index("--model") + 1] == "/cache/SmolLM2-135M-Instruct"
+    assert line[-3:] == ["--enforce-eager", "--dtype", "float32"]
