@@ -23,7 +23,7 @@ from transformers.utils import logging
 from . import __version__
 from .config.gspo_config import GSPOConfig
 from .config.trl_attributes import TRLAttributes
-from .data.checks import check_datasets, collate_rows, trainer_config
+from .data.checks import check_dataset_modalities, check_datasets, collate_rows, trainer_config
 from .data.streaming import check_stream_resume, micro_steps_per_epoch, streamed
 from .models.checkpointing import enable_kept_attention
 from .models.distributed import (
@@ -57,6 +57,7 @@ from .rollout.rollout_func import check_rollout_func, sample_with_rollout_func
 from .scoring.dynamic_sampling import DynamicSampler
 from .scoring.rewards import load_rewards, prepare_reward_models
 from .scoring.score import completions_per_prompt, reward_and_score, scored_batch
+from .scoring.signal_warnings import SignalWarnings
 from .training.async_rollouts import RolloutPipeline, check_async_rollouts_supported
 from .training.cpu_memory import pool_freed_memory
 from .training.logprob_check import FirstRolloutCheck
@@ -109,6 +110,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             model, processing_class, peft_config, args, quantization_config
         )
         check_vision_support(processor, args, episodes, rollout_func)
+        check_dataset_modalities(processor, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         self.tokenizer = tokenizer  # a vision-language model's processor is `processing_class`, its tokenizer this
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
@@ -167,6 +169,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         self.schedule = RolloutSchedule(args)  # the buffered rollout, the window position, π_old per micro-batch
         self._num_tokens_seen = 0
         self.first_rollout_check = FirstRolloutCheck(args)
+        self.signal_warnings = SignalWarnings(args)  # rollouts that train on nothing, warned once
         self.dynamic_sampler = DynamicSampler.create(args, train_dataset, tokenizer.pad_token_id, self._metrics)
 
     # --- precision ----------------------------------------------------------------------------
@@ -363,6 +366,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             self.padding_free = self.first_rollout_check.run(
                 self.model, scored, sampled, args, accelerator, self.padding_free, backends
             )
+            self.signal_warnings.check(sampled.rollout, completions_per_prompt(args, mode), accelerator)
         if args.beta > 0:
             with reference_weights(self.model, self.ref_model) as reference:
                 scored.ref_logps = self._score_without_grad(reference, scored)

@@ -19,6 +19,7 @@ from ..objective.loss import Objective
 from ..objective.sampling_correction import CORRECTION_MODES
 from ..rollout.decoding.cpu import SETTINGS as CPU_DECODING_KERNELS
 from ..scoring.advantages import AGGREGATION_OPTIONS, SCALE_REWARDS_OPTIONS
+from .generation_kwargs import check_generation_kwargs
 
 # How episode rewards become advantages (see `advantage_granularity`).
 ADVANTAGE_GRANULARITIES = ("trajectory", "turn")
@@ -216,6 +217,12 @@ def check_sampling(config) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {config.top_p}.")
     if config.top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {config.top_k}.")
+    if config.top_k == 1 or config.min_p == 1:
+        setting = "top_k=1" if config.top_k == 1 else "min_p=1"
+        raise ValueError(
+            f"{setting} keeps only the likeliest token: every completion of a group would be the same, so no group "
+            "has a reward spread to learn from. Use top_k=0 (off) or >= 2, or a min_p below 1."
+        )
     if config.decode_loop not in DECODE_LOOPS:
         raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {config.decode_loop!r}.")
     if config.cpu_decoding_kernels not in CPU_DECODING_KERNELS:
@@ -248,7 +255,7 @@ def check_sampling(config) -> None:
             f"activation_checkpointing_keep_attention must be True or False, got "
             f"{config.activation_checkpointing_keep_attention!r}."
         )
-    check_generation_kwargs(config.generation_kwargs, config.use_vllm)
+    check_generation_kwargs(config)
     eval_group = config.num_generations_eval
     if eval_group is not None and (isinstance(eval_group, bool) or not isinstance(eval_group, int) or eval_group < 1):
         raise ValueError(f"num_generations_eval must be an int >= 1 or None (num_generations), got {eval_group!r}.")
@@ -264,11 +271,6 @@ def check_sampling(config) -> None:
             "auto_find_batch_size is not supported: shrinking the batch would split a prompt's group of "
             "num_generations completions. Lower per_device_train_batch_size instead."
         )
-
-
-# vLLM request fields the trainer sets itself (one sample per request row, the sampled token's log-prob) or that
-# search instead of sampling.
-VLLM_REQUEST_FIELDS_REFUSED = ("n", "best_of", "use_beam_search", "logprobs", "prompt_logprobs")
 
 
 def check_dynamic_sampling(config) -> None:
@@ -322,41 +324,6 @@ def check_routing_replay(config) -> None:
         raise ValueError(
             f"{needs} in the padded layout of the rollout; padding_free=True packs rows in another layout. "
             "Leave padding_free=None or set it to False."
-        )
-
-
-def check_generation_kwargs(generation_kwargs, use_vllm: bool = False) -> None:
-    """Refuse the settings that do not sample one completion per prompt row from the policy: beam search and
-    contrastive search keep the likeliest continuations (not draws from π, which the importance ratio assumes),
-    and several sequences per row break the row-per-completion layout of a group. With `use_vllm` they are
-    vLLM request fields: those the trainer sets itself are refused too."""
-    if generation_kwargs is None:
-        return
-    if not isinstance(generation_kwargs, dict):
-        raise TypeError(f"generation_kwargs must be a dict of GenerationConfig fields, got {generation_kwargs!r}.")
-    if use_vllm:
-        refused = [name for name in VLLM_REQUEST_FIELDS_REFUSED if name in generation_kwargs]
-        if refused:
-            raise ValueError(
-                f"generation_kwargs sets {refused[0]!r}, which the trainer sets itself in every vLLM request (one "
-                "sample per prompt row, the sampled token's log-prob) or which searches instead of sampling. "
-                "Remove it; num_generations sets the group size."
-            )
-    for name, what in (
-        ("num_beams", "beam search keeps the likeliest sequences instead of sampling them"),
-        ("num_beam_groups", "beam search keeps the likeliest sequences instead of sampling them"),
-        ("num_return_sequences", "each prompt row already gets one completion; num_generations sets the group size"),
-    ):
-        value = generation_kwargs.get(name)
-        if value is not None and value != 1:
-            raise ValueError(
-                f"generation_kwargs[{name!r}]={value!r} is not supported: {what}, so the completions would not be "
-                "samples of the policy that GSPO's importance ratio compares. Remove it."
-            )
-    if generation_kwargs.get("penalty_alpha"):
-        raise ValueError(
-            "generation_kwargs['penalty_alpha'] (contrastive search) is not supported: it picks tokens "
-            "deterministically, so the completions would not be samples of the policy. Remove it."
         )
 
 
@@ -462,6 +429,32 @@ def check_logging(config) -> None:
 
 
 # --- Batch sizes and the rollout schedule ------------------------------------------------------
+
+
+# The batch fields that count rows or steps: each must be an int >= 1 (None: derived from the others).
+POSITIVE_BATCH_FIELDS = (
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+)
+
+
+def check_batch_fields(config) -> None:
+    """A batch field of zero, a negative one or a non-int is refused by name (Trainer or torch's sampler would fail
+    later with `batch_size=0`, or an optimizer step would count zero micro-batches), and so is a run of no step."""
+    for name in POSITIVE_BATCH_FIELDS:
+        value = getattr(config, name)
+        if value is None and name in ("steps_per_generation", "generation_batch_size"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+    if config.max_steps <= 0 and not config.num_train_epochs > 0:
+        raise ValueError(
+            f"num_train_epochs={config.num_train_epochs} with max_steps={config.max_steps} (unset) trains no step: "
+            "set num_train_epochs > 0 or max_steps >= 1."
+        )
 
 
 def batch_sizes(config, steps_per_generation_was_set: bool) -> tuple[int, int]:

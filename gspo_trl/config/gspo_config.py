@@ -329,6 +329,7 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         self.pad_to_multiple_of = checks.pad_to_multiple_of(self.pad_to_multiple_of)
         checks.check_reference_sync(self)
         checks.check_dynamic_sampling(self)
+        checks.check_batch_fields(self)
         self.steps_per_generation, self.generation_batch_size = checks.batch_sizes(self, steps_per_generation_was_set)
         self.max_staleness = checks.max_staleness(self)
 

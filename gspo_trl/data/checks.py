@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config.gspo_config import GSPOConfig
-from ..rollout.types import check_messages
+from ..models.multimodal import IMAGE_COLUMNS
+from ..rollout.types import check_prompt
 from .streaming import check_stream
 
 
@@ -74,20 +75,20 @@ def check_prompt_dataset(dataset, name: str, needs_prompt: bool = True) -> None:
             "Rename your column with dataset.rename_column(old, 'prompt')."
         )
     if column_names is not None and "prompt" in column_names and hasattr(dataset, "__len__"):
-        check_prompt_messages(dataset.select_columns(["prompt"]), name)
+        check_prompt_values(dataset.select_columns(["prompt"]), name)
 
 
-def check_prompt_messages(prompts, name: str, batch_rows: int = 1024) -> None:
-    """`rollout.types.check_messages` on every conversational prompt of a map-style dataset, naming the row. Every
-    process holds the whole dataset, so all of them refuse a bad message here, together; in a rollout only the
-    process that drew it would (prompts are checked again as they are rendered: streamed datasets)."""
+def check_prompt_values(prompts, name: str, batch_rows: int = 1024) -> None:
+    """`rollout.types.check_prompt` on every prompt of a map-style dataset (None, an empty string, a number, messages
+    a chat template cannot render), naming the row. Every process holds the whole dataset, so all of them refuse a
+    bad prompt here, together; in a rollout only the process that drew it would (prompts are checked again as they
+    are rendered: streamed datasets)."""
     for start in range(0, len(prompts), batch_rows):
         for offset, prompt in enumerate(prompts[start : start + batch_rows]["prompt"]):
-            if isinstance(prompt, list):
-                try:
-                    check_messages(prompt)
-                except ValueError as error:
-                    raise ValueError(f"{name} row {start + offset}: {error}") from None
+            try:
+                check_prompt(prompt)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{name} row {start + offset}: {error}") from None
 
 
 def collate_rows(needs_prompt: bool):
@@ -104,3 +105,51 @@ def collate_rows(needs_prompt: bool):
         return list(rows)
 
     return collate
+
+
+# Columns of another modality than text and images: nothing passes them to the policy.
+OTHER_MODALITY_COLUMNS = ("audio", "audios", "video", "videos")
+
+
+def check_dataset_modalities(processor, datasets: dict) -> None:
+    """A `ValueError` for a dataset column or a prompt content part the policy cannot read (`processor`: its
+    multimodal processor, None for a text model; `datasets`: argument name -> dataset): images for a text model,
+    audio or video for any, images beside a plain-text prompt (the chat template places them). A column only reward
+    functions read passes under another name."""
+    readable = ("text", "image") if processor is not None else ("text",)
+    model = "a vision-language model" if processor is not None else "a text model"
+    for name, dataset in datasets.items():
+        columns = getattr(dataset, "column_names", None)
+        if not isinstance(columns, list):  # no dataset, or a stream whose columns are known only as it is read
+            continue
+        unread = [c for c in columns if c in OTHER_MODALITY_COLUMNS or (processor is None and c in IMAGE_COLUMNS)]
+        if unread:
+            raise ValueError(
+                f"{name} has a {unread[0]!r} column, which the policy ({model}) never sees: it would be trained on "
+                f"the prompts without it. Use a model that reads it, or rename the column (e.g. "
+                f"dataset.rename_column({unread[0]!r}, 'reward_{unread[0]}')) if only reward functions read it."
+            )
+        if "prompt" not in columns:
+            continue
+        plain_text = getattr(getattr(dataset, "features", {}).get("prompt"), "dtype", None) == "string"
+        if processor is not None and plain_text and any(c in columns for c in IMAGE_COLUMNS):
+            raise ValueError(
+                f"{name} has images but plain-text prompts: the chat template places the images, so each prompt "
+                "must be a list of messages, e.g. [{'role': 'user', 'content': text}]."
+            )
+        if hasattr(dataset, "__len__") and not plain_text:
+            check_prompt_parts(dataset.select_columns(["prompt"]), name, readable, model)
+
+
+def check_prompt_parts(prompts, name: str, readable: tuple, model: str, batch_rows: int = 1024) -> None:
+    """A `ValueError` naming the row of the first prompt content part of a type not in `readable`."""
+    for start in range(0, len(prompts), batch_rows):
+        for offset, prompt in enumerate(prompts[start : start + batch_rows]["prompt"]):
+            for message in prompt if isinstance(prompt, list) else []:
+                parts = message.get("content") if isinstance(message.get("content"), list) else []
+                kinds = [part.get("type") for part in parts if part.get("type") not in readable]
+                if kinds:
+                    raise ValueError(
+                        f"{name} row {start + offset}: a prompt message has a {kinds[0]!r} content part, which the "
+                        f"policy ({model}) cannot read. Remove it, or train a model that reads it."
+                    )

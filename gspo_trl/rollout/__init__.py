@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from ..models.context import check_budget_fits
 from .episodes import EpisodeRunner, episode_runner_for
 from .hf import HFGenerateBackend, records_decode_logprobs
 from .streams import KeyedGumbelSampler, keyed_uniform, stream_keys
@@ -55,7 +56,8 @@ def create_rollout_backend(
 ) -> RolloutBackend:
     """The backend `args` asks for: a vLLM server (`use_vllm`), a vLLM engine in this process (`vllm_mode="colocate"`),
     or the trained model itself (`processor`: a vision-language model's multimodal processor, which encodes its
-    prompts)."""
+    prompts). A prompt + completion budget past the model's context is refused first (`models.context`)."""
+    check_budget_fits(model_getter().config, args.max_prompt_length, args.max_completion_length)
     if args.use_vllm and args.vllm_mode == "colocate":
         from .vllm_colocate import VLLMColocateBackend  # vLLM is imported only where an engine is built
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from ..models.context import check_prompts_fit, context_length
 from ..models.moe.replay import pad_routes, rollout_routes, route_recorder_for
 from ..models.multimodal import VisionInputs, encode_prompts
 from ..models.packing import padding_free_unsupported_reason
@@ -43,6 +44,7 @@ class HFGenerateBackend(RolloutBackend):
         self.max_prompt_length = args.max_prompt_length
         self.chat_template_kwargs = args.chat_template_kwargs
         model = model_getter()
+        self.context = context_length(model.config)  # a prompt + completion past it is refused (`models.context`)
         sampling = {
             "do_sample": True,
             "max_new_tokens": args.max_completion_length,
@@ -135,6 +137,7 @@ class HFGenerateBackend(RolloutBackend):
         vision: VisionInputs | None = None,
     ) -> Rollout:
         model = self.model_getter()
+        check_prompts_fit(prompt_mask, max_new_tokens, self.context)
         prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
         keys = None if stream_keys is None else stream_keys.to(model.device)
         rows = prompt_ids.shape[0]

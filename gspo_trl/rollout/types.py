@@ -160,8 +160,7 @@ def render_prompts(
     """Prompt texts: conversational prompts go through the chat template with a generation prompt (and, per
     prompt, the JSON schemas of the tools the template should present)."""
     for prompt in prompts:
-        if isinstance(prompt, list):
-            check_messages(prompt)
+        check_prompt(prompt)
     tools = tools or [None] * len(prompts)
     return [
         maybe_apply_chat_template(
@@ -169,6 +168,37 @@ def render_prompts(
         )["prompt"]
         for prompt, prompt_tools in zip(prompts, tools)
     ]
+
+
+# The roles a prompt may end with: the chat template adds the assistant's turn after a user or tool message, or
+# continues an assistant message (a prefilled answer), as TRL's `apply_chat_template` does.
+LAST_PROMPT_ROLES = ("user", "tool", "assistant")
+
+
+def check_prompt(prompt: Any) -> None:
+    """A `TypeError` or `ValueError` for a prompt that is not prompt text: anything but a non-empty string or a
+    non-empty list of chat messages (`check_messages`) whose last message is a user, tool or assistant one. Raised
+    before the tokenizer or the chat template meets it, where the error would not say which value was wrong."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(
+                "The prompt is an empty string: no token would precede the completion. Remove empty prompts, e.g. "
+                "dataset.filter(lambda row: row['prompt'])."
+            )
+        return
+    if not isinstance(prompt, list | tuple):
+        raise TypeError(
+            f"The prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r:.100}. "
+            "Fill every row's 'prompt' with text (dataset.filter drops the others)."
+        )
+    if not prompt:
+        raise ValueError("The prompt is an empty list of messages. Give every conversational prompt a user message.")
+    check_messages(prompt)
+    if prompt[-1]["role"] not in LAST_PROMPT_ROLES:
+        raise ValueError(
+            f"The prompt's last message has role {prompt[-1]['role']!r}, after which the chat template cannot start "
+            f"the assistant's turn: end every prompt with a {', '.join(map(repr, LAST_PROMPT_ROLES))} message."
+        )
 
 
 def check_messages(messages: list) -> None:
@@ -179,12 +209,26 @@ def check_messages(messages: list) -> None:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"Prompt message {index} must be a dict with a string 'role'; got {message!r:.200}.")
         content = message.get("content")
-        if isinstance(content, str | list) or (content is None and message.get("tool_calls")):
+        if isinstance(content, list):
+            check_content_parts(index, message["role"], content)
+            continue
+        if isinstance(content, str) or (content is None and message.get("tool_calls")):
             continue
         raise ValueError(
             f"Prompt message {index} ({message['role']!r}) has no 'content' (a string, or a list of content parts), "
             f"so the chat template would render it as empty: {message!r:.200}. Give every message a 'content'."
         )
+
+
+def check_content_parts(index: int, role: str, parts: list) -> None:
+    """A `ValueError` naming a content part that is not a dict with a string 'type' ({"type": "text", ...},
+    {"type": "image"}, ...), which chat templates and processors read parts by."""
+    for part in parts:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError(
+                f"Prompt message {index} ({role!r}) has a content part that is not a dict with a string 'type': "
+                f"{part!r:.100}. Write content parts as {{'type': 'text', 'text': ...}}."
+            )
 
 
 def tokenize_prompts(

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..models.context import check_prompts_fit, context_length
 from ..models.distributed import unwrap_model
 from ..vllm.colocate import ColocatedEngine
 from ..vllm.weight_sync import named_weights
@@ -48,6 +49,7 @@ class VLLMColocateBackend(RolloutBackend):
         self.accelerator = accelerator
         self.eos_token_ids = eos_token_ids_of(unwrap_model(model).generation_config, tokenizer)
         self.sampling = sampling_params(args, self.eos_token_ids)
+        self.context = context_length(unwrap_model(model).config)  # the trained model's (`models.context`)
         self.engine = ColocatedEngine(args, unwrap_model(model), accelerator)
         self.synced_step: int | None = None  # optimizer steps done when the engine last got the weights
         self.sync_seconds: list[float] = []
@@ -67,6 +69,7 @@ class VLLMColocateBackend(RolloutBackend):
         prompt_ids, prompt_mask = tokenize_prompts(
             prompts, self.tokenizer, self.args.max_prompt_length, self.args.chat_template_kwargs
         )
+        check_prompts_fit(prompt_mask, self.args.max_completion_length, self.context)
         runs = prompt_runs(prompt_ids, prompt_mask)
         samples = self._sample([(tokens, count, self.sampling) for tokens, count in runs])
         return self._rollout(prompt_ids, prompt_mask, samples)

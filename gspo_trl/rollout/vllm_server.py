@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..models.context import check_prompts_fit, context_length
 from ..models.distributed import unwrap_model
 from ..vllm.client import VLLMServerClient, VLLMServerError
 from ..vllm.transport import HTTPTransport, SharedDirTransport, choose_transport, local_sync_dir
@@ -90,6 +91,7 @@ class VLLMServerBackend(RolloutBackend):
         self.accelerator = accelerator
         self.eos_token_ids = eos_token_ids_of(unwrap_model(model).generation_config, tokenizer)
         self.sampling = sampling_params(args, self.eos_token_ids)
+        self.context = context_length(unwrap_model(model).config)  # the trained model's (`models.context`)
         self.client = VLLMServerClient(server_base_url(args), timeout=args.vllm_server_timeout)
         self.synced_step: int | None = None  # optimizer steps done when the server last got the weights
         self.sync_seconds: list[float] = []
@@ -192,6 +194,7 @@ class VLLMServerBackend(RolloutBackend):
         prompt_ids, prompt_mask = tokenize_prompts(
             prompts, self.tokenizer, self.args.max_prompt_length, self.args.chat_template_kwargs
         )
+        check_prompts_fit(prompt_mask, self.args.max_completion_length, self.context)
         runs = prompt_runs(prompt_ids, prompt_mask)
         # One request per group size (normally one in all). No per-request seed: vLLM 0.32's CPU build kills its
         # engine when a seeded request's prefill is split across steps ("CPU Generator does not use offset").

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from ..models.distributed import prepare_frozen_model
 from ..rollout.types import RESERVED_REWARD_KWARGS
@@ -171,8 +171,9 @@ def _load_one(
     if isinstance(item, RewardFunction):
         return item
     if isinstance(item, (str, os.PathLike)):
-        item = AutoModelForSequenceClassification.from_pretrained(os.fspath(item), num_labels=1, **model_init_kwargs)
+        item = _load_reward_model(f"reward_funcs[{index}] ({os.fspath(item)!r})", os.fspath(item), model_init_kwargs)
     if isinstance(item, PreTrainedModel):
+        check_reward_head(f"reward_funcs[{index}] ({_model_name(item)})", type(item).__name__, item.config.num_labels)
         return _wrap_reward_model(item, processing_class, trust_remote_code)
     if callable(item) and not isinstance(item, torch.nn.Module):
         return RewardFunction(item)
@@ -180,6 +181,47 @@ def _load_one(
         f"reward_funcs[{index}] has unsupported type {type(item).__name__}; expected a callable (sync or async), "
         "a PreTrainedModel for sequence classification, or a model path/id string"
     )
+
+
+# Class-name endings of models whose output is next-token logits, not one score per sequence.
+LANGUAGE_MODEL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM")
+
+
+def check_reward_head(name: str, architecture: str, num_labels: int) -> None:
+    """A `ValueError` unless a reward model (`architecture`: its class name, or its checkpoint's) has a sequence
+    classification head with one label: a language model's head gives next-token logits, and only `logits[:, 0]` of
+    several labels would be read."""
+    if architecture.endswith(LANGUAGE_MODEL_HEADS):
+        raise ValueError(
+            f"{name} is a language model ({architecture}), not a reward model: its logits score next tokens, and a "
+            "sequence-classification model loaded from its checkpoint gets a randomly initialised score head, so the "
+            "rewards would be noise. Pass a reward model trained with a sequence-classification head (e.g. by TRL's "
+            "RewardTrainer), or score with a reward function."
+        )
+    if num_labels != 1:
+        raise ValueError(
+            f"{name} has num_labels={num_labels}, but a reward model gives one score per completion (logits[:, 0] "
+            "would be read, the other labels ignored). Pass a model with one label, or wrap it in a reward function "
+            "that turns its labels into one score."
+        )
+
+
+def _load_reward_model(name: str, path: str, model_init_kwargs: dict) -> PreTrainedModel:
+    """The sequence-classification model at `path`, refused when its checkpoint holds another head (its config's
+    `architectures`), several labels, or leaves weights newly initialised (a score head it lacks)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_init_kwargs.get("trust_remote_code", False))
+    for architecture in config.architectures or []:
+        check_reward_head(name, architecture, config.num_labels)
+    model, loading = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, output_loading_info=True, **model_init_kwargs
+    )
+    missing = ", ".join(sorted(loading["missing_keys"]))
+    if missing:
+        raise ValueError(
+            f"{name} lacks weights its sequence-classification model needs ({missing}), which would be randomly "
+            "initialised, and the rewards noise. Pass a trained reward model, or score with a reward function."
+        )
+    return model
 
 
 def _wrap_reward_model(model: PreTrainedModel, processing_class: Any, trust_remote_code: bool) -> RewardModelFunction:

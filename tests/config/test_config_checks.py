@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from gspo_trl.config import checks as config_checks
+from gspo_trl.config.generation_kwargs import check_generation_kwargs
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,10 @@ def test_generation_kwargs_that_do_not_sample_the_policy_are_refused_at_construc
         GSPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs=kwargs)
     # What a sampler does take passes, and one beam is no beam search.
     GSPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"num_beams": 1, "top_k": 50, "do_sample": True}
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        top_k=50,
+        generation_kwargs={"num_beams": 1, "top_k": 50, "do_sample": True},
     )
 
 
@@ -105,11 +109,18 @@ def test_num_generations_eval_is_a_positive_int_and_eval_groups_must_be_whole(tm
     assert GSPOConfig(**kwargs, num_generations=4, num_generations_eval=3).num_generations_eval == 3
 
 
+def sampling_fields(generation_kwargs, **overrides):
+    """The fields `check_generation_kwargs` reads, at GSPOConfig's defaults."""
+    values = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, max_completion_length=512)
+    values.update(cache_implementation=None, use_vllm=True, generation_kwargs=generation_kwargs)
+    return SimpleNamespace(**{**values, **overrides})
+
+
 @pytest.mark.parametrize("name", ["n", "best_of", "use_beam_search", "logprobs"])
 def test_vllm_request_fields_the_trainer_sets_are_refused_in_generation_kwargs(name):
     with pytest.raises(ValueError, match=f"generation_kwargs sets '{name}'"):
-        config_checks.check_generation_kwargs({name: 2, "top_k": 5}, use_vllm=True)
-    config_checks.check_generation_kwargs({"top_k": 5, "presence_penalty": 0.1}, use_vllm=True)
+        check_generation_kwargs(sampling_fields({name: 2, "top_k": 5}, top_k=5))
+    check_generation_kwargs(sampling_fields({"top_k": 5, "presence_penalty": 0.1}, top_k=5))
 
 
 @pytest.mark.parametrize(

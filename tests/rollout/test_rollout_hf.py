@@ -55,8 +55,8 @@ def test_shared_prompt_prefill_samples_what_plain_generate_samples(tmp_path, tin
         per_device_train_batch_size=8,
         max_completion_length=6,
         use_cpu=True,
-        generation_kwargs={"do_sample": False},  # greedy: both paths must give the same tokens
     )
+    args.generation_kwargs = {"do_sample": False}  # greedy, which GSPOConfig refuses: both paths give the same tokens
     backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
     prompts = ["What is 1 + 1?"] * 3 + ["Hi"] * 3
     prompt_ids, prompt_mask = backend.tokenize_prompts(prompts)
