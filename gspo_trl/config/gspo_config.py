@@ -184,7 +184,10 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
     )
     generation_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Extra keyword arguments for `GenerationConfig`; they override the sampling fields above."},
+        metadata={
+            "help": "Extra keyword arguments for `GenerationConfig` (vLLM: the request) besides the sampling fields "
+            "above, which only their own fields set. See docs/input-checks.md."
+        },
     )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None,
