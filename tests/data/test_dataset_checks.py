@@ -38,3 +38,18 @@ def test_a_prompt_message_without_content_is_refused_at_construction_naming_the_
     # Arrow gives the message without content a None one (the column's struct has the field): refused the same.
     check_prompt_dataset(Dataset.from_dict({"prompt": [good, good]}), "train_dataset")
     check_prompt_dataset(Dataset.from_dict({"prompt": ["plain text"]}), "train_dataset")
+
+
+def test_columns_the_policy_cannot_read_are_refused_and_renamed_ones_pass():
+    from gspo_trl.data.checks import check_dataset_modalities
+
+    text = ["What is 1 + 1?"] * 2
+    with pytest.raises(ValueError, match=r"train_dataset has a 'images' column, which the policy \(a text model\)"):
+        check_dataset_modalities(None, {"train_dataset": Dataset.from_dict({"prompt": text, "images": [[]] * 2})})
+    with pytest.raises(ValueError, match=r"eval_dataset has a 'video' column"):
+        check_dataset_modalities(None, {"eval_dataset": Dataset.from_dict({"prompt": text, "video": ["a.mp4"] * 2})})
+    # A column only reward functions read passes under another name; no dataset (eval_dataset=None) passes.
+    renamed = Dataset.from_dict({"prompt": text, "reward_image": [None] * 2})
+    check_dataset_modalities(None, {"train_dataset": renamed, "eval_dataset": None})
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    check_dataset_modalities(None, {"train_dataset": Dataset.from_dict({"prompt": [parts]})})  # text parts pass

@@ -43,3 +43,21 @@ def test_an_assistant_message_with_tool_calls_may_have_no_content():
     check_messages([{"role": "user", "content": "1+2?"}, {"role": "assistant", "tool_calls": [call]}])
     with pytest.raises(ValueError, match="'assistant'"):
         check_messages([{"role": "user", "content": "1+2?"}, {"role": "assistant"}])
+
+
+@pytest.mark.parametrize(
+    "prompt, error, match",
+    [
+        (None, TypeError, "must be a string or a list of chat messages, got NoneType"),
+        ("", ValueError, "empty string"),
+        ([], ValueError, "empty list of messages"),
+        ([{"role": "system", "content": "Be brief."}], ValueError, "last message has role 'system'"),
+        ([{"role": "user", "content": ["hi"]}], ValueError, "content part that is not a dict"),
+    ],
+)
+def test_a_prompt_that_is_not_prompt_text_is_refused_as_it_is_rendered(tiny_tokenizer, prompt, error, match):
+    # Streamed datasets are checked here, as their rows arrive; map-style ones at construction (data.checks).
+    with pytest.raises(error, match=match):
+        render_prompts(["plain", prompt], tiny_tokenizer)
+    # A prefilled assistant answer is continued, as in TRL; a whitespace prompt is still text.
+    render_prompts(["  ", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]], tiny_tokenizer)
