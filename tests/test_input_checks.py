@@ -194,6 +194,10 @@ CASES = {
     "but one rollout takes": lambda c: c.refused(prompts(["a"]), steps_per_generation=2),
     "leaves no room for a prompt": lambda c: c.refused(max_completion_length=512),  # the tiny Llama's 512 positions
     "positions, but the model attends to": lambda c: c.refused(max_prompt_length=500, max_completion_length=16),
+    "holds fewer than the": lambda c: [
+        (config_error(c.tmp_path, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, **budget), None)
+        for budget in ({"max_prompt_length": 60, "max_completion_length": 8}, {"max_completion_length": 64})
+    ],
     "A prompt of this rollout": lambda c: [
         # Learned positions (GPT-2, 512): an IndexError inside torch without the check; RoPE (Llama) runs on.
         *c.refused_at_first_rollout(prompts(["hello world " * 300] * 4), model=gpt2_model(c)),

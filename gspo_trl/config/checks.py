@@ -384,6 +384,13 @@ def check_colocate(config) -> None:
         )
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {config.vllm_gpu_memory_utilization}.")
+    length, budget = config.vllm_max_model_length, (config.max_prompt_length or 1) + config.max_completion_length
+    if length is not None and budget > length:
+        raise ValueError(
+            f"vllm_max_model_length={length} holds fewer than the {budget} tokens of a prompt (max_prompt_length="
+            f"{config.max_prompt_length}, at least 1) and its completion (max_completion_length="
+            f"{config.max_completion_length}): the engine would refuse those requests. Raise it, or leave it None."
+        )
     if config.vllm_tensor_parallel_size > 1 and config.async_rollouts:
         raise ValueError(
             "async_rollouts=True with vllm_tensor_parallel_size > 1: the engine's group collectives would run on the "
