@@ -1,6 +1,7 @@
 """Checks of what a user hands `GSPOTrainer`, before anything is built: a `GSPOConfig` (or the default one), and
-datasets of one split, with a 'prompt' column and enough prompts for one rollout. Each raises an error that names
-the argument and says what to change."""
+datasets of one split, with a 'prompt' column of prompt text and enough prompts for one rollout; once the policy is
+loaded, no column or content part it cannot read (`check_dataset_modalities`). Each raises an error that names the
+argument (and the row) and says what to change."""
 
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def check_prompt(prompt: Any) -> None:
     if prompt[-1]["role"] not in LAST_PROMPT_ROLES:
         raise ValueError(
             f"The prompt's last message has role {prompt[-1]['role']!r}, after which the chat template cannot start "
-            f"the assistant's turn: end every prompt with a {', '.join(map(repr, LAST_PROMPT_ROLES))} message."
+            "the assistant's turn: end every prompt with a 'user', 'tool' or 'assistant' message."
         )
 
 
