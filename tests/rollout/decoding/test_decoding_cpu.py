@@ -51,7 +51,13 @@ def test_off_the_loop_runs_the_models_own_forward(tmp_path, tiny_model, tiny_tok
     entered = []
     monkeypatch.setattr(cpu, "fast_decode_linears", lambda *args, **kwargs: entered.append("linears"))
     monkeypatch.setattr(cpu, "packed_gqa_decoding", lambda *args, **kwargs: entered.append("attention"))
-    args = GSPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, use_cpu=True, cpu_decoding_kernels="off")
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_completion_length=16,  # prompt and completion within the tiny model's 512 positions
+        use_cpu=True,
+        cpu_decoding_kernels="off",
+    )
     backend = HFGenerateBackend(lambda: tiny_model, tiny_tokenizer, args)
     rollout = backend.generate(["What is 1 + 1?", "Hi"])
     assert rollout.completion_ids.shape[0] == 2 and not entered
