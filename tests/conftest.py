@@ -78,7 +78,9 @@ def build_tiny_model(tokenizer, seed: int = 0):
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=len(tokenizer),
-        max_position_embeddings=512,
+        # Room for a tool-calling prompt (~700 tokens with its schemas) and its turns: a prompt and completion past
+        # the context are refused. RoPE has no weights, so the model is the same for any length.
+        max_position_embeddings=2048,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -192,8 +192,8 @@ CASES = {
     "max_completion_length must be >= 1": lambda c: [(config_error(c.tmp_path, max_completion_length=0), None)],
     "trains no step": lambda c: [(config_error(c.tmp_path, max_steps=-1, num_train_epochs=0), None)],
     "but one rollout takes": lambda c: c.refused(prompts(["a"]), steps_per_generation=2),
-    "leaves no room for a prompt": lambda c: c.refused(max_completion_length=512),  # the tiny Llama's 512 positions
-    "positions, but the model attends to": lambda c: c.refused(max_prompt_length=500, max_completion_length=16),
+    "leaves no room for a prompt": lambda c: c.refused(max_completion_length=2048),  # the tiny Llama's 2048 positions
+    "positions, but the model attends to": lambda c: c.refused(max_prompt_length=2040, max_completion_length=16),
     "holds fewer than the": lambda c: [
         (config_error(c.tmp_path, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, **budget), None)
         for budget in ({"max_prompt_length": 60, "max_completion_length": 8}, {"max_completion_length": 64})
@@ -201,7 +201,7 @@ CASES = {
     "A prompt of this rollout": lambda c: [
         # Learned positions (GPT-2, 512): an IndexError inside torch without the check; RoPE (Llama) runs on.
         *c.refused_at_first_rollout(prompts(["hello world " * 300] * 4), model=gpt2_model(c)),
-        *c.refused_at_first_rollout(prompts(["hello world " * 300] * 4)),
+        *c.refused_at_first_rollout(prompts(["hello world " * 1100] * 4)),
     ],
     "is a language model": lambda c: [
         *c.refused(reward=c.causal_lm_checkpoint()),

@@ -353,6 +353,7 @@ def check_vllm(config) -> None:
     if config.vllm_mode not in ("server", "colocate"):
         raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {config.vllm_mode!r}.")
     if config.vllm_mode == "colocate":
+        check_colocated_model_length(config)
         check_colocate(config)
     if (
         config.loss_type == "vespo"
@@ -375,6 +376,17 @@ def check_vllm(config) -> None:
         )
 
 
+def check_colocated_model_length(config) -> None:
+    """A colocated engine's context length holds a prompt (max_prompt_length, or one token) and its completion."""
+    length, budget = config.vllm_max_model_length, (config.max_prompt_length or 1) + config.max_completion_length
+    if length is not None and budget > length:
+        raise ValueError(
+            f"vllm_max_model_length={length} holds fewer than the {budget} tokens of a prompt (max_prompt_length="
+            f"{config.max_prompt_length}, at least 1) and its completion (max_completion_length="
+            f"{config.max_completion_length}): the engine would refuse those requests. Raise it, or leave it None."
+        )
+
+
 def check_colocate(config) -> None:
     """A colocated engine's layout; sleep mode, which vLLM offers on GPUs only."""
     if config.vllm_tensor_parallel_size < 1 or config.world_size % config.vllm_tensor_parallel_size:
@@ -384,13 +396,6 @@ def check_colocate(config) -> None:
         )
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {config.vllm_gpu_memory_utilization}.")
-    length, budget = config.vllm_max_model_length, (config.max_prompt_length or 1) + config.max_completion_length
-    if length is not None and budget > length:
-        raise ValueError(
-            f"vllm_max_model_length={length} holds fewer than the {budget} tokens of a prompt (max_prompt_length="
-            f"{config.max_prompt_length}, at least 1) and its completion (max_completion_length="
-            f"{config.max_completion_length}): the engine would refuse those requests. Raise it, or leave it None."
-        )
     if config.vllm_tensor_parallel_size > 1 and config.async_rollouts:
         raise ValueError(
             "async_rollouts=True with vllm_tensor_parallel_size > 1: the engine's group collectives would run on the "

@@ -37,7 +37,7 @@ def test_the_trainer_pools_memory_on_cpu_unless_told_not_to(tmp_path, tiny_model
             output_dir=str(tmp_path),
             per_device_train_batch_size=2,
             num_generations=2,
-            max_completion_length=8,  # within the tiny model's 512 positions
+            max_completion_length=8,
             use_cpu=True,
             report_to="none",
             **overrides,

@@ -54,7 +54,7 @@ def test_off_the_loop_runs_the_models_own_forward(tmp_path, tiny_model, tiny_tok
     args = GSPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=8,
-        max_completion_length=16,  # prompt and completion within the tiny model's 512 positions
+        max_completion_length=16,
         use_cpu=True,
         cpu_decoding_kernels="off",
     )
