@@ -23,8 +23,8 @@ from transformers.utils import logging
 from . import __version__
 from .config.gspo_config import GSPOConfig
 from .config.trl_attributes import TRLAttributes
-from .data.checks import check_datasets, collate_rows, trainer_config
-from .data.streaming import check_stream_resume, micro_steps_per_epoch, streamed
+from .data.checks import RowCollator, check_datasets, trainer_config
+from .data.streaming import check_stream_resume, micro_steps_per_epoch, streamed, use_stream_settings
 from .models.checkpointing import enable_kept_attention
 from .models.distributed import (
     check_deepspeed_batch_fields,
@@ -99,6 +99,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         episodes = env_factory is not None or tools is not None or environment_factory is not None
         check_rollout_func(rollout_func, args, episodes)
         check_datasets(train_dataset, eval_dataset, args, episodes)
+        use_stream_settings(train_dataset, eval_dataset, args)  # TRL's: dispatch_batches=False, a stream's one worker
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
         check_deepspeed_batch_fields(args, args.world_size)
@@ -128,7 +129,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=collate_rows(needs_prompt=not episodes),  # lists of rows, each with a prompt
+            data_collator=RowCollator(needs_prompt=not episodes),  # lists of rows, each with a prompt
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processor or tokenizer,
@@ -161,6 +162,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             check_async_rollouts_supported(self.rollout_backend, self.accelerator)
             self.rollout_pipeline = RolloutPipeline(args, self.rollout_backend, self.episode_runner, tokenizer)
         self._metrics = MetricsBuffer()
+        self._eval_prefix = "eval"  # the metric prefix of the evaluation running: eval_<name> for one of several
         self.completion_log = CompletionLog(args, self.accelerator) if args.log_completions else None
         if self.completion_log is not None:
             self.add_callback(self.completion_log)  # uploads the rest of the log when training ends
@@ -428,17 +430,21 @@ class GSPOTrainer(TRLAttributes, Trainer):
 
     # --- logging and saving -------------------------------------------------------------------
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        self._eval_prefix = metric_key_prefix  # Trainer evaluates each of several datasets under eval_<name>
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics.pop_averages(mode)
         if mode == "eval":
-            metrics = {f"eval_{name}": value for name, value in metrics.items()}
+            metrics = {f"{self._eval_prefix}_{name}": value for name, value in metrics.items()}
         else:
             metrics["num_tokens"] = self._num_tokens_seen
         logs.update(metrics)
         super().log(logs, start_time)
         if self.completion_log is not None:
-            self.completion_log.write(self.state.global_step)
+            self.completion_log.write(self.state.global_step, self._eval_prefix)
 
     def _save_checkpoint(self, model, trial):
         # The rollout goes first: Trainer writes trainer_state.json last, which marks a complete checkpoint.

@@ -1,9 +1,11 @@
-"""Checks of what a user hands `GSPOTrainer`, before anything is built: a `GSPOConfig` (or the default one), and
-datasets of one split, with a 'prompt' column and enough prompts for one rollout. Each raises an error that names
+"""Checks of what a user hands `GSPOTrainer`, before anything is built: a `GSPOConfig` (or the default one), a training
+dataset of one split with a 'prompt' column and enough prompts for one rollout, and evaluation datasets (one, or
+several by name as TRL takes them: a dict, `DatasetDict` or `IterableDatasetDict`). Each raises an error that names
 the argument and says what to change."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from ..config.gspo_config import GSPOConfig
@@ -27,11 +29,18 @@ def trainer_config(args, model) -> GSPOConfig:
 
 def check_datasets(train_dataset, eval_dataset, args, episodes: bool) -> None:
     """The training and evaluation datasets (`check_prompt_dataset`; episodes may start from the environment's reset
-    instead of a prompt), enough training prompts for a rollout, and evaluation groups episodes can be scored in."""
+    instead of a prompt), enough training prompts for a rollout, and evaluation groups episodes can be scored in.
+    Without a training dataset there would be nothing to train on: TRL's `ValueError`."""
+    if train_dataset is None:
+        raise ValueError(
+            "`train_dataset` is required: it holds the prompts the rollouts are sampled for (a multi-turn "
+            "environment's reset() receives its rows). Pass train_dataset=Dataset.from_dict({'prompt': [...]})."
+        )
     check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
-    check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
     check_stream(train_dataset, "train_dataset", args)
-    check_stream(eval_dataset, "eval_dataset", args)
+    for name, split in eval_splits(eval_dataset).items():
+        check_prompt_dataset(split, name, needs_prompt=not episodes)
+        check_stream(split, name, args)
     check_enough_prompts(train_dataset, args)
     if episodes and args.num_generations_eval == 1:
         raise ValueError(
@@ -60,14 +69,28 @@ def check_enough_prompts(dataset, args) -> None:
         )
 
 
+def eval_splits(eval_dataset) -> dict:
+    """The evaluation datasets by the name an error gives them: `eval_dataset`, or for several (a dict, `DatasetDict`
+    or `IterableDatasetDict`, which Trainer evaluates one by one under the prefix `eval_<key>_`)
+    `eval_dataset['<key>']`."""
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict):  # DatasetDict and IterableDatasetDict are dicts too
+        return {f"eval_dataset[{key!r}]": split for key, split in eval_dataset.items()}
+    return {"eval_dataset": eval_dataset}
+
+
 def check_prompt_dataset(dataset, name: str, needs_prompt: bool = True) -> None:
-    """A clear error for a `DatasetDict` or a dataset without the 'prompt' column the trainer reads (`name`: the
-    argument it was given as)."""
+    """A clear error for several datasets where one is read (a `DatasetDict`: the training dataset), or a dataset
+    without the 'prompt' column the trainer reads (`name`: the argument it was given as)."""
     if dataset is None:
         return
+    if isinstance(dataset, dict):  # a DatasetDict, an IterableDatasetDict or a dict of datasets
+        raise TypeError(
+            f"{name} must be a Dataset or IterableDataset, got {type(dataset).__name__} (several splits); pass one "
+            f"split, e.g. {name}=dataset['train']."
+        )
     column_names = getattr(dataset, "column_names", None)
-    if isinstance(column_names, dict):  # a DatasetDict
-        raise TypeError(f"{name} is a DatasetDict; pass one split, e.g. {name}=dataset['train'].")
     if needs_prompt and column_names is not None and "prompt" not in column_names:
         raise ValueError(
             f"{name} needs a 'prompt' column (a string, or a list of chat messages); it has {column_names}. "
@@ -90,17 +113,20 @@ def check_prompt_messages(prompts, name: str, batch_rows: int = 1024) -> None:
                     raise ValueError(f"{name} row {start + offset}: {error}") from None
 
 
-def collate_rows(needs_prompt: bool):
+@dataclasses.dataclass(frozen=True)
+class RowCollator:
     """The dataloader's collator: a batch stays a list of rows (python objects until generation: prompts may be chat
-    messages). A row without 'prompt' is refused as it arrives; a stream's columns are known only then."""
+    messages). A row without 'prompt' is refused as it arrives (`needs_prompt`); a stream's columns are known only
+    then. A module-level class, so that dataloader workers (`dataloader_num_workers > 0`) can pickle it whatever their
+    start method (spawn and forkserver pickle the collator into each worker)."""
 
-    def collate(rows: list[dict]) -> list[dict]:
+    needs_prompt: bool = True
+
+    def __call__(self, rows: list[dict]) -> list[dict]:
         for row in rows:
-            if needs_prompt and "prompt" not in row:
+            if self.needs_prompt and "prompt" not in row:
                 raise ValueError(
                     f"A dataset row has no 'prompt' column (a string, or a list of chat messages); its columns are "
                     f"{sorted(row)}. Rename your column with dataset.rename_column(old, 'prompt')."
                 )
         return list(rows)
-
-    return collate

@@ -1,20 +1,26 @@
-"""dataset_checks: the errors a user gets for a dataset the trainer cannot use."""
+"""gspo_trl/data/checks.py: the errors a user gets for a dataset the trainer cannot use, evaluation datasets by name,
+and the collator that dataloader workers run."""
 
 from __future__ import annotations
 
-import pytest
-from datasets import Dataset, DatasetDict
+import pickle
 
-from gspo_trl import GSPOConfig
-from gspo_trl.data.checks import check_enough_prompts, check_prompt_dataset
+import pytest
+import torch
+from datasets import Dataset, DatasetDict, IterableDatasetDict
+from helpers import count_digits, small_config, text_dataset
+
+from gspo_trl import GSPOConfig, GSPOTrainer
+from gspo_trl.data.checks import RowCollator, check_datasets, check_enough_prompts, check_prompt_dataset, eval_splits
 
 
 def test_a_dataset_dict_and_a_missing_prompt_column_are_named():
     prompts = Dataset.from_dict({"prompt": ["a", "b"]})
     with pytest.raises(
-        TypeError, match=r"eval_dataset is a DatasetDict; pass one split, e.g. eval_dataset=dataset\['train'\]"
+        TypeError,
+        match=r"train_dataset must be a Dataset or IterableDataset, got DatasetDict .*train_dataset=dataset\['train'\]",
     ):
-        check_prompt_dataset(DatasetDict({"train": prompts}), "eval_dataset")
+        check_prompt_dataset(DatasetDict({"train": prompts}), "train_dataset")
     with pytest.raises(ValueError, match=r"train_dataset needs a 'prompt' column .* it has \['question'\]"):
         check_prompt_dataset(Dataset.from_dict({"question": ["a"]}), "train_dataset")
     check_prompt_dataset(Dataset.from_dict({"question": ["a"]}), "train_dataset", needs_prompt=False)  # episodes
@@ -38,3 +44,53 @@ def test_a_prompt_message_without_content_is_refused_at_construction_naming_the_
     # Arrow gives the message without content a None one (the column's struct has the field): refused the same.
     check_prompt_dataset(Dataset.from_dict({"prompt": [good, good]}), "train_dataset")
     check_prompt_dataset(Dataset.from_dict({"prompt": ["plain text"]}), "train_dataset")
+
+
+def test_several_evaluation_datasets_are_checked_each_under_its_name(tmp_path):
+    args = small_config(tmp_path)
+    prompts, questions = text_dataset(2), Dataset.from_dict({"question": ["a"]})
+    splits = DatasetDict({"easy": prompts, "hard": prompts})
+    assert eval_splits(splits) == {"eval_dataset['easy']": prompts, "eval_dataset['hard']": prompts}
+    assert eval_splits({"only": prompts}) == {"eval_dataset['only']": prompts}  # a plain dict, as Trainer takes
+    assert eval_splits(prompts) == {"eval_dataset": prompts} and eval_splits(None) == {}
+    check_datasets(text_dataset(), splits, args, episodes=False)
+    check_datasets(text_dataset(), IterableDatasetDict({"s": prompts.to_iterable_dataset()}), args, episodes=False)
+    with pytest.raises(ValueError, match=r"eval_dataset\['hard'\] needs a 'prompt' column"):
+        check_datasets(text_dataset(), {"easy": prompts, "hard": questions}, args, episodes=False)
+    with pytest.raises(TypeError, match=r"eval_dataset\['nested'\] must be a Dataset"):
+        check_datasets(text_dataset(), {"nested": splits}, args, episodes=False)
+
+
+def test_a_missing_train_dataset_is_trls_error_before_the_model_loads(tmp_path):
+    for environment in ({}, {"env_factory": object}):  # episodes reset from the dataset's rows too
+        with pytest.raises(ValueError, match="`train_dataset` is required"):
+            GSPOTrainer("no/such-model", count_digits, args=small_config(tmp_path), **environment)
+
+
+def test_the_collator_survives_pickling_as_dataloader_workers_need():
+    collator = pickle.loads(pickle.dumps(RowCollator(needs_prompt=True)))
+    assert collator([{"prompt": "a", "answer": "1"}]) == [{"prompt": "a", "answer": "1"}]
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        collator([{"question": "a"}])
+
+
+@pytest.mark.slow  # two dataloader workers start Python, torch and gspo_trl each (spawn)
+def test_training_with_dataloader_workers_started_by_spawn(tmp_path, tiny_model_dir):
+    # spawn (macOS's default, and what TRL's test uses) pickles the collator and the dataset into each worker: the
+    # strictest start method. Each worker reads its own batches of the sampler's indices; the groups stay whole.
+    args = small_config(tmp_path, dataloader_num_workers=2, dataloader_multiprocessing_context="spawn")
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=text_dataset(16))
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    rollouts = []
+    generate = trainer.rollout_backend.generate
+    trainer.rollout_backend.generate = lambda prompts, *rest: rollouts.append(list(prompts)) or generate(prompts, *rest)
+    trainer.train()
+    assert trainer.get_train_dataloader().num_workers == 2
+    assert trainer.state.global_step == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in losses(trainer))
+    assert all(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+    groups = [rollout[start : start + 4] for rollout in rollouts for start in range(0, len(rollout), 4)]
+    assert len(groups) == 4 and all(len(set(group)) == 1 for group in groups)  # one rollout: 4 prompts × 4
+
+
+def losses(trainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
