@@ -465,7 +465,9 @@ def check_logging(config) -> None:
 
 
 def batch_sizes(config, steps_per_generation_was_set: bool) -> tuple[int, int]:
-    """(steps_per_generation, generation_batch_size) from whichever of the two was set, checked against the groups."""
+    """(steps_per_generation, generation_batch_size) from whichever of the two was set, checked against the groups: a
+    rollout holds whole groups. An optimizer step need not (as in TRL): advantages are computed on the whole rollout,
+    so a group whose completions fall into two optimizer steps gives each completion the same advantage."""
     global_batch = config.per_device_train_batch_size * config.world_size
     steps_per_generation, generation_batch_size = config.steps_per_generation, config.generation_batch_size
     if steps_per_generation_was_set and generation_batch_size is not None:
@@ -483,16 +485,6 @@ def batch_sizes(config, steps_per_generation_was_set: bool) -> tuple[int, int]:
         if steps_per_generation < 1:
             raise ValueError(f"steps_per_generation must be >= 1, got {steps_per_generation}.")
         generation_batch_size = global_batch * steps_per_generation
-    step_batch = global_batch * config.gradient_accumulation_steps
-    if step_batch % config.num_generations != 0:
-        raise ValueError(
-            "An optimizer step trains on per_device_train_batch_size × num_processes × "
-            f"gradient_accumulation_steps "
-            f"= {config.per_device_train_batch_size} × {config.world_size} × {config.gradient_accumulation_steps} = "
-            f"{step_batch} completions, not a multiple of num_generations ({config.num_generations}): a prompt's "
-            "group would be split across optimizer steps. Adjust per_device_train_batch_size or "
-            "gradient_accumulation_steps (with more processes, the product changes too)."
-        )
     if generation_batch_size % config.num_generations != 0:
         raise ValueError(
             f"generation_batch_size ({generation_batch_size} = per_device_train_batch_size × num_processes "

@@ -91,7 +91,6 @@ def test_scale_rewards_booleans(tmp_path):
         ({"generation_batch_size": 20}, "generation_batch_size"),
         ({"generation_batch_size": 32, "steps_per_generation": 4}, "generation_batch_size"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
-        ({"per_device_train_batch_size": 4, "steps_per_generation": 2}, "split across optimizer steps"),
         ({"advantage_granularity": "step"}, "advantage_granularity"),
         ({"advantage_granularity": "turn"}, "importance_sampling_level='turn'"),
         ({"advantage_granularity": "turn", "loss_type": "vespo"}, "advantage_granularity='trajectory'"),
