@@ -23,7 +23,7 @@ from transformers.utils import logging
 from . import __version__
 from .config.gspo_config import GSPOConfig
 from .config.trl_attributes import TRLAttributes
-from .data.checks import RowCollator, check_datasets, trainer_config
+from .data.checks import RowCollator, check_datasets, environment_owned_prompts, trainer_config
 from .data.streaming import check_stream_resume, micro_steps_per_epoch, streamed, use_stream_settings
 from .models.checkpointing import enable_kept_attention
 from .models.distributed import (
@@ -98,6 +98,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         args = trainer_config(args, model)
         episodes = env_factory is not None or tools is not None or environment_factory is not None
         check_rollout_func(rollout_func, args, episodes)
+        train_dataset = environment_owned_prompts(train_dataset, args, environment_factory or env_factory)
         check_datasets(train_dataset, eval_dataset, args, episodes)
         use_stream_settings(train_dataset, eval_dataset, args)  # TRL's: dispatch_batches=False, a stream's one worker
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from datasets import Dataset
+
 from ..config.gspo_config import GSPOConfig
 from ..rollout.types import check_messages
 from .streaming import check_stream
@@ -30,11 +32,13 @@ def trainer_config(args, model) -> GSPOConfig:
 def check_datasets(train_dataset, eval_dataset, args, episodes: bool) -> None:
     """The training and evaluation datasets (`check_prompt_dataset`; episodes may start from the environment's reset
     instead of a prompt), enough training prompts for a rollout, and evaluation groups episodes can be scored in.
-    Without a training dataset there would be nothing to train on: TRL's `ValueError`."""
+    Without a training dataset (and no environment that owns the data: `environment_owned_prompts`) there would be
+    nothing to train on: TRL's `ValueError`."""
     if train_dataset is None:
         raise ValueError(
-            "`train_dataset` is required: it holds the prompts the rollouts are sampled for (a multi-turn "
-            "environment's reset() receives its rows). Pass train_dataset=Dataset.from_dict({'prompt': [...]})."
+            "`train_dataset` is required unless an environment_factory (or env_factory) is provided whose reset() "
+            "returns the prompt: it holds the prompts the rollouts are sampled for. Pass "
+            "train_dataset=Dataset.from_dict({'prompt': [...]})."
         )
     check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
     check_stream(train_dataset, "train_dataset", args)
@@ -52,6 +56,26 @@ def check_datasets(train_dataset, eval_dataset, args, episodes: bool) -> None:
             f"multi_objective_aggregation={args.multi_objective_aggregation!r} is for single-turn rollouts; "
             "multi-turn episodes (env_factory, tools) take 'sum_then_normalize'."
         )
+
+
+def environment_owned_prompts(train_dataset, args, environment_factory):
+    """`train_dataset`, or without one, where an environment owns the data (`environment_factory`: TRL's, or a
+    gym-style `env_factory`; its reset() gives the prompt), TRL's stand-in: one rollout's rows of an empty user
+    message, which the run goes through again every epoch for `max_steps` optimizer steps."""
+    if train_dataset is not None or environment_factory is None:
+        return train_dataset
+    if isinstance(environment_factory, dict):
+        raise ValueError(
+            "A dict environment_factory (several environments) requires a `train_dataset` with an 'environment' column "
+            "naming each row's environment. Pass such a dataset, or a single environment factory."
+        )
+    if args.max_steps <= 0:
+        raise ValueError(
+            "Without a train_dataset the environment owns the data (its reset() returns the prompt), so the run's "
+            f"length cannot come from num_train_epochs: set max_steps to a positive value (got {args.max_steps})."
+        )
+    rows = args.generation_batch_size // args.num_generations
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
 
 
 def check_enough_prompts(dataset, args) -> None:

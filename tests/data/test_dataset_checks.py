@@ -3,6 +3,7 @@ and the collator that dataloader workers run."""
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -11,7 +12,14 @@ from datasets import Dataset, DatasetDict, IterableDatasetDict
 from helpers import count_digits, small_config, text_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
-from gspo_trl.data.checks import RowCollator, check_datasets, check_enough_prompts, check_prompt_dataset, eval_splits
+from gspo_trl.data.checks import (
+    RowCollator,
+    check_datasets,
+    check_enough_prompts,
+    check_prompt_dataset,
+    environment_owned_prompts,
+    eval_splits,
+)
 
 
 def test_a_dataset_dict_and_a_missing_prompt_column_are_named():
@@ -62,9 +70,53 @@ def test_several_evaluation_datasets_are_checked_each_under_its_name(tmp_path):
 
 
 def test_a_missing_train_dataset_is_trls_error_before_the_model_loads(tmp_path):
-    for environment in ({}, {"env_factory": object}):  # episodes reset from the dataset's rows too
-        with pytest.raises(ValueError, match="`train_dataset` is required"):
-            GSPOTrainer("no/such-model", count_digits, args=small_config(tmp_path), **environment)
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an environment_factory"):
+        GSPOTrainer("no/such-model", count_digits, args=small_config(tmp_path))
+    with pytest.raises(ValueError, match="set max_steps"):  # the environment owns the data: how long to train?
+        GSPOTrainer("no/such-model", None, args=small_config(tmp_path, max_steps=-1), environment_factory=Echo)
+    with pytest.raises(ValueError, match="requires a `train_dataset` with an 'environment' column"):
+        GSPOTrainer("no/such-model", None, args=small_config(tmp_path), environment_factory={"a": Echo, "b": Echo})
+
+
+def test_an_environment_that_owns_the_data_gets_one_rollout_of_empty_prompts(tmp_path):
+    args = small_config(tmp_path, steps_per_generation=2)  # rollouts of 4 × 2 = 8 completions: 2 prompts
+    prompts = environment_owned_prompts(None, args, Echo)
+    assert prompts["prompt"] == [[{"role": "user", "content": ""}]] * 2
+    given = text_dataset()
+    assert environment_owned_prompts(given, args, Echo) is given and environment_owned_prompts(None, args, None) is None
+
+
+class Echo:
+    """A TRL environment that owns the data: reset() returns the prompt; its one tool echoes."""
+
+    def reset(self, **row):
+        return "What is 2 + 3? Reply with just the number."
+
+    def echo(self, text: str) -> str:
+        """Echo the text.
+
+        Args:
+            text: what to echo
+        """
+        return text
+
+
+@pytest.mark.slow  # a training run
+def test_training_where_the_environment_owns_the_data(tmp_path, tiny_model_dir):
+    seen = []
+
+    def answers_five(prompts, completions, **kwargs):
+        seen.extend(prompts)
+        return [float("5" in c[-1]["content"]) for c in completions]
+
+    args = small_config(tmp_path, max_steps=2, max_completion_length=8, max_tool_calling_iterations=1)
+    trainer = GSPOTrainer(tiny_model_dir, answers_five, args=args, environment_factory=Echo)
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(trainer.train_dataset) == 4  # 16 completions a rollout, groups of 4
+    assert all(math.isfinite(entry["loss"]) for entry in losses(trainer)) and len(seen) == 16
+    # Each episode's prompt is the empty user message with the reset() observation appended, as in TRL (then the
+    # tools' description, as the tiny model's template does not present tools).
+    assert all(prompt[-1]["role"] == "user" and prompt[-1]["content"].startswith(Echo().reset()) for prompt in seen)
 
 
 def test_the_collator_survives_pickling_as_dataloader_workers_need():
