@@ -38,7 +38,11 @@ def test_get_off_policy_mask_equals_trls_static_method(seed):
         logps = -torch.rand(mask.shape, generator=generator) * 3
         sampling = logps + torch.randn(mask.shape, generator=generator) * 0.5
         sampling[1, 2] = float("nan")  # a token the sampler could not score
-        for advantages in (torch.randn(mask.shape[0], 1, generator=generator), torch.randn(mask.shape, generator=generator)):
+        per_sequence, per_token = (
+            torch.randn(mask.shape[0], 1, generator=generator),
+            torch.randn(mask.shape, generator=generator),
+        )
+        for advantages in (per_sequence, per_token):
             for threshold in (0.0, 0.1, float(torch.rand(1, generator=generator)), 10.0):
                 kwargs = dict(
                     advantages=advantages,
@@ -85,7 +89,8 @@ def test_every_trl_config_copy_is_live_or_fixed_and_reads_the_run(tmp_path, tiny
     # Live: the config field and the objective the loss reads change together.
     trainer.epsilon_low, trainer.epsilon_high, trainer.loss_type = 0.2, 0.28, "dapo"
     assert (args.epsilon, args.epsilon_high, args.loss_type) == (0.2, 0.28, "dapo")
-    assert (trainer.objective.epsilon, trainer.objective.epsilon_high, trainer.objective.loss_type) == (0.2, 0.28, "dapo")
+    objective = trainer.objective
+    assert (objective.epsilon, objective.epsilon_high, objective.loss_type) == (0.2, 0.28, "dapo")
     trainer.scale_rewards = False  # TRL's spelling, stored as the option it means
     assert trainer.scale_rewards == "none"
     trainer.pad_to_multiple_of = "auto"
