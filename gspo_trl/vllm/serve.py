@@ -5,9 +5,8 @@ model checks over `/collective_rpc`, which needs `VLLM_SERVER_DEV_MODE=1`), log-
 sampled from (`--logprobs-mode processed_logprobs`), and 127.0.0.1 unless a host is named; with $GSPO_TRL_VLLM_TOKEN
 set, `auth.TokenMiddleware` guards every path with it, and another address without a token is refused unless
 `--insecure-no-token` says so. The folders the worker methods may use are passed in the environment (`folders`).
-The server may run in
-another Python environment (`--vllm-python`, e.g. a separate venv with the CPU build of vLLM): only this package's
-folder is put on its path, and the extension imports nothing but torch and vllm.
+The server may run in another Python environment (`--vllm-python`, e.g. a separate venv with the CPU build of vLLM):
+only this package's folder is put on its path, and the extension imports nothing but torch and vllm.
 """
 
 from __future__ import annotations

@@ -654,7 +654,7 @@ from gspo_trl import GSPOTrainer
 model, url, sync_dir, out = sys.argv[1:5]
 args = small_config(out, use_vllm=True, vllm_server_base_url=url, vllm_weight_sync_dir=sync_dir, max_steps=10000)
 trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=text_dataset())
-print(trainer.rollout_backend.snapshot_dir, flush=True)
+print("SNAPSHOT", trainer.rollout_backend.snapshot_dir, flush=True)
 trainer.train()
 """
 
@@ -666,6 +666,8 @@ def test_a_killed_runs_snapshot_is_removed_by_the_next_and_sigterm_removes_its_o
     env = {**worker_env(), TOKEN_ENV: server["token"]}
     env["PYTHONPATH"] = os.pathsep.join([tests_dir, str(Path(tests_dir).parent), env.get("PYTHONPATH", "")])
 
+    processes = []
+
     def start(name):
         process = subprocess.Popen(
             [sys.executable, "-c", KILLED_RUN, served_model_dir, server["url"], str(sync_dir), str(tmp_path / name)],
@@ -674,22 +676,26 @@ def test_a_killed_runs_snapshot_is_removed_by_the_next_and_sigterm_removes_its_o
             text=True,
             env=env,
         )
-        folder = process.stdout.readline().strip()
+        processes.append(process)
+        lines = iter(process.stdout.readline, "")
+        folder = next((line.split()[1] for line in lines if line.startswith("SNAPSHOT ")), None)
         assert folder and os.path.isdir(folder), f"run {name} made no snapshot folder (exit {process.poll()})"
         return process, folder
 
-    killed, killed_folder = start("killed")
-    time.sleep(5)  # into training: the first rollout's sync
-    killed.kill()
-    killed.wait(timeout=60)
-    assert os.path.isdir(killed_folder)  # SIGKILL runs no cleanup: what a killed run leaves behind
-    stopped, stopped_folder = start("stopped")
     try:
+        killed, killed_folder = start("killed")
+        time.sleep(5)  # into training: the first rollout's sync
+        killed.kill()
+        killed.wait(timeout=60)
+        assert os.path.isdir(killed_folder)  # SIGKILL runs no cleanup: what a killed run leaves behind
+        stopped, stopped_folder = start("stopped")
         assert not os.path.exists(killed_folder)  # removed as the next run made its own
         time.sleep(5)
         stopped.send_signal(signal.SIGTERM)
         assert stopped.wait(timeout=60) == -signal.SIGTERM  # it still ends as SIGTERM ends it
+        assert not os.path.exists(stopped_folder)
+        assert os.listdir(sync_dir) == []
     finally:
-        stopped.kill()
-    assert not os.path.exists(stopped_folder)
-    assert os.listdir(sync_dir) == []
+        for process in processes:
+            process.kill()
+            process.wait(timeout=60)
