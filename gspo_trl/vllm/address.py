@@ -27,16 +27,20 @@ def check_base_url(url, field: str = "vllm_server_base_url") -> str:
         raise ValueError(f"{head} holds whitespace: write the URL alone, like {EXAMPLE!r}.")
     if "://" not in url:
         raise ValueError(f"{head} has no scheme: write it as 'http://{url}' (the form is {EXAMPLE!r}).")
-    parts = urlsplit(url)
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"{head}: the scheme must be http or https (the form is {EXAMPLE!r}).")
-    if parts.username is not None or parts.password is not None:
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:  # an unbalanced bracket
+        raise ValueError(f"{head}: {error} (an IPv6 address goes in brackets: 'http://[::1]:8000').") from None
+    if parts.username is not None or parts.password is not None:  # named before anything repeats the URL
         raise ValueError(
             f"{field} holds credentials (user:password@): drop them from the URL and pass the server's token as "
             "vllm_server_token (or the GSPO_TRL_VLLM_TOKEN environment variable)."
         )
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"{head}: the scheme must be http or https (the form is {EXAMPLE!r}).")
     if not parts.hostname:
-        raise ValueError(f"{head} has no host (the form is {EXAMPLE!r}).")
+        brackets = " (an IPv6 address goes in brackets: 'http://[::1]:8000')" if "::" in parts.netloc else ""
+        raise ValueError(f"{head} has no host{brackets} (the form is {EXAMPLE!r}).")
     try:
         port = parts.port
     except ValueError:  # not a number, or past 65535

@@ -41,6 +41,8 @@ MALFORMED = [
     (" http://127.0.0.1:8000", "whitespace"),
     ("http://127.0.0.1:8000\n", "whitespace"),
     ("http://user:pw@127.0.0.1:8000", "credentials.*vllm_server_token"),
+    ("http://::1:8000", "no host .an IPv6 address goes in brackets"),
+    ("http://[::1:8000", "IPv6 address goes in brackets"),
 ]
 
 
@@ -50,9 +52,10 @@ def test_a_malformed_url_is_a_value_error_naming_the_field(url, message):
         check_base_url(url)
 
 
-def test_credentials_are_not_repeated_in_the_error():
-    with pytest.raises(ValueError) as error:
-        check_base_url("http://user:hunter2@127.0.0.1:8000")
+@pytest.mark.parametrize("url", ["http://user:hunter2@127.0.0.1:8000", "ftp://user:hunter2@127.0.0.1:8000/v1"])
+def test_credentials_are_not_repeated_in_the_error(url):
+    with pytest.raises(ValueError, match="credentials") as error:
+        check_base_url(url)
     assert "hunter2" not in str(error.value)
 
 
