@@ -74,7 +74,7 @@ def remove_abandoned_snapshots(parent: str) -> list[str]:
 def new_snapshot_dir(configured: str | None = None) -> str:
     """A new snapshot folder under `configured` (else /dev/shm, else the temporary folder), named with this process's
     pid and locked by it; first removes what dead runs left in the same place."""
-    parent = configured or default_snapshot_parent()
+    parent = os.path.abspath(configured or default_snapshot_parent())  # removed by path later, whatever the cwd
     os.makedirs(parent, exist_ok=True)
     remove_abandoned_snapshots(parent)
     folder = os.path.join(parent, f"{SNAPSHOT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")

@@ -36,8 +36,9 @@ def start_maker(parent, handler="none"):
     return process, process.stdout.readline().strip()
 
 
-def test_a_snapshot_folder_is_named_with_its_owners_pid_and_removed_with_its_lock(tmp_path):
-    folder = folders.new_snapshot_dir(str(tmp_path))
+def test_a_snapshot_folder_is_named_with_its_owners_pid_and_removed_with_its_lock(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)
+    folder = folders.new_snapshot_dir(tmp_path.name)  # a relative folder: the path kept is absolute
     assert os.path.dirname(folder) == str(tmp_path)
     assert os.path.basename(folder).startswith(f"gspo-trl-weights-{os.getpid()}-")
     assert folders.SNAPSHOT_NAME.match(os.path.basename(folder))
