@@ -19,6 +19,8 @@ from ..objective.loss import Objective
 from ..objective.sampling_correction import CORRECTION_MODES
 from ..rollout.decoding.cpu import SETTINGS as CPU_DECODING_KERNELS
 from ..scoring.advantages import AGGREGATION_OPTIONS, SCALE_REWARDS_OPTIONS
+from ..vllm.address import base_url, check_base_url
+from ..vllm.auth import resolve_token
 
 # How episode rewards become advantages (see `advantage_granularity`).
 ADVANTAGE_GRANULARITIES = ("trajectory", "turn")
@@ -387,6 +389,8 @@ def check_vllm(config) -> None:
         raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {config.vllm_mode!r}.")
     if config.vllm_mode == "colocate":
         check_colocate(config)
+    else:
+        check_vllm_server(config)
     if (
         config.loss_type == "vespo"
         and config.vllm_importance_sampling_correction
@@ -406,6 +410,16 @@ def check_vllm(config) -> None:
             "decode_loop and cache_implementation apply to sampling on the trained model; with "
             "use_vllm=True the vLLM server samples."
         )
+
+
+def check_vllm_server(config) -> None:
+    """The server's address (a URL, else host and port) and token, read as the client will use them, so that a
+    malformed one fails here rather than after vllm_server_timeout seconds of waiting for an answer."""
+    if config.vllm_server_base_url is not None:
+        check_base_url(config.vllm_server_base_url)
+    else:
+        base_url(config.vllm_server_host, config.vllm_server_port)
+    resolve_token(config.vllm_server_token)  # the field, else $GSPO_TRL_VLLM_TOKEN: a header must carry it
 
 
 def check_colocate(config) -> None:
