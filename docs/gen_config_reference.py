@@ -58,10 +58,11 @@ trainer then takes several micro-steps on it.
   micro-steps, or `steps_per_generation × num_iterations / GA` optimizer steps.
 
 Advantages are computed on the whole rollout (all processes) before it is shuffled and cut into micro-batches,
-so `per_device_train_batch_size` need not be a multiple of `num_generations`. An optimizer step must hold whole
-groups, though: `per_device_train_batch_size × num_processes × gradient_accumulation_steps` must be a multiple
-of `num_generations` (a `ValueError` that names the process count says so), so each step trains on every
-completion of the prompts it sees.
+so neither `per_device_train_batch_size` nor an optimizer step's batch (`per_device_train_batch_size ×
+num_processes × gradient_accumulation_steps`) need be a multiple of `num_generations`, as in TRL: only the rollout
+must hold whole groups. The rollout is cut in shuffled group order, so a micro-batch (or an optimizer step) whose
+size is a multiple of `num_generations` trains on every completion of the prompts it sees; otherwise a group at its
+edge continues in the next one, each completion with the advantage its whole group gave it.
 
 Training is **on-policy** exactly when `steps_per_generation == gradient_accumulation_steps` and
 `num_iterations == 1` (`GSPOConfig.is_on_policy`): each rollout feeds one optimizer step with the weights that

@@ -23,8 +23,14 @@ from transformers.utils import logging
 from . import __version__
 from .config.gspo_config import GSPOConfig
 from .config.trl_attributes import TRLAttributes
-from .data.checks import check_dataset_modalities, check_datasets, collate_rows, trainer_config
-from .data.streaming import check_stream_resume, micro_steps_per_epoch, streamed
+from .data.checks import (
+    RowCollator,
+    check_dataset_modalities,
+    check_datasets,
+    environment_owned_prompts,
+    trainer_config,
+)
+from .data.streaming import check_stream_resume, micro_steps_per_epoch, streamed, use_stream_settings
 from .models.checkpointing import enable_kept_attention
 from .models.distributed import (
     check_deepspeed_batch_fields,
@@ -99,7 +105,9 @@ class GSPOTrainer(TRLAttributes, Trainer):
         args = trainer_config(args, model)
         episodes = env_factory is not None or tools is not None or environment_factory is not None
         check_rollout_func(rollout_func, args, episodes)
+        train_dataset = environment_owned_prompts(train_dataset, args, environment_factory or env_factory)
         check_datasets(train_dataset, eval_dataset, args, episodes)
+        use_stream_settings(train_dataset, eval_dataset, args)  # TRL's: dispatch_batches=False, a stream's one worker
 
         set_up_process_group(args)  # before the model: ZeRO-3 partitions it while it loads
         check_deepspeed_batch_fields(args, args.world_size)
@@ -110,7 +118,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             model, processing_class, peft_config, args, quantization_config
         )
         check_vision_support(processor, args, episodes, rollout_func)
-        check_dataset_modalities(processor, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
+        check_dataset_modalities(processor, train_dataset, eval_dataset)
         self.tokenizer = tokenizer  # a vision-language model's processor is `processing_class`, its tokenizer this
         self.objective = Objective.from_config(args)
         self.entropy_coefficient = EntropyCoefficient.from_config(args)
@@ -130,7 +138,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=collate_rows(needs_prompt=not episodes),  # lists of rows, each with a prompt
+            data_collator=RowCollator(needs_prompt=not episodes),  # lists of rows, each with a prompt
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processor or tokenizer,
@@ -163,6 +171,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             check_async_rollouts_supported(self.rollout_backend, self.accelerator)
             self.rollout_pipeline = RolloutPipeline(args, self.rollout_backend, self.episode_runner, tokenizer)
         self._metrics = MetricsBuffer()
+        self._eval_prefix = "eval"  # the metric prefix of the evaluation running: eval_<name> for one of several
         self.completion_log = CompletionLog(args, self.accelerator) if args.log_completions else None
         if self.completion_log is not None:
             self.add_callback(self.completion_log)  # uploads the rest of the log when training ends
@@ -432,17 +441,21 @@ class GSPOTrainer(TRLAttributes, Trainer):
 
     # --- logging and saving -------------------------------------------------------------------
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        self._eval_prefix = metric_key_prefix  # Trainer evaluates each of several datasets under eval_<name>
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics.pop_averages(mode)
         if mode == "eval":
-            metrics = {f"eval_{name}": value for name, value in metrics.items()}
+            metrics = {f"{self._eval_prefix}_{name}": value for name, value in metrics.items()}
         else:
             metrics["num_tokens"] = self._num_tokens_seen
         logs.update(metrics)
         super().log(logs, start_time)
         if self.completion_log is not None:
-            self.completion_log.write(self.state.global_step)
+            self.completion_log.write(self.state.global_step, self._eval_prefix)
 
     def _save_checkpoint(self, model, trial):
         # The rollout goes first: Trainer writes trainer_state.json last, which marks a complete checkpoint.

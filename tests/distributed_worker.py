@@ -304,6 +304,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
                 "ratio/max",
                 "kl",
                 "entropy",
+                "policy_loss",
+                "entropy_coef",
                 "completions/mean_length",
                 "episodes/turns/mean",
                 "episodes/env_token_fraction",

@@ -297,8 +297,43 @@ def test_trl_attribute_copies_read_the_config(tmp_path, tiny_model_dir):
     assert (trainer.num_generations, trainer.beta, trainer.temperature) == (4, 0.0, 0.7)
     assert (trainer.epsilon_low, trainer.epsilon_high, trainer.num_generations_eval) == (0.1, 0.3, 4)
     assert trainer.reward_func_names == ["count_digits"] and trainer.generation_kwargs == {}
-    with pytest.raises(AttributeError):  # read-only: the run reads args
+    with pytest.raises(AttributeError, match="no reference model was loaded"):  # setting: tests/config
         trainer.beta = 0.5
+
+
+def trl_reward_keywords() -> set[str]:
+    """The keyword arguments TRL's `GRPOTrainer` passes to every reward function besides the dataset's columns, read
+    from `_calculate_rewards`: those named in its calls `f(..., **reward_kwargs)` and the keys it sets in
+    `reward_kwargs`."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GRPOTrainer._calculate_rewards)))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and any(k.arg is None for k in node.keywords):
+            names |= {k.arg for k in node.keywords if k.arg is not None}
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id == "reward_kwargs":
+                names.add(node.slice.value)
+    return names
+
+
+def test_reward_functions_get_trls_keyword_arguments(tmp_path, tiny_model_dir):
+    from helpers import small_config, text_dataset
+
+    received = {}
+
+    def record(completions, **kwargs):
+        received.update(kwargs)
+        return [0.0] * len(completions)
+
+    dataset = text_dataset()
+    GSPOTrainer(tiny_model_dir, record, args=small_config(tmp_path, max_steps=1), train_dataset=dataset).train()
+    theirs = trl_reward_keywords()
+    assert {"prompts", "completion_ids", "trainer_state", "log_extra", "log_metric"} <= theirs  # the reading works
+    columns = set(dataset.column_names) - {"prompt"}  # passed by both under their own names
+    assert columns <= set(received)
+    # TRL passes `environments` only when episodes run in environments; so does gspo-trl (test_trainer_episodes).
+    assert (set(received) - columns) | {"completions"} == theirs - {"environments"}
+    assert callable(received["log_metric"]) and callable(received["log_extra"])
 
 
 def test_trainer_takes_trl_constructor_arguments_in_trls_order(migration_text):

@@ -129,7 +129,7 @@ CASES = {
         prompts([[{"role": "system", "content": "Be brief."}]] * 4)
     ),
     "needs a 'prompt' column": lambda c: c.refused(Dataset.from_dict({"question": TEXT})),
-    "is a DatasetDict; pass one split": lambda c: c.refused(DatasetDict({"train": prompts(TEXT)})),
+    "(several splits); pass one split": lambda c: c.refused(DatasetDict({"train": prompts(TEXT)})),
     "which the policy (a text model) never sees": lambda c: [
         *c.refused(Dataset.from_dict({"prompt": TEXT, "image": [None] * 4})),
         *c.refused(Dataset.from_dict({"prompt": TEXT, "audio": [[0.0, 0.1]] * 4})),

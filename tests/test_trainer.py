@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, DatasetDict, IterableDatasetDict
 from helpers import count_digits, length_reward, small_config, text_dataset
 
 from gspo_trl import GSPOConfig, GSPOTrainer
@@ -229,6 +229,36 @@ def test_evaluate_reports_eval_reward(tmp_path, tiny_model_dir):
     )
     metrics = trainer.evaluate()
     assert "eval_reward" in metrics and "eval_loss" in metrics
+
+
+@pytest.mark.parametrize("kind", ["DatasetDict", "IterableDatasetDict"])
+def test_several_evaluation_datasets_are_logged_each_under_its_own_prefix(tmp_path, tiny_model_dir, kind):
+    # TRL's eval_dataset of several splits: Trainer evaluates each as eval_<name>; gspo-trl's own metrics and the
+    # completion tables follow, so no split's rewards replace another's.
+    easy, hard = text_dataset(2), Dataset.from_dict({"prompt": ["Write a long number:", "Count to 9:"]})
+    if kind == "DatasetDict":
+        splits = DatasetDict({"easy": easy, "hard": hard})
+    else:
+        splits = IterableDatasetDict({"easy": easy.to_iterable_dataset(), "hard": hard.to_iterable_dataset()})
+    config = make_config(tmp_path, per_device_eval_batch_size=4, log_completions=True)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(), eval_dataset=splits)
+    metrics = trainer.evaluate()
+    for name in ("easy", "hard"):
+        for key in ("loss", "reward", "completions/mean_length", "frac_reward_zero_std"):
+            assert math.isfinite(metrics[f"eval_{name}_{key}"]), (name, key)
+    assert not any(key.startswith("eval_reward") for key in metrics)  # nothing left under the bare prefix
+    logged = [entry for entry in trainer.state.log_history if any(key.endswith("_loss") for key in entry)]
+    assert [sorted(k for k in entry if k.endswith("_reward")) for entry in logged] == [
+        ["eval_easy_reward"],
+        ["eval_hard_reward"],
+    ]
+    folder = Path(config.output_dir) / "completions"
+    assert sorted(path.name for path in folder.iterdir()) == [
+        "completions_00000_eval_easy.parquet",
+        "completions_00000_eval_hard.parquet",
+    ]
+    # A dataset handed to evaluate() alone is logged under the plain prefix, as before.
+    assert "eval_reward" in trainer.evaluate(eval_dataset=easy)
 
 
 @pytest.mark.parametrize("eval_group", [1, 2])

@@ -183,3 +183,24 @@ def test_episodes_with_the_gpu_recipe_bf16_lora_and_kl(tmp_path, tiny_model_dir)
     assert all(math.isfinite(entry["loss"]) for entry in logs)
     assert any(entry["kl"] > 0 for entry in logs)  # the reference scored the episodes' sampled tokens
     assert logs[0]["episodes/turns/mean"] > 1
+
+
+class QuestionEnv(DigitsEnv):
+    """Owns the data: reset() gives the question, so no train_dataset is needed (TRL's environment-owned data)."""
+
+    rows: list[dict] = []
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed, options)
+        QuestionEnv.rows.append(options)
+        return "What is 2 + 3?", {}
+
+
+def test_an_env_factory_that_owns_the_data_trains_without_a_dataset(tmp_path, tiny_model_dir):
+    QuestionEnv.rows = []
+    trainer = GSPOTrainer(tiny_model_dir, None, args=config(tmp_path, max_steps=1), env_factory=QuestionEnv)
+    trainer.train()
+    assert trainer.state.global_step == 1 and math.isfinite(trainer.state.log_history[0]["loss"])
+    # 16 episodes (4 steps per rollout × 4 completions), each reset on the stand-in's row: an empty user message, to
+    # which the episode appends the observation (the episodes' own tests check that rendering).
+    assert QuestionEnv.rows == [{"prompt": [{"role": "user", "content": ""}]}] * 16

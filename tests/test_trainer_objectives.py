@@ -124,10 +124,15 @@ def test_adaptive_entropy_coefficient_moves_each_step_and_survives_resume(tmp_pa
         args=small_config(tmp_path / "out", max_steps=2, **options),
     )
     trainer.train()
-    coefficients = [entry["entropy_coef"] for entry in train_logs(trainer)]
-    # Step 1 applies nothing (no entropy measured yet); entropy (a few nats) < target: +0.02 per step after it.
-    assert coefficients[0] == 0.0
-    assert trainer.entropy_coefficient.coefficient == pytest.approx(0.01 + 2 * 0.02)
+    logs = train_logs(trainer)
+    # TRL's entropy_coef: the coefficient after each optimizer step's update; entropy (a few nats) < target: +0.02.
+    assert [entry["entropy_coef"] for entry in logs] == pytest.approx([0.01 + 0.02, 0.01 + 2 * 0.02])
+    assert trainer.entropy_coef == trainer.entropy_coefficient.coefficient == pytest.approx(0.01 + 2 * 0.02)
+    # Step 1 applies no bonus (no entropy measured yet): the loss is the policy loss. Step 2 applies 0.03 × entropy
+    # (one process, one micro-batch per step here: float32 round-off only, far below the relative 1e-4).
+    assert logs[0]["policy_loss"] == pytest.approx(logs[0]["loss"], rel=1e-6)
+    applied = logs[1]["policy_loss"] - logs[1]["loss"]
+    assert applied == pytest.approx(0.03 * logs[1]["entropy"], rel=1e-4)
     resumed = GSPOTrainer(
         tiny_model_dir,
         count_digits,
@@ -136,7 +141,20 @@ def test_adaptive_entropy_coefficient_moves_each_step_and_survives_resume(tmp_pa
     )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.entropy_coefficient.coefficient == pytest.approx(0.01 + 3 * 0.02)
-    assert train_logs(resumed)[-1]["entropy_coef"] == pytest.approx(0.01 + 2 * 0.02)
+    assert train_logs(resumed)[-1]["entropy_coef"] == pytest.approx(0.01 + 3 * 0.02)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "luspo"])
+def test_static_entropy_bonus_logs_trls_policy_loss_beside_loss(tmp_path, tiny_model_dir, loss_type):
+    """TRL's keys with an entropy coefficient: `policy_loss` (the loss before the bonus) and `entropy_coef`; the bonus
+    is the coefficient times the mean entropy for every loss type, whatever its own normalisation."""
+    config = small_config(tmp_path, max_steps=1, entropy_coef=0.5, loss_type=loss_type, gradient_accumulation_steps=1)
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, train_dataset=text_dataset(), args=config)
+    trainer.train()
+    (log,) = train_logs(trainer)
+    assert log["entropy_coef"] == 0.5
+    # One micro-batch, one process: only float32 round-off separates the two (far below the relative 1e-4).
+    assert log["policy_loss"] - log["loss"] == pytest.approx(0.5 * log["entropy"], rel=1e-4)
 
 
 def test_entropy_bonus_changes_the_gradient(tmp_path, tiny_model_dir):

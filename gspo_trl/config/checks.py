@@ -19,6 +19,8 @@ from ..objective.loss import Objective
 from ..objective.sampling_correction import CORRECTION_MODES
 from ..rollout.decoding.cpu import SETTINGS as CPU_DECODING_KERNELS
 from ..scoring.advantages import AGGREGATION_OPTIONS, SCALE_REWARDS_OPTIONS
+from ..vllm.address import base_url, check_base_url
+from ..vllm.auth import resolve_token
 from .generation_kwargs import check_generation_kwargs
 
 # How episode rewards become advantages (see `advantage_granularity`).
@@ -355,6 +357,8 @@ def check_vllm(config) -> None:
     if config.vllm_mode == "colocate":
         check_colocated_model_length(config)
         check_colocate(config)
+    else:
+        check_vllm_server(config)
     if (
         config.loss_type == "vespo"
         and config.vllm_importance_sampling_correction
@@ -374,6 +378,16 @@ def check_vllm(config) -> None:
             "decode_loop and cache_implementation apply to sampling on the trained model; with "
             "use_vllm=True the vLLM server samples."
         )
+
+
+def check_vllm_server(config) -> None:
+    """The server's address (a URL, else host and port) and token, read as the client will use them, so that a
+    malformed one fails here rather than after vllm_server_timeout seconds of waiting for an answer."""
+    if config.vllm_server_base_url is not None:
+        check_base_url(config.vllm_server_base_url)
+    else:
+        base_url(config.vllm_server_host, config.vllm_server_port)
+    resolve_token(config.vllm_server_token)  # the field, else $GSPO_TRL_VLLM_TOKEN: a header must carry it
 
 
 def check_colocated_model_length(config) -> None:
@@ -470,7 +484,9 @@ def check_batch_fields(config) -> None:
 
 
 def batch_sizes(config, steps_per_generation_was_set: bool) -> tuple[int, int]:
-    """(steps_per_generation, generation_batch_size) from whichever of the two was set, checked against the groups."""
+    """(steps_per_generation, generation_batch_size) from whichever of the two was set, checked against the groups: a
+    rollout holds whole groups. An optimizer step need not (as in TRL): advantages are computed on the whole rollout,
+    so a group whose completions fall into two optimizer steps gives each completion the same advantage."""
     global_batch = config.per_device_train_batch_size * config.world_size
     steps_per_generation, generation_batch_size = config.steps_per_generation, config.generation_batch_size
     if steps_per_generation_was_set and generation_batch_size is not None:
@@ -488,16 +504,6 @@ def batch_sizes(config, steps_per_generation_was_set: bool) -> tuple[int, int]:
         if steps_per_generation < 1:
             raise ValueError(f"steps_per_generation must be >= 1, got {steps_per_generation}.")
         generation_batch_size = global_batch * steps_per_generation
-    step_batch = global_batch * config.gradient_accumulation_steps
-    if step_batch % config.num_generations != 0:
-        raise ValueError(
-            "An optimizer step trains on per_device_train_batch_size × num_processes × "
-            f"gradient_accumulation_steps "
-            f"= {config.per_device_train_batch_size} × {config.world_size} × {config.gradient_accumulation_steps} = "
-            f"{step_batch} completions, not a multiple of num_generations ({config.num_generations}): a prompt's "
-            "group would be split across optimizer steps. Adjust per_device_train_batch_size or "
-            "gradient_accumulation_steps (with more processes, the product changes too)."
-        )
     if generation_batch_size % config.num_generations != 0:
         raise ValueError(
             f"generation_batch_size ({generation_batch_size} = per_device_train_batch_size × num_processes "

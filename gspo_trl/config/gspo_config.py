@@ -20,7 +20,7 @@ from .objective_fields import ObjectiveFields
 from .vllm_fields import VLLMFields
 
 
-@dataclass
+@dataclass(repr=False)  # TrainingArguments' repr, which hides the *_token fields (hub_token, vllm_server_token)
 class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
     r"""Configuration for [`GSPOTrainer`].
 

@@ -42,6 +42,14 @@ class VLLMFields:
         default=240.0,
         metadata={"help": "Seconds to wait for the vLLM server to answer /health at start before failing."},
     )
+    vllm_server_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "The vLLM server's token, sent as `Authorization: Bearer` on every request; None: the "
+            "GSPO_TRL_VLLM_TOKEN environment variable, where `gspo-trl vllm-serve` reads it too (preferred: a value "
+            "set here is saved in checkpoints' training_args.bin). See docs/vllm.md#the-servers-token."
+        },
+    )
     vllm_weight_sync_dir: str | None = field(
         default=None,
         metadata={

@@ -1,11 +1,15 @@
-"""Checks of what a user hands `GSPOTrainer`, before anything is built: a `GSPOConfig` (or the default one), and
-datasets of one split, with a 'prompt' column of prompt text and enough prompts for one rollout; once the policy is
-loaded, no column or content part it cannot read (`check_dataset_modalities`). Each raises an error that names the
-argument (and the row) and says what to change."""
+"""Checks of what a user hands `GSPOTrainer`, before anything is built: a `GSPOConfig` (or the default one), a training
+dataset of one split with a 'prompt' column of prompt text and enough prompts for one rollout, and evaluation
+datasets (one, or several by name as TRL takes them: a dict, `DatasetDict` or `IterableDatasetDict`); once the
+policy is loaded, no column or content part it cannot read (`check_dataset_modalities`). Each raises an error that
+names the argument (and the row) and says what to change."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+from datasets import Dataset
 
 from ..config.gspo_config import GSPOConfig
 from ..models.multimodal import IMAGE_COLUMNS
@@ -29,11 +33,20 @@ def trainer_config(args, model) -> GSPOConfig:
 
 def check_datasets(train_dataset, eval_dataset, args, episodes: bool) -> None:
     """The training and evaluation datasets (`check_prompt_dataset`; episodes may start from the environment's reset
-    instead of a prompt), enough training prompts for a rollout, and evaluation groups episodes can be scored in."""
+    instead of a prompt), enough training prompts for a rollout, and evaluation groups episodes can be scored in.
+    Without a training dataset (and no environment that owns the data: `environment_owned_prompts`) there would be
+    nothing to train on: TRL's `ValueError`."""
+    if train_dataset is None:
+        raise ValueError(
+            "`train_dataset` is required unless an environment_factory (or env_factory) is provided whose reset() "
+            "returns the prompt: it holds the prompts the rollouts are sampled for. Pass "
+            "train_dataset=Dataset.from_dict({'prompt': [...]})."
+        )
     check_prompt_dataset(train_dataset, "train_dataset", needs_prompt=not episodes)
-    check_prompt_dataset(eval_dataset, "eval_dataset", needs_prompt=not episodes)
     check_stream(train_dataset, "train_dataset", args)
-    check_stream(eval_dataset, "eval_dataset", args)
+    for name, split in eval_splits(eval_dataset).items():
+        check_prompt_dataset(split, name, needs_prompt=not episodes)
+        check_stream(split, name, args)
     check_enough_prompts(train_dataset, args)
     if episodes and args.num_generations_eval == 1:
         raise ValueError(
@@ -45,6 +58,26 @@ def check_datasets(train_dataset, eval_dataset, args, episodes: bool) -> None:
             f"multi_objective_aggregation={args.multi_objective_aggregation!r} is for single-turn rollouts; "
             "multi-turn episodes (env_factory, tools) take 'sum_then_normalize'."
         )
+
+
+def environment_owned_prompts(train_dataset, args, environment_factory):
+    """`train_dataset`, or without one, where an environment owns the data (`environment_factory`: TRL's, or a
+    gym-style `env_factory`; its reset() gives the prompt), TRL's stand-in: one rollout's rows of an empty user
+    message, which the run goes through again every epoch for `max_steps` optimizer steps."""
+    if train_dataset is not None or environment_factory is None:
+        return train_dataset
+    if isinstance(environment_factory, dict):
+        raise ValueError(
+            "A dict environment_factory (several environments) requires a `train_dataset` with an 'environment' column "
+            "naming each row's environment. Pass such a dataset, or a single environment factory."
+        )
+    if args.max_steps <= 0:
+        raise ValueError(
+            "Without a train_dataset the environment owns the data (its reset() returns the prompt), so the run's "
+            f"length cannot come from num_train_epochs: set max_steps to a positive value (got {args.max_steps})."
+        )
+    rows = args.generation_batch_size // args.num_generations
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
 
 
 def check_enough_prompts(dataset, args) -> None:
@@ -62,14 +95,28 @@ def check_enough_prompts(dataset, args) -> None:
         )
 
 
+def eval_splits(eval_dataset) -> dict:
+    """The evaluation datasets by the name an error gives them: `eval_dataset`, or for several (a dict, `DatasetDict`
+    or `IterableDatasetDict`, which Trainer evaluates one by one under the prefix `eval_<key>_`)
+    `eval_dataset['<key>']`."""
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict):  # DatasetDict and IterableDatasetDict are dicts too
+        return {f"eval_dataset[{key!r}]": split for key, split in eval_dataset.items()}
+    return {"eval_dataset": eval_dataset}
+
+
 def check_prompt_dataset(dataset, name: str, needs_prompt: bool = True) -> None:
-    """A clear error for a `DatasetDict` or a dataset without the 'prompt' column the trainer reads (`name`: the
-    argument it was given as)."""
+    """A clear error for several datasets where one is read (a `DatasetDict`: the training dataset), or a dataset
+    without the 'prompt' column the trainer reads (`name`: the argument it was given as)."""
     if dataset is None:
         return
+    if isinstance(dataset, dict):  # a DatasetDict, an IterableDatasetDict or a dict of datasets
+        raise TypeError(
+            f"{name} must be a Dataset or IterableDataset, got {type(dataset).__name__} (several splits); pass one "
+            f"split, e.g. {name}=dataset['train']."
+        )
     column_names = getattr(dataset, "column_names", None)
-    if isinstance(column_names, dict):  # a DatasetDict
-        raise TypeError(f"{name} is a DatasetDict; pass one split, e.g. {name}=dataset['train'].")
     if needs_prompt and column_names is not None and "prompt" not in column_names:
         raise ValueError(
             f"{name} needs a 'prompt' column (a string, or a list of chat messages); it has {column_names}. "
@@ -92,34 +139,37 @@ def check_prompt_values(prompts, name: str, batch_rows: int = 1024) -> None:
                 raise type(error)(f"{name} row {start + offset}: {error}") from None
 
 
-def collate_rows(needs_prompt: bool):
+@dataclasses.dataclass(frozen=True)
+class RowCollator:
     """The dataloader's collator: a batch stays a list of rows (python objects until generation: prompts may be chat
-    messages). A row without 'prompt' is refused as it arrives; a stream's columns are known only then."""
+    messages). A row without 'prompt' is refused as it arrives (`needs_prompt`); a stream's columns are known only
+    then. A module-level class, so that dataloader workers (`dataloader_num_workers > 0`) can pickle it whatever their
+    start method (spawn and forkserver pickle the collator into each worker)."""
 
-    def collate(rows: list[dict]) -> list[dict]:
+    needs_prompt: bool = True
+
+    def __call__(self, rows: list[dict]) -> list[dict]:
         for row in rows:
-            if needs_prompt and "prompt" not in row:
+            if self.needs_prompt and "prompt" not in row:
                 raise ValueError(
                     f"A dataset row has no 'prompt' column (a string, or a list of chat messages); its columns are "
                     f"{sorted(row)}. Rename your column with dataset.rename_column(old, 'prompt')."
                 )
         return list(rows)
 
-    return collate
-
 
 # Columns of another modality than text and images: nothing passes them to the policy.
 OTHER_MODALITY_COLUMNS = ("audio", "audios", "video", "videos")
 
 
-def check_dataset_modalities(processor, datasets: dict) -> None:
+def check_dataset_modalities(processor, train_dataset, eval_dataset) -> None:
     """A `ValueError` for a dataset column or a prompt content part the policy cannot read (`processor`: its
-    multimodal processor, None for a text model; `datasets`: argument name -> dataset): images for a text model,
-    audio or video for any, images beside a plain-text prompt (the chat template places them). A column only reward
-    functions read passes under another name."""
+    multimodal processor, None for a text model): images for a text model, audio or video for any, images beside a
+    plain-text prompt (the chat template places them). A column only reward functions read passes under another
+    name."""
     readable = ("text", "image") if processor is not None else ("text",)
     model = "a vision-language model" if processor is not None else "a text model"
-    for name, dataset in datasets.items():
+    for name, dataset in {"train_dataset": train_dataset, **eval_splits(eval_dataset)}.items():
         columns = getattr(dataset, "column_names", None)
         if not isinstance(columns, list):  # no dataset, or a stream whose columns are known only as it is read
             continue

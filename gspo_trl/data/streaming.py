@@ -4,9 +4,9 @@ A stream cannot be indexed, so no sampler can order it: the stream itself is reo
 (each prompt `num_generations` times in a row, each generation batch once per micro-step that trains on it) by
 `repeat_groups`, a batched `map`. accelerate then hands each process its own contiguous slice of every global batch
 (`IterableDatasetShard`, which needs `dispatch_batches=False`), as `BatchSamplerShard` does for a map-style dataset;
-one dataloader worker reads the stream, so the groups stay in order. Owns those settings and the checks a stream
-takes (`max_steps`, resuming); what it does not own: the sampler of map-style datasets (`schedule`).
-"""
+one dataloader worker reads the stream, so the groups stay in order. Owns those settings (set at construction as TRL
+sets them, `use_stream_settings`, and again for a stream handed to `evaluate` later) and the checks a stream takes
+(`max_steps`, resuming); what it does not own: the sampler of map-style datasets (`schedule`)."""
 
 from __future__ import annotations
 
@@ -44,9 +44,28 @@ def check_stream(dataset, name: str, args) -> None:
         )
     if args.accelerator_config.dispatch_batches:
         raise ValueError(
-            f"{name} is a stream (IterableDataset): set accelerator_config dispatch_batches=False (or leave it unset); "
-            "each process reads its own prompts from the stream, and batches of text cannot be dispatched."
+            f"Iterable datasets require `dispatch_batches=False`: {name} is a stream (IterableDataset), which each "
+            "process reads for its own prompts, and batches of text cannot be dispatched. Set accelerator_config's "
+            "dispatch_batches to False, or leave it unset."
         )
+
+
+def use_stream_settings(train_dataset, eval_dataset, args) -> None:
+    """TRL's settings for streams, in `args` at construction (after `check_stream`): `dispatch_batches=False` when any
+    dataset (or any split of a dict of evaluation datasets) is a stream, and for a training stream
+    `dataloader_num_workers=0` (with a warning when it was not): several workers would each read a share of the stream
+    and interleave their rows, splitting the prompt groups. An evaluation stream is read by one worker only while its
+    dataloader is built (`streamed`): a map-style training dataset keeps its workers."""
+    eval_datasets = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+    if not any(is_stream(dataset) for dataset in [train_dataset, *eval_datasets]):
+        return
+    args.accelerator_config.dispatch_batches = False
+    if is_stream(train_dataset) and args.dataloader_num_workers != 0:
+        logger.warning(
+            f"train_dataset is a stream (IterableDataset): dataloader_num_workers={args.dataloader_num_workers} is set "
+            "to 0, as TRL does. Several workers would interleave the stream's rows and split the prompt groups."
+        )
+        args.dataloader_num_workers = 0
 
 
 def repeat_groups(batch: dict[str, list], prompts: int, group_size: int, uses: int) -> dict[str, list]:
@@ -90,7 +109,7 @@ def streamed(dataset, training: bool, args, accelerator):
         return
     workers = args.dataloader_num_workers
     if workers != 0:
-        logger.warning(
+        logger.warning_once(
             f"A streamed dataset is read by one dataloader worker (dataloader_num_workers={workers} is not used for "
             "it): several workers would interleave its rows and split the prompt groups."
         )

@@ -278,9 +278,10 @@ def policy_loss(
         aggregate as `AGGREGATIONS` says. ``stats`` holds detached scalars: ``ratio_mean``/``min``/``max`` and
         ``log_ratio_abs_mean`` (before the safety clamp) of the importance weight, ``kl_mean`` (uncorrected k3 over
         valid tokens; 0 when beta == 0), the policy term's own (``clip_fraction_low``/``high``/``clip_fraction``
-        for the clipped ones: the min picked the clipped term), and ``off_policy_masked_fraction`` when off-policy
-        masking is on. For ``"sequence"`` they are over sequences with >= 1 valid token, otherwise over valid
-        tokens; with nothing valid, fractions are 0 and ratios 1.
+        for the clipped ones: the min picked the clipped term), ``off_policy_masked_fraction`` when off-policy
+        masking is on, and ``loss_without_entropy_bonus`` (``loss`` before the ``entropy_coef`` term). For
+        ``"sequence"`` they are over sequences with >= 1 valid token, otherwise over valid tokens; with nothing
+        valid, fractions are 0 and ratios 1.
     """
     renamed = [name for name in hyperparameters if name in RENAMED_ARGUMENTS]
     if renamed:
@@ -359,6 +360,7 @@ def policy_loss(
         per_token_loss = per_token_loss + objective.beta * kl_term
 
     loss = aggregate(per_token_loss, mask, objective, token_normalizer, num_sequences, num_tokens)
+    stats["loss_without_entropy_bonus"] = loss  # TRL's `policy_loss`
 
     if entropy_coef != 0.0:
         if per_token_entropy is None:

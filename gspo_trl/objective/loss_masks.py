@@ -36,6 +36,22 @@ def off_policy_sequence_mask(
         return ((advantages >= 0) | (mean_drift <= threshold)).to(logps.dtype)
 
 
+def entropy_quantile_mask(
+    per_token_entropy: torch.Tensor,  # (B, T)
+    mask: torch.Tensor,  # (B, T)
+    quantile: float,
+    all_valid_entropies: torch.Tensor | None = None,  # (N,) the valid entropies of every process
+) -> torch.Tensor:
+    """1 on valid tokens whose entropy is at or above the `quantile` quantile (in [0, 1]) of all valid tokens."""
+    with torch.no_grad():
+        valid = mask.bool()
+        pool = per_token_entropy[valid] if all_valid_entropies is None else all_valid_entropies
+        if pool.numel() == 0:
+            return torch.zeros_like(per_token_entropy)
+        threshold = torch.quantile(pool.float(), quantile)
+        return ((per_token_entropy >= threshold) & valid).to(per_token_entropy.dtype)
+
+
 def high_entropy_token_mask(
     per_token_entropy: torch.Tensor,  # (B, T)
     mask: torch.Tensor,  # (B, T)
@@ -43,13 +59,7 @@ def high_entropy_token_mask(
     all_valid_entropies: torch.Tensor | None = None,  # (N,) the valid entropies of every process
 ) -> torch.Tensor:
     """1 on valid tokens whose entropy is at or above the (1 - top_quantile) quantile of all valid tokens."""
-    with torch.no_grad():
-        valid = mask.bool()
-        pool = per_token_entropy[valid] if all_valid_entropies is None else all_valid_entropies
-        if pool.numel() == 0:
-            return torch.zeros_like(per_token_entropy)
-        threshold = torch.quantile(pool.float(), 1.0 - top_quantile)
-        return ((per_token_entropy >= threshold) & valid).to(per_token_entropy.dtype)
+    return entropy_quantile_mask(per_token_entropy, mask, 1.0 - top_quantile, all_valid_entropies)
 
 
 def learned_tokens(

@@ -159,16 +159,18 @@ class CompletionLog(TrainerCallback):
             totals = earlier_totals + totals
         self.latest = (mode, rows, list(reward_names), rewards_per_func, totals)
 
-    def write(self, step: int) -> None:
+    def write(self, step: int, eval_prefix: str = "eval") -> None:
         """At a log, on the main process: print the latest rollout's rows, write them as a parquet file and log
         them as a table to wandb and trackio. An evaluation rollout's go to `completions_<step>_eval.parquet` and
-        the `eval/completions` table, so that the training table of the same step stays."""
+        the `eval/completions` table, so that the training table of the same step stays; with several evaluation
+        datasets, each under its metric prefix (`eval_prefix`: `completions_<step>_eval_<name>.parquet`,
+        `eval_<name>/completions`), so that no dataset's table replaces another's."""
         if self.latest is None or not self.accelerator.is_main_process:
             return
         mode, rows, reward_names, rewards_per_func, totals = self.latest
         self.latest = None
         table = completion_table(rows, step, reward_names, rewards_per_func)
-        prefix, suffix = ("", "") if mode == "train" else ("eval ", "_eval")
+        prefix, suffix = ("", "") if mode == "train" else (f"{eval_prefix} ", f"_{eval_prefix}")
         title = f"{prefix}completions at step {step}"
         print_completions(table, reward_names, totals, self.args.num_completions_to_print, title)
         import pandas as pd
@@ -176,7 +178,7 @@ class CompletionLog(TrainerCallback):
         self.folder.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(table).to_parquet(self.folder / f"completions_{step:05d}{suffix}.parquet")
         shown = first_row_of_each_prompt(table) if self.args.log_unique_prompts else table
-        key = "completions" if mode == "train" else "eval/completions"
+        key = "completions" if mode == "train" else f"{eval_prefix}/completions"
         for backend in tracking_backends(self.args.report_to):
             backend.log({key: backend.Table(dataframe=pd.DataFrame(shown))})
 

@@ -41,6 +41,10 @@ SAMPLING_STAT_NAMES = {
 }
 
 
+# Loss metrics that the passes of one micro-batch add up to (the micro-batch's is the sum of its passes').
+PASS_SHARES = ("policy_loss",)
+
+
 class MetricsBuffer:
     """Per-mode lists of values, averaged (ignoring NaN) and cleared at each log."""
 
@@ -54,6 +58,9 @@ class MetricsBuffer:
         self.passes.append((metrics, counts))
         if last:
             parts, self.passes = self.passes, []
+            # A pass's loss is its share of the micro-batch's: every pass carries the micro-batch's, their sum.
+            totals = {name: sum(m[name] for m, _ in parts) for name in PASS_SHARES if name in parts[0][0]}
+            parts = [({**m, **totals}, c) for m, c in parts]
             self.add_many(mode, reduce_across_processes([m for m, _ in parts], gather, [c for _, c in parts]))
 
     def add(self, mode: str, name: str, value) -> None:

@@ -11,7 +11,6 @@ turning the model into named tensors (`weight_sync`), and the correction for the
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -21,9 +20,12 @@ import torch
 
 from ..models.context import check_prompts_fit, context_length
 from ..models.distributed import unwrap_model
+from ..vllm.address import base_url, check_base_url
+from ..vllm.auth import resolve_token
 from ..vllm.client import VLLMServerClient, VLLMServerError
+from ..vllm.folders import remove_snapshot_dir
 from ..vllm.transport import HTTPTransport, SharedDirTransport, choose_transport, local_sync_dir
-from ..vllm.weight_sync import adapter_sync_unsupported_reason, remove_snapshot
+from ..vllm.weight_sync import adapter_sync_unsupported_reason
 from .types import Rollout, RolloutBackend, completion_mask_from_eos, eos_token_ids_of, left_pad, tokenize_prompts
 
 ADAPTER_NAME = "gspo-trl-policy"  # the name the trained LoRA adapter is served under
@@ -34,8 +36,8 @@ MATCHING_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")
 
 def server_base_url(args) -> str:
     if args.vllm_server_base_url:
-        return args.vllm_server_base_url
-    return f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        return check_base_url(args.vllm_server_base_url)
+    return base_url(args.vllm_server_host, args.vllm_server_port)
 
 
 def sampling_params(args, eos_token_ids: list[int]) -> dict[str, Any]:
@@ -92,7 +94,9 @@ class VLLMServerBackend(RolloutBackend):
         self.eos_token_ids = eos_token_ids_of(unwrap_model(model).generation_config, tokenizer)
         self.sampling = sampling_params(args, self.eos_token_ids)
         self.context = context_length(unwrap_model(model).config)  # the trained model's (`models.context`)
-        self.client = VLLMServerClient(server_base_url(args), timeout=args.vllm_server_timeout)
+        self.client = VLLMServerClient(
+            server_base_url(args), timeout=args.vllm_server_timeout, token=resolve_token(args.vllm_server_token)
+        )
         self.synced_step: int | None = None  # optimizer steps done when the server last got the weights
         self.sync_seconds: list[float] = []
         self.snapshot_dir = None
@@ -145,7 +149,7 @@ class VLLMServerBackend(RolloutBackend):
             try:
                 self._check_same_model(unwrap_model(model))
                 self.snapshot_dir = local_sync_dir(self.args.vllm_weight_sync_dir)
-                weakref.finalize(self, remove_snapshot, os.path.abspath(self.snapshot_dir))  # goes with the backend
+                weakref.finalize(self, remove_snapshot_dir, self.snapshot_dir)  # goes with the backend
                 self.transport = choose_transport(self.args, self.client, self.snapshot_dir)
                 choice = [self.transport.name]
             except ValueError as error:

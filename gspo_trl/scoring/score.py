@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
+from ..reporting.reward_logs import RewardFunctionLogs
 from ..rollout import is_conversational_prompt
 from ..training.micro_batch import MicroBatch
 from .advantages import (
@@ -184,10 +185,13 @@ def reward_and_score(
     group_size: int | None = None,
 ) -> tuple[RolloutScores, list[str], dict[str, list]]:
     """(the `RolloutScores` of a `SampledRollout` of the dataset rows `batch`, its decoded completions, the columns
-    reward functions logged): every reward function called on this process's rows (`log_metric(name, value)` takes
-    what they log), then `score_rollout` over every process."""
+    reward functions logged with `log_extra`): every reward function called on this process's rows, the metrics they
+    logged with TRL's `log_metric` averaged over every process and handed to `log_metric(name, value)` (a
+    collective), then `score_rollout` over every process."""
     completions, completion_ids, texts, columns = completions_for_rewards(batch, sampled, tokenizer)
-    extra_columns: dict[str, list] = {}
+    names = [function.name for function in reward_funcs]
+    table_columns = names if sampled.episodes is None else ["env", *names]  # the completion table's reward columns
+    reward_logs = RewardFunctionLogs(len(completions), taken_columns=table_columns)
     local_rewards = compute_rewards(
         reward_funcs,
         sampled.prompts,
@@ -195,11 +199,12 @@ def reward_and_score(
         completion_ids,
         columns,
         state,
-        log_metric=log_metric,
-        log_extra=extra_columns.__setitem__,
+        log_metric=reward_logs.log_metric,
+        log_extra=reward_logs.log_extra,
     ).to(accelerator.device)  # (n, F)
-    names = [function.name for function in reward_funcs]
+    for name, mean in reward_logs.metric_means(accelerator).items():  # over every process, as TRL averages them
+        log_metric(name, mean)
     scores = score_rollout(
         local_rewards, reward_weights, args, accelerator, sampled.episodes, names, group_size, sampled.prompts
     )
-    return scores, texts, extra_columns
+    return scores, texts, reward_logs.columns

@@ -19,7 +19,8 @@ from .micro_batch import MicroBatch
 def micro_batch_loss(scores, inputs: MicroBatch, trainer, mode: str) -> tuple[torch.Tensor, dict, dict]:
     """(loss, metrics, metric counts) of `inputs` scored as `scores` (a `logprobs.Scores`), under `trainer`'s
     objective, entropy coefficient, aux-loss coefficient, config and accelerator; in `mode` "train" the adaptive
-    entropy coefficient observes this micro-batch's entropy."""
+    entropy coefficient observes this micro-batch's entropy, and at an optimizer step's end the coefficient goes to
+    `trainer._metrics` as `entropy_coef` (TRL's: once per step, so not a per-micro-batch metric)."""
     args, accelerator = trainer.args, trainer.accelerator
     entropy_coefficient = trainer.entropy_coefficient
     mask = inputs.completion_mask
@@ -59,9 +60,11 @@ def micro_batch_loss(scores, inputs: MicroBatch, trainer, mode: str) -> tuple[to
         metrics["aux_loss"] = scores.router_aux_loss.detach()
     if inputs.skipped:  # skip_rollouts_without_rewards: a zero gradient, every parameter still in the graph
         loss = loss * 0.0
-    if entropy_coefficient.enabled:
-        metrics["entropy_coef"] = entropy_coef
+    if entropy_coefficient.enabled:  # TRL's keys: the loss before the entropy bonus, and the coefficient
+        metrics["policy_loss"] = stats["loss_without_entropy_bonus"] * (0.0 if inputs.skipped else 1.0)
         if mode == "train" and entropy_coefficient.adaptive:
             entropy_coefficient.observe(scores.entropy.detach(), learned, accelerator)
+        if mode == "train" and accelerator.sync_gradients:  # once per optimizer step, after the adaptive update
+            trainer._metrics.add(mode, "entropy_coef", entropy_coefficient.coefficient)
     counts = metric_counts(mask, trainer.objective.importance_sampling_level, args.vllm_importance_sampling_mode)
     return loss, metrics, counts

@@ -10,7 +10,7 @@ that sampled the rollout. While no optimizer step has happened since sampling, t
 micro-batch that is also trained after an optimizer step needs π_old computed before that step.
 
 Owns that rule (`micro_batches_needing_old_logprobs`), the micro-step position a resumed run continues from
-(`micro_steps_into_epoch`) and the cut of a rollout into micro-batches of whole groups
+(`micro_steps_into_epoch`) and the cut of a rollout into micro-batches in shuffled group order
 (`split_into_micro_batches`), as pure functions; the one table of π_old sources (`old_logps_source`); and the
 trainer's state of it all, `RolloutSchedule`: the buffered micro-batches, the window position, the rollout restored
 from a checkpoint, and their checkpoint state. What it does not own: sampling and scoring (the trainer),
@@ -83,11 +83,13 @@ def micro_steps_into_epoch(global_step: int, steps_in_epoch: int, gradient_accum
 def split_into_micro_batches(
     batch: MicroBatch, num_slices: int, group_size: int, generator: torch.Generator
 ) -> list[MicroBatch]:
-    """Cut a rollout batch into `num_slices` micro-batches made of whole groups, in shuffled order.
+    """Cut a rollout batch into `num_slices` micro-batches in shuffled group order.
 
     Rows arrive group by group (`group_size` completions of one prompt in a row). Shuffling groups
-    rather than rows keeps each micro-batch a set of complete groups (as verl does), so the packed
-    forward processes each prompt once per micro-batch and every step sees whole groups.
+    rather than rows keeps each micro-batch a set of complete groups (as verl does) when its size is a
+    multiple of `group_size`, so the packed forward processes each prompt once per micro-batch; otherwise
+    a group at a micro-batch's edge continues in the next one. Either way each row keeps the advantage
+    its whole group gave it.
     """
     blocks = list(torch.arange(batch.rows).split(group_size))
     order = torch.cat([blocks[i] for i in torch.randperm(len(blocks), generator=generator).tolist()])
@@ -242,7 +244,7 @@ class RolloutSchedule:
         rollout's token count (`num_items_in_batch`).
 
         The rollout of all processes (its columns padded to a multiple of `pad_to_multiple_of`) is cut into
-        micro-batches of whole groups in one shuffled order (the generator is seeded alike everywhere), and each
+        micro-batches in one shuffled group order (the generator is seeded alike everywhere), and each
         process trains on its share of every one, so an optimizer step sees the same rows whatever the number of
         processes.
         """

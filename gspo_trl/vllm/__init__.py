@@ -1,7 +1,8 @@
-"""The vLLM server's side: the client, the weight sync, the server launcher and the code loaded into vLLM.
+"""The vLLM server's side: the client, the weight sync, the server launcher and the code loaded into vLLM, the
+server's token (`auth`), its address (`address`) and the folders weights pass through (`folders`).
 
 The rollout backend that samples through them is `gspo_trl.rollout.vllm_server`.
 
-`worker_extension` runs inside the vLLM server's workers and imports only torch and vllm; everything else
-here runs in the training process.
+`worker_extension` (with `folders`) runs inside the vLLM server's workers and `auth.TokenMiddleware` in its API
+server; they import only the standard library, torch and vllm. Everything else here runs in the training process.
 """

@@ -13,6 +13,8 @@ from typing import Any
 
 import requests
 
+from .auth import TOKEN_ENV, authorization_header
+
 SERVE_HINT = "Start it with `gspo-trl vllm-serve MODEL` (docs/vllm.md)."
 
 
@@ -27,6 +29,10 @@ class VLLMServerUnreachable(VLLMServerError, ConnectionError):
 
 class MissingEndpointError(VLLMServerError):
     """The server has no such endpoint (HTTP 404): a server of another kind, or started without dev mode."""
+
+
+class UnauthorizedError(VLLMServerError):
+    """The server answered 401: a token is missing or is not the server's."""
 
 
 class Base64JSONBody:
@@ -49,15 +55,37 @@ class Base64JSONBody:
 
 
 class VLLMServerClient:
-    """Talks to one vLLM server at `base_url`; every call is retried `retries` times on connection errors."""
+    """Talks to one vLLM server at `base_url`; every call is retried `retries` times on connection errors, and
+    carries `token` (if any) as `Authorization: Bearer`, which `gspo-trl vllm-serve` and vLLM's `--api-key` check."""
 
-    def __init__(self, base_url: str, timeout: float = 240.0, request_timeout: float = 600.0, retries: int = 3):
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 240.0,
+        request_timeout: float = 600.0,
+        retries: int = 3,
+        token: str | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout  # how long to wait for the server to come up
         self.request_timeout = request_timeout
         self.retries = retries
         self.session = requests.Session()
+        self.session.headers.update(authorization_header(token))
+        self.has_token = token is not None
         self.model_name: str | None = None
+
+    def _unauthorized(self, method: str, path: str) -> UnauthorizedError:
+        if self.has_token:
+            what = "refused the token sent (vllm_server_token, else $GSPO_TRL_VLLM_TOKEN)"
+            todo = "Set it to the token the server was started with"
+        else:
+            what = "requires a token and none was sent"
+            todo = "Set vllm_server_token (or the GSPO_TRL_VLLM_TOKEN environment variable) to the server's token"
+        return UnauthorizedError(
+            f"The vLLM server at {self.base_url} {what}: HTTP 401 for {method} {path}. {todo} "
+            f"(${TOKEN_ENV} of `gspo-trl vllm-serve`, or its --api-key for `vllm serve`)."
+        )
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -83,6 +111,8 @@ class VLLMServerClient:
 
     def _json(self, method: str, path: str, **kwargs) -> Any:
         response = self._request(method, path, **kwargs)
+        if response.status_code == 401:
+            raise self._unauthorized(method, path)
         if response.status_code == 404 and path == "/collective_rpc":
             raise MissingEndpointError(
                 f"The vLLM server at {self.base_url} has no /collective_rpc endpoint: it was started without "
@@ -127,10 +157,14 @@ class VLLMServerClient:
         last_error = None
         while time.monotonic() < deadline:
             try:
-                if self.session.get(f"{self.base_url}/health", timeout=5).status_code == 200:
-                    return
+                status = self.session.get(f"{self.base_url}/health", timeout=5).status_code
             except requests.RequestException as error:
+                status = None
                 last_error = error
+            if status == 200:
+                return
+            if status == 401:
+                raise self._unauthorized("GET", "/health")
             time.sleep(1.0)
         raise VLLMServerUnreachable(
             f"No vLLM server answered at {self.base_url}/health within vllm_server_timeout={self.timeout:g} s "
@@ -150,7 +184,7 @@ class VLLMServerClient:
         """Architecture, vocabulary, tied head and dtype of the served model, from the gspo-trl worker extension."""
         try:
             return self._rpc("gspo_model_info")[0]
-        except MissingEndpointError:
+        except (MissingEndpointError, UnauthorizedError):
             raise
         except VLLMServerError as error:
             raise VLLMServerError(
@@ -222,6 +256,8 @@ class VLLMServerClient:
         response = self._request(
             "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, "load_inplace": True}
         )
+        if response.status_code == 401:
+            raise self._unauthorized("POST", "/v1/load_lora_adapter")
         if response.status_code != 200:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} refused the LoRA adapter in {path}: HTTP {response.status_code}: "

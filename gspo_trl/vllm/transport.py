@@ -10,7 +10,6 @@ sync (`rollout.vllm_server`).
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 import weakref
 
@@ -18,6 +17,7 @@ import torch
 from transformers.utils import logging
 
 from .client import VLLMServerClient
+from .folders import new_snapshot_dir
 from .weight_sync import named_weights, serialize_chunk, weight_chunks, write_adapter, write_snapshot
 
 logger = logging.get_logger(__name__)
@@ -86,13 +86,8 @@ class HTTPTransport:
 
 
 def local_sync_dir(configured: str | None) -> str:
-    """The directory snapshots are written to: a new one under `configured`, else a temporary one in /dev/shm."""
-    if configured:
-        path = os.path.join(configured, f"gspo-trl-weights-{uuid.uuid4().hex[:8]}")
-        os.makedirs(path)
-        return path
-    shared_memory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="gspo-trl-weights-", dir=shared_memory)
+    """The directory snapshots are written to: a new one under `configured`, else in /dev/shm (see `folders`)."""
+    return new_snapshot_dir(configured)
 
 
 def server_sees(client: VLLMServerClient, directory: str) -> bool:
@@ -117,9 +112,10 @@ def choose_transport(args, client: VLLMServerClient, directory: str):
     if wanted == "shared_dir":
         raise ValueError(
             f"The vLLM server at {client.base_url} cannot read the weight-sync directory {directory}: it runs on "
-            "another machine or in another filesystem namespace. Set vllm_weight_sync_dir to a directory both the "
-            "trainer and the server can reach (a shared filesystem), or vllm_weight_transport='http' (or 'auto') to "
-            "send the weights over HTTP."
+            "another machine or in another filesystem namespace, or it was not started with `gspo-trl vllm-serve "
+            "--weight-sync-dir DIR` for vllm_weight_sync_dir=DIR. Set vllm_weight_sync_dir to a directory both the "
+            "trainer and the server can reach (a shared filesystem) and name it when starting the server, or "
+            "vllm_weight_transport='http' (or 'auto') to send the weights over HTTP."
         )
     log = logger.warning if args.vllm_weight_sync_dir else logger.info
     log(

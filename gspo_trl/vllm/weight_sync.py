@@ -222,7 +222,3 @@ def serialize_chunk(chunk: list[tuple[str, torch.Tensor]]) -> bytes:
     from safetensors.torch import save
 
     return save(dict(chunk), metadata={"format": "pt"})
-
-
-def remove_snapshot(directory: str) -> None:
-    shutil.rmtree(directory, ignore_errors=True)

@@ -1,7 +1,8 @@
 """Code that `vllm serve` loads into each of its workers (`--worker-extension-cls`), called over `/collective_rpc`.
 
 It imports only torch, vllm and what vllm depends on (safetensors): the server's environment need not have TRL or
-gspo-trl's dependencies, only this package on its path (`gspo-trl vllm-serve` arranges that).
+gspo-trl's dependencies, only this package on its path (`gspo-trl vllm-serve` arranges that). The methods that read,
+write or remove files touch only the folders `folders` allows (snapshot folders, the server's own upload folders).
 """
 
 from __future__ import annotations
@@ -10,15 +11,14 @@ import base64
 import contextlib
 import logging
 import os
-import re
 import shutil
-import tempfile
 
 import torch
 
+from . import folders
+
 # The loggers of vLLM's in-place reload, which warn about every layer a partial reload (one HTTP chunk) leaves as is.
 RELOAD_LOGGERS = tuple(f"vllm.model_executor.model_loader.reload.{name}" for name in ("inplace", "layerwise"))
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @contextlib.contextmanager
@@ -32,12 +32,6 @@ def _quiet_partial_reload():
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-
-
-def _safe_name(value: str, what: str) -> str:
-    if not SAFE_NAME.match(value or "") or ".." in value:
-        raise ValueError(f"{what} {value!r} is not a plain file name")
-    return value
 
 
 def reload_in_place(worker, **reload_kwargs) -> None:
@@ -62,8 +56,9 @@ class WeightSyncExtension:
     """Methods a vLLM worker gains: reload the weights a trainer wrote or sent, and describe the served model."""
 
     def gspo_reload_weights(self, weights_path: str) -> str:
-        """Load the safetensors snapshot in `weights_path` in place, then re-pack what the load left stale."""
-        reload_in_place(self, weights_path=weights_path)
+        """Load the safetensors snapshot in `weights_path` (a snapshot folder the server allows) in place, then re-pack
+        what the load left stale."""
+        reload_in_place(self, weights_path=folders.snapshot_folder(weights_path))
         return {"reloaded": weights_path}
 
     def gspo_load_weights_chunk(self, data: str) -> dict:
@@ -85,28 +80,39 @@ class WeightSyncExtension:
         return {"finished": True}
 
     def gspo_receive_file(self, directory: str, name: str, data: str, offset: str, last: str) -> dict:
-        """Write one piece (base64, at byte `offset`) of a file the trainer sends into a directory of this machine's
-        temporary folder; on the `last` piece the file takes its name (atomically, since every worker of a server
-        writes the same file). Returns the directory, which the trainer then names in /v1/load_lora_adapter."""
-        folder = os.path.join(tempfile.gettempdir(), _safe_name(directory, "directory"))
-        os.makedirs(folder, exist_ok=True)
-        target = os.path.join(folder, _safe_name(name, "file name"))
+        """Write one piece (base64, at byte `offset`) of a file the trainer sends into upload folder `directory` of
+        the server's own root, within its size cap; on the `last` piece the file takes its name (atomically, since
+        every worker of a server writes the same file). Returns the folder, which the trainer then names in
+        /v1/load_lora_adapter."""
+        target = folders.upload_file(directory, name)
+        folder, offset = os.path.dirname(target), int(offset)
+        piece = base64.b64decode(data)
         partial = f"{target}.part-{os.getpid()}"
-        with open(partial, "r+b" if int(offset) else "wb") as handle:
-            handle.seek(int(offset))
-            handle.write(base64.b64decode(data))
+        written = os.path.getsize(partial) if offset and os.path.isfile(partial) else 0
+        if offset != written:
+            raise ValueError(f"piece of {name!r} at byte {offset}, but {written} bytes arrived so far")
+        folders.check_upload(folder, name, offset, len(piece))
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        with open(partial, "r+b" if offset else "wb") as handle:
+            handle.seek(offset)
+            handle.write(piece)
         if str(last) == "1":
             os.replace(partial, target)
         return {"directory": folder}
 
     def gspo_remove_directory(self, directory: str) -> dict:
-        """Remove a directory `gspo_receive_file` wrote (when the trainer is done with it)."""
-        shutil.rmtree(os.path.join(tempfile.gettempdir(), _safe_name(directory, "directory")), ignore_errors=True)
+        """Remove an upload folder `gspo_receive_file` wrote (when the trainer is done with it)."""
+        shutil.rmtree(folders.upload_folder(directory), ignore_errors=True)
         return {"removed": directory}
 
     def gspo_can_read(self, path: str) -> dict:
-        """Whether this worker sees `path` (the trainer checks that both sides share the weight-sync directory).
+        """Whether this worker sees `path`, a probe file in a snapshot folder the server allows (the trainer checks
+        that both sides share the weight-sync folder); `refused` says why a path outside those is not looked at.
         A dict, since /collective_rpc passes dicts and lists through but turns other results into strings."""
+        try:
+            folders.snapshot_folder(os.path.dirname(path))
+        except PermissionError as error:
+            return {"readable": False, "refused": str(error)}
         return {"readable": os.path.isfile(path)}
 
     def gspo_model_info(self) -> dict:

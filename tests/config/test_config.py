@@ -91,7 +91,6 @@ def test_scale_rewards_booleans(tmp_path):
         ({"generation_batch_size": 20}, "generation_batch_size"),
         ({"generation_batch_size": 32, "steps_per_generation": 4}, "generation_batch_size"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
-        ({"per_device_train_batch_size": 4, "steps_per_generation": 2}, "split across optimizer steps"),
         ({"advantage_granularity": "step"}, "advantage_granularity"),
         ({"advantage_granularity": "turn"}, "importance_sampling_level='turn'"),
         ({"advantage_granularity": "turn", "loss_type": "vespo"}, "advantage_granularity='trajectory'"),
@@ -183,3 +182,12 @@ def test_kept_logits_must_be_a_number(tmp_path):
 def test_keep_attention_must_be_a_bool(tmp_path):
     with pytest.raises(TypeError, match="activation_checkpointing_keep_attention"):
         make(tmp_path, per_device_train_batch_size=8, activation_checkpointing_keep_attention="no")
+
+
+def test_the_repr_and_dict_hide_the_tokens(tmp_path):
+    config = GSPOConfig(
+        output_dir=str(tmp_path), report_to="none", hub_token="hub-secret-1", vllm_server_token="vllm-secret-2"
+    )
+    assert config.vllm_server_token == "vllm-secret-2"
+    for text in (repr(config), str(config), config.to_json_string()):
+        assert "hub-secret-1" not in text and "vllm-secret-2" not in text

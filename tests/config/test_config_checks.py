@@ -52,8 +52,12 @@ def test_batch_sizes_from_either_field():
     assert config_checks.batch_sizes(batch_config(generation_batch_size=64), False) == (4, 64)
     with pytest.raises(ValueError, match="not both"):
         config_checks.batch_sizes(batch_config(steps_per_generation=4, generation_batch_size=64), True)
-    with pytest.raises(ValueError, match="split across optimizer steps"):
-        config_checks.batch_sizes(batch_config(per_device_train_batch_size=3), False)
+    # An optimizer step of 3 × 2 × 2 = 12 completions holds 1.5 groups of 8: accepted, as in TRL (advantages come
+    # from the whole rollout); the rollout of 3 × 2 × 8 = 48 completions holds 6 whole groups.
+    assert config_checks.batch_sizes(batch_config(per_device_train_batch_size=3), False) == (8, 48)
+    # A rollout must hold whole groups: 3 × 2 × 3 = 18 completions are 2.25 groups of 8.
+    with pytest.raises(ValueError, match=r"generation_batch_size \(18 = .*multiple of num_generations \(8\)"):
+        config_checks.batch_sizes(batch_config(per_device_train_batch_size=3, steps_per_generation=3), True)
 
 
 def test_max_staleness_defaults_to_the_optimizer_steps_per_rollout():

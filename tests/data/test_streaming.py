@@ -13,7 +13,7 @@ from datasets import Dataset, IterableDataset
 from helpers import count_digits, small_config, text_dataset
 
 from gspo_trl import GSPOTrainer
-from gspo_trl.data.checks import collate_rows
+from gspo_trl.data.checks import RowCollator
 from gspo_trl.data.streaming import check_stream, check_stream_resume, repeat_groups, stream_in_sampler_order
 from gspo_trl.training.schedule import RolloutSchedule
 
@@ -56,7 +56,7 @@ def test_stream_checks_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="set max_steps"):
         check_stream(stream, "train_dataset", small_config(tmp_path, max_steps=-1))
     check_stream(stream, "eval_dataset", small_config(tmp_path, max_steps=-1))  # evaluation reads it to its end
-    with pytest.raises(ValueError, match="dispatch_batches=False"):
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`: train_dataset is a"):
         check_stream(stream, "train_dataset", small_config(tmp_path, accelerator_config={"dispatch_batches": True}))
 
     class TorchStream(torch.utils.data.IterableDataset):
@@ -69,8 +69,8 @@ def test_stream_checks_name_the_field(tmp_path):
 
 def test_a_row_without_prompt_is_refused_as_it_arrives():
     with pytest.raises(ValueError, match=r"no 'prompt' column.*\['question'\]"):
-        collate_rows(needs_prompt=True)([{"question": "hi"}])
-    assert collate_rows(needs_prompt=False)([{"question": "hi"}]) == [{"question": "hi"}]
+        RowCollator(needs_prompt=True)([{"question": "hi"}])
+    assert RowCollator(needs_prompt=False)([{"question": "hi"}]) == [{"question": "hi"}]
 
 
 def streamed_prompts(n=16):
@@ -107,7 +107,35 @@ def test_train_and_evaluate_on_streams(tmp_path, tiny_model_dir):
     assert sorted({prompt for batch in evaluation for prompt in batch}) == [f"What is {i} + {i + 1}?" for i in range(3)]
     eval_logs = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     assert len(eval_logs) == 1 and "eval_reward" in eval_logs[0]
-    assert args.dataloader_num_workers == 2
+    assert args.dataloader_num_workers == 0  # set at construction, as TRL does
+
+
+def test_a_training_stream_gets_trls_settings_at_construction(tmp_path, tiny_model_dir, caplog):
+    args = small_config(tmp_path, max_steps=1, dataloader_num_workers=4)
+    assert args.accelerator_config.dispatch_batches is None
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=args, train_dataset=streamed_prompts())
+    assert trainer.args.dataloader_num_workers == 0 and trainer.args.accelerator_config.dispatch_batches is False
+    assert trainer.accelerator.dataloader_config.dispatch_batches is False
+    assert "dataloader_num_workers=4 is set to 0" in caplog.text
+
+
+def test_an_evaluation_stream_leaves_a_map_style_training_dataset_its_workers(tmp_path, tiny_model_dir):
+    args = small_config(tmp_path, dataloader_num_workers=2)
+    trainer = GSPOTrainer(
+        tiny_model_dir, count_digits, args=args, train_dataset=text_dataset(), eval_dataset=streamed_prompts(2)
+    )
+    assert trainer.args.accelerator_config.dispatch_batches is False  # any stream: each process reads its own slice
+    assert trainer.get_train_dataloader().num_workers == 2
+    assert trainer.get_eval_dataloader().num_workers == 0  # the stream's loader only
+    assert trainer.args.dataloader_num_workers == 2
+
+
+def test_dispatch_batches_with_a_stream_is_refused_in_trls_words_before_the_model_loads(tmp_path):
+    args = small_config(tmp_path, accelerator_config={"dispatch_batches": True})
+    for datasets in ({"train_dataset": streamed_prompts()}, {"eval_dataset": {"s": streamed_prompts()}}):
+        datasets.setdefault("train_dataset", text_dataset())
+        with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+            GSPOTrainer("no/such-model", count_digits, args=args, **datasets)
 
 
 def test_a_stream_without_max_steps_is_refused_before_the_model_loads(tmp_path):

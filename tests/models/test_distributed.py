@@ -297,6 +297,8 @@ def test_one_and_two_processes_train_the_same_run(tmp_path, tiny_model_dir, mode
     assert_same_run(two[0], two[1], 0)
     assert any(e["ratio/max"] != 1.0 for e in one[0]["logs"])  # an off-policy step was compared too
     assert one[0]["logs"][0]["completions/mean_length"] == two[0]["logs"][0]["completions/mean_length"]
+    if "family" in mode:  # TRL's entropy metrics, over both processes: one process's numbers
+        assert all("policy_loss" in e and e["entropy_coef"] == 0.01 for e in one[0]["logs"])
     if "beta" in mode:  # the token-weighted KL mean over processes is one process's number
         assert any(e["kl"] > 0 for e in one[0]["logs"])
     if "async" in mode:  # the second rollout was sampled two optimizer steps ahead of its training

@@ -322,3 +322,7 @@ def test_two_processes_log_every_row_once_on_the_main_process(tmp_path, tiny_mod
     assert_rewards_and_advantages_match(table, 4)
     # rank 1's reward function logged a column and rank 0's did not: missing (None, read back as NA) on rank 0's rows
     assert table["rank"].isna().tolist() == [True] * 8 + [False] * 8 and table["rank"][8:].tolist() == ["1"] * 8
+    # log_metric as in TRL: the mean over every call on every process, (1 + 4 + 4) / 3; a metric one process logged
+    # is the mean of its calls. Logged by the main process, with the rollout's other metrics.
+    first_log = results[0]["log_history"][0]
+    assert first_log["per_rank"] == 3.0 and first_log["rank_1_only"] == 5.0

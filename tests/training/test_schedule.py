@@ -5,6 +5,8 @@ for every combination of gradient_accumulation_steps × steps_per_generation × 
 from __future__ import annotations
 
 import itertools
+import math
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -159,6 +161,9 @@ SCHEDULES = [  # (gradient_accumulation_steps, steps_per_generation, num_iterati
     (3, 2, 2, 4, 2),
     (2, 2, 1, 2, 4),
     (2, 4, 1, 2, 4),
+    # a group split over two optimizer steps (steps of 2 and of 6 completions, groups of 4), as TRL accepts
+    (1, 2, 1, 2, 4),
+    (3, 4, 1, 2, 4),
 ]
 
 
@@ -176,6 +181,33 @@ def test_shortcut_equals_always_computing_old_logprobs(tmp_path, tiny_model_dir,
     shortcut = train(tmp_path, tiny_model_dir, "shortcut", steps, **common)
     reference = train(tmp_path, tiny_model_dir, "reference", steps, always_compute_old_logprobs=True, **common)
     compare_runs(shortcut, reference)
+
+
+@pytest.mark.slow  # 16 micro-steps
+def test_groups_straddling_optimizer_steps_train_on_the_generation_batches_in_order(tmp_path, tiny_model_dir):
+    # TRL's own check of this batch geometry: optimizer steps of 2 × 3 = 6 completions, groups of 4, rollouts of
+    # 4 micro-steps of 2 completions, each trained on twice (num_iterations=2), one epoch of 4 prompts.
+    config = small_config(
+        tmp_path,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        steps_per_generation=4,
+        num_generations=4,
+        num_iterations=2,
+        shuffle_dataset=False,
+        max_steps=-1,
+        num_train_epochs=1,
+    )
+    prompts = text_dataset(4)["prompt"]
+    trainer = GSPOTrainer(tiny_model_dir, count_digits, args=config, train_dataset=text_dataset(4))
+    with patch.object(GSPOTrainer, "training_step", wraps=trainer.training_step) as training_step:
+        trainer.train()
+    # Each micro-step is handed its rollout's generation batch (2 prompts × 4): 2 rollouts × 8 uses.
+    handed = [[row["prompt"] for row in call.args[1]] for call in training_step.call_args_list]
+    first, second = [p for p in prompts[:2] for _ in range(4)], [p for p in prompts[2:] for _ in range(4)]
+    assert handed == [first] * 8 + [second] * 8
+    assert trainer.state.global_step == 6  # 16 micro-steps in windows of 3: the epoch's last window holds one
+    assert all(math.isfinite(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry)
 
 
 def test_ratio_moves_once_the_weights_do(tmp_path, tiny_model_dir):

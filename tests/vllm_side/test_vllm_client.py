@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gspo_trl.vllm.client import VLLMServerClient, VLLMServerError
+from gspo_trl.vllm.client import UnauthorizedError, VLLMServerClient, VLLMServerError
 
 
 class FakeServer:
@@ -17,12 +17,14 @@ class FakeServer:
     def __init__(self, routes):
         self.routes = {path: list(answers) for path, answers in routes.items()}
         self.calls = []
+        self.authorizations = []  # the Authorization header of each request (None: none sent)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self):
                 path = self.path.split("?")[0]
                 outer.calls.append(path)
+                outer.authorizations.append(self.headers.get("Authorization"))
                 answers = outer.routes.get(path, [(404, {"detail": "Not Found"})])
                 status, body = answers.pop(0) if len(answers) > 1 else answers[0]
                 payload = body.encode() if isinstance(body, str) else json.dumps(body).encode()
@@ -153,3 +155,45 @@ def test_a_payload_is_base64_encoded_piece_by_piece_into_the_json_body(monkeypat
     assert sent == b'{"data": "' + base64.b64encode(payload) + b'"}' and len(body) == len(sent)
     assert b"".join(body) == sent  # a retry sends the same body again
     assert json.loads(sent)["data"] == base64.b64encode(payload).decode()
+
+
+def test_the_token_goes_with_every_request_as_a_bearer_header(tmp_path):
+    ok = [(200, {"results": [{"readable": True, "directory": "/d", "max_lora_rank": None}]})]
+    server = FakeServer(
+        {"/health": [(200, "")], "/v1/models": [(200, MODELS)], "/collective_rpc": ok, "/v1/load_lora_adapter": ok}
+        | {path: [(200, "")] for path in ("/pause", "/resume", "/reset_prefix_cache")}
+    )
+    try:
+        client = client_for(server, token="tok-123")
+        client.wait_until_ready()
+        client.served_model()
+        client.model_info()
+        client.can_read("/x")
+        client.pause()
+        client.reset_prefix_cache()
+        client.resume()
+        client.load_weights_chunk(b"abc")
+        (tmp_path / "f").write_bytes(b"12345")
+        client.send_file("gspo-trl-adapter-0123abcd", str(tmp_path / "f"), 2)
+        client.load_lora_adapter("a", "/d")
+        client.remove_directory("gspo-trl-adapter-0123abcd")
+        assert len(server.calls) >= 12 and server.authorizations == ["Bearer tok-123"] * len(server.calls)
+        client_for(server).wait_until_ready()
+        assert server.authorizations[-1] is None  # no token, no header
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("token, message", [(None, "requires a token and none was sent"), ("t", "refused the token")])
+def test_a_401_fails_at_once_naming_the_token_setting(token, message):
+    server = FakeServer({"/health": [(401, {"error": "Unauthorized"})], "/v1/models": [(401, {"error": "no"})]})
+    try:
+        started = time.monotonic()
+        with pytest.raises(UnauthorizedError, match=f"{message}.*vllm_server_token") as error:
+            VLLMServerClient(server.url, timeout=60, token=token).wait_until_ready()
+        assert time.monotonic() - started < 5  # not after vllm_server_timeout
+        assert "GSPO_TRL_VLLM_TOKEN" in str(error.value) and server.calls == ["/health"]
+        with pytest.raises(UnauthorizedError, match=message):
+            client_for(server, token=token).served_model()
+    finally:
+        server.close()

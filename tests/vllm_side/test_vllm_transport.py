@@ -4,7 +4,6 @@ runs the same path in test_rollout_vllm_server.py)."""
 
 import json
 import os
-import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,6 +13,7 @@ from helpers import small_config
 from peft import LoraConfig, get_peft_model
 
 from gspo_trl.vllm.client import VLLMServerClient
+from gspo_trl.vllm.folders import upload_root
 from gspo_trl.vllm.transport import HTTPTransport, SharedDirTransport, choose_transport, server_sees
 from gspo_trl.vllm.weight_sync import named_weights, sync_group, weight_chunks
 from gspo_trl.vllm.worker_extension import WeightSyncExtension
@@ -151,11 +151,11 @@ def test_http_on_other_processes_only_takes_part_in_the_gathers(rpc, tiny_model)
     assert rpc.worker.calls == []
 
 
-def test_http_copies_the_adapter_into_the_servers_temporary_folder(rpc, tiny_model, tmp_path):
+def test_http_copies_the_adapter_into_the_servers_upload_folder(rpc, tiny_model, tmp_path):
     lora = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     transport = HTTPTransport(rpc.client, str(tmp_path), chunk_bytes=1000)  # many pieces per file
     remote = transport.send_adapter(lora)
-    assert remote == os.path.join(tempfile.gettempdir(), transport.remote_dir)
+    assert remote == os.path.join(upload_root(), transport.remote_dir)
     local = tmp_path / "adapter"
     names = sorted(os.listdir(local))
     assert "adapter_model.safetensors" in names and sorted(os.listdir(remote)) == names  # no partial file left
@@ -168,10 +168,16 @@ def test_http_copies_the_adapter_into_the_servers_temporary_folder(rpc, tiny_mod
     assert not os.path.exists(remote)
 
 
-@pytest.mark.parametrize("directory, name", [("..", "x"), ("ok", "../x"), ("ok", "/etc/passwd"), ("a/b", "x")])
-def test_the_worker_writes_only_plain_names_in_its_temporary_folder(directory, name):
-    with pytest.raises(ValueError, match="not a plain file name"):
+@pytest.mark.parametrize(
+    "directory, name",
+    [("..", "x"), ("ok", "x"), ("/tmp", "x"), ("gspo-trl-adapter-0123abcd/..", "x"), ("a/b", "x")]
+    + [("gspo-trl-adapter-0123abcd", name) for name in ("../x", "/etc/passwd", "..", "x.part-1", "")],
+)
+def test_the_worker_writes_only_plain_names_in_its_upload_folders(directory, name):
+    with pytest.raises(PermissionError, match="not a (gspo-trl upload folder name|plain file name)"):
         Worker().gspo_receive_file(directory, name, "", "0", "1")
+    with pytest.raises(PermissionError, match="not a gspo-trl upload folder name"):
+        Worker().gspo_remove_directory(directory if directory != "gspo-trl-adapter-0123abcd" else "..")
 
 
 class ProbedClient:
