@@ -2,10 +2,11 @@
 
 Every process writes a checkpoint into `<output_dir>/.gspo-staging/checkpoint-N` (Trainer's model, optimizer,
 scheduler, RNG and state files, each process's rollout in progress, the synced reference model). The main process then
-writes `gspo_checkpoint.json` (each file's size and CRC-32, the number of processes, the run's schedule fields),
-flushes every file to disk and renames the folder into place: a kill at any moment leaves the new checkpoint either
-whole or not there, and the earlier ones as they were. Rotation (`save_total_limit`) then deletes older checkpoints
-only, never the one just written nor the best one.
+writes `gspo_checkpoint.json` (each file's size and CRC-32, the number of processes, the run's schedule fields, a save
+sequence number), flushes every file to disk and renames the folder into place: a kill at any moment leaves the new
+checkpoint either whole or not there, and the earlier ones as they were. Rotation (`save_total_limit`) then deletes
+checkpoints saved earlier only, never the one just written nor the best one. "Newest" is by save sequence, so a run
+resumed from an earlier checkpoint is followed, not the later steps of the run it abandoned.
 
 Before training (`before_training`): a run whose output_dir already holds a run's checkpoints or model is refused
 unless it resumes (`resume_from_checkpoint`) or overwrites (`overwrite_output_dir`); a resume reads the checkpoint's
@@ -69,15 +70,25 @@ class DamagedCheckpoint(ValueError):
 
 
 def numbered_checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of each `checkpoint-N` folder in `run_dir`, newest step first."""
+    """(step, path) of each `checkpoint-N` folder in `run_dir`, the newest first: by the save sequence of their
+    manifests (a run resumed from an earlier checkpoint saves after the later ones it left), then by step (a folder
+    without a readable manifest counts as saved before every one with)."""
     if not os.path.isdir(run_dir):
         return []
-    found = [
-        (int(m.group(1)), os.path.join(run_dir, name))
-        for name in os.listdir(run_dir)
-        if (m := CHECKPOINT_NAME.match(name))
-    ]
-    return sorted((item for item in found if os.path.isdir(item[1])), reverse=True)
+    found = []
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if (match := CHECKPOINT_NAME.match(name)) and os.path.isdir(path):
+            found.append((_sequence(path), int(match.group(1)), path))
+    return [(step, path) for _, step, path in sorted(found, reverse=True)]
+
+
+def _sequence(checkpoint: str) -> int:
+    try:
+        manifest = read_manifest(checkpoint)
+    except DamagedCheckpoint:
+        return 0
+    return 0 if manifest is None else int(manifest.get("sequence", 0))
 
 
 def _size_and_crc(path: str) -> tuple[int, int]:
@@ -104,7 +115,7 @@ def _files(folder: str) -> list[str]:
     return sorted(found)
 
 
-def write_manifest(folder: str, num_processes: int, run_fields: dict) -> None:
+def write_manifest(folder: str, num_processes: int, run_fields: dict, sequence: int) -> None:
     """Seal a staged checkpoint: every file flushed to disk, then the manifest listing them (written last)."""
     files = {}
     for name in _files(folder):
@@ -114,7 +125,8 @@ def write_manifest(folder: str, num_processes: int, run_fields: dict) -> None:
         size, crc = _size_and_crc(path)
         _fsync(path)
         files[name] = {"size": size, "crc32": crc}
-    manifest = {"format": FORMAT_VERSION, "num_processes": num_processes, "run": run_fields, "files": files}
+    manifest = {"format": FORMAT_VERSION, "sequence": sequence, "num_processes": num_processes, "run": run_fields}
+    manifest["files"] = files
     path = os.path.join(folder, MANIFEST_FILE)
     with open(path + ".tmp", "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=1)
@@ -196,6 +208,8 @@ def saved_process_count(checkpoint: str) -> int | None:
 def check_resume(checkpoint: str, args, num_processes: int) -> None:
     """Before anything is loaded, refuse a checkpoint written by another number of processes, a damaged one, or one of
     a run with other `RUN_FIELDS`."""
+    if not os.path.isdir(checkpoint):
+        return  # Trainer says it cannot find it
     saved = saved_process_count(checkpoint)
     if saved is not None and saved != num_processes:
         raise ValueError(
@@ -225,14 +239,6 @@ def check_resume(checkpoint: str, args, num_processes: int) -> None:
         )
 
 
-def _reads_whole(checkpoint: str, num_processes: int) -> bool:
-    try:
-        verify(checkpoint, num_processes)
-    except DamagedCheckpoint:
-        return False
-    return True
-
-
 def run_outputs(run_dir: str) -> list[str]:
     """What an earlier run left in `run_dir`: checkpoint folders and model/metrics files (sorted names)."""
     if not os.path.isdir(run_dir):
@@ -256,10 +262,8 @@ class Checkpoints:
     def before_training(self, resume_from_checkpoint, warn):
         """The checkpoint to resume from (a path, or None) once the output_dir and the checkpoint are checked."""
         run_dir, processes, main = self.args.output_dir, self.accelerator.num_processes, self.args.should_save
-        if resume_from_checkpoint is True:  # the later checkpoints, if any, are damaged: replaced when reached
+        if resume_from_checkpoint is True:
             resume_from_checkpoint = select_checkpoint(run_dir, processes, warn)
-        elif resume_from_checkpoint:
-            self._check_no_later_checkpoints(str(resume_from_checkpoint), run_dir, warn)
         if resume_from_checkpoint:
             check_resume(str(resume_from_checkpoint), self.args, processes)
             return resume_from_checkpoint
@@ -279,28 +283,6 @@ class Checkpoints:
                     self._delete(run_dir, path)
             self.accelerator.wait_for_everyone()
         return resume_from_checkpoint
-
-    def _check_no_later_checkpoints(self, checkpoint: str, run_dir: str, warn) -> None:
-        """A resume from an earlier checkpoint of `run_dir` would mix its saves with the later ones of the run it
-        abandons: refused, or with overwrite_output_dir the later ones are deleted."""
-        match = CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(checkpoint)))
-        if match is None or not os.path.samefile(os.path.dirname(os.path.abspath(checkpoint)), run_dir):
-            return
-        later = [path for step, path in numbered_checkpoints(run_dir) if step > int(match.group(1))]
-        later = [path for path in later if _reads_whole(path, self.accelerator.num_processes)]
-        if not later:
-            return
-        if not self.args.overwrite_output_dir:
-            raise ValueError(
-                f"Resuming from {checkpoint} while output_dir holds later checkpoints ({sorted(later)}): this run's "
-                "checkpoints would be mixed with theirs. Set overwrite_output_dir=True to delete them, or copy the "
-                "checkpoint to another output_dir and resume there."
-            )
-        warn(f"overwrite_output_dir=True: deleting the checkpoints after the one resumed from: {sorted(later)}")
-        if self.args.should_save:
-            for path in later:
-                self._delete(run_dir, path)
-        self.accelerator.wait_for_everyone()
 
     @contextlib.contextmanager
     def staged(self, run_dir: str, state):
@@ -329,7 +311,8 @@ class Checkpoints:
             state.best_model_checkpoint = final
             state.save_to_json(os.path.join(folder, "trainer_state.json"))
         _write_point("written")
-        write_manifest(folder, self.accelerator.num_processes, run_fields(self.args))
+        sequence = 1 + max((_sequence(path) for _, path in numbered_checkpoints(run_dir)), default=0)
+        write_manifest(folder, self.accelerator.num_processes, run_fields(self.args), sequence)
         _write_point("sealed")
         if os.path.exists(final):  # a folder left by a killed run, or an abandoned later one: replaced whole
             os.rename(final, os.path.join(staging, "replaced-" + name))
@@ -341,16 +324,13 @@ class Checkpoints:
         shutil.rmtree(staging, ignore_errors=True)
 
     def _rotate(self, run_dir: str, newest: str, best: str | None) -> None:
-        """Keep `save_total_limit` checkpoints: delete the oldest steps, never `newest`, the best one or a later
-        step."""
+        """Keep the `save_total_limit` checkpoints saved last and the best one: never `newest`, the one just placed."""
         limit = self.args.save_total_limit
         if not limit or limit <= 0:
             return
-        newest_step = int(CHECKPOINT_NAME.match(os.path.basename(newest)).group(1))
         keep = {os.path.abspath(newest), *([os.path.abspath(best)] if best else [])}
-        older = [path for step, path in numbered_checkpoints(run_dir) if step < newest_step]
-        kept = len(numbered_checkpoints(run_dir)) - len(older)
-        for path in older:  # newest first
+        kept = 0
+        for _, path in numbered_checkpoints(run_dir):  # the newest first
             if os.path.abspath(path) in keep or kept < limit:
                 kept += 1
                 continue

@@ -66,7 +66,7 @@ def test_a_checkpoint_lists_every_file_it_holds_and_nothing_is_left_aside(saved_
         # the reference of sync_ref_model and the rollout in progress are inside the completeness check
         for name in (REFERENCE_FILE, "gspo_rollout_rank0.json", "gspo_rollout_rank0.safetensors", "optimizer.pt"):
             assert name in manifest["files"], name
-        assert manifest["num_processes"] == 1 and manifest["run"]["seed"] == 0
+        assert manifest["num_processes"] == 1 and manifest["run"]["seed"] == 0 and manifest["sequence"] == step
         assert verify(str(checkpoint), 1) == manifest
 
 
@@ -146,39 +146,50 @@ def test_a_resume_with_other_schedule_settings_is_refused(saved_run, tmp_path, t
         trainer.train(resume_from_checkpoint=True)
 
 
-def test_resuming_an_earlier_checkpoint_does_not_mix_with_the_later_ones(saved_run, tmp_path, tiny_model_dir):
+def test_a_run_resumed_from_an_earlier_checkpoint_saves_after_the_later_ones(saved_run, tmp_path, tiny_model_dir):
+    # Resumed from checkpoint-1 while checkpoint-2 and checkpoint-3 (an abandoned continuation) are there: its new
+    # checkpoint-2 replaces the old one whole and is the newest; resume=True takes it, not the abandoned step 3.
     output_dir = copy_of(saved_run, tmp_path)
-    earlier = str(output_dir / "checkpoint-1")
-    with pytest.raises(ValueError, match="holds later checkpoints"):
-        trainer_for(output_dir, tiny_model_dir).train(resume_from_checkpoint=earlier)
-    assert (output_dir / "checkpoint-2" / MANIFEST_FILE).exists()  # refused without deleting anything
-    old_manifest = (output_dir / "checkpoint-2" / MANIFEST_FILE).read_bytes()
-    trainer_for(output_dir, tiny_model_dir, overwrite_output_dir=True).train(resume_from_checkpoint=earlier)
-    assert (output_dir / "checkpoint-2" / MANIFEST_FILE).read_bytes() != old_manifest  # written by this run
+    shutil.copytree(output_dir / "checkpoint-2", output_dir / "checkpoint-3")  # the same manifest: sequence 2
+    old = (output_dir / "checkpoint-2" / MANIFEST_FILE).read_bytes()
+    trainer_for(output_dir, tiny_model_dir).train(resume_from_checkpoint=str(output_dir / "checkpoint-1"))
+    manifest = json.loads((output_dir / "checkpoint-2" / MANIFEST_FILE).read_text())
+    assert manifest["sequence"] == 3 and (output_dir / "checkpoint-2" / MANIFEST_FILE).read_bytes() != old
+    assert select_checkpoint(str(output_dir), 1, print) == str(output_dir / "checkpoint-2")
 
 
-@pytest.mark.slow  # one training process per kill point
-@pytest.mark.parametrize("async_rollouts", [False, True])
+# The points a save passes, in order: before it, after each file (group) Trainer or gspo-trl writes, after the
+# manifest (sealed), after the rename, after the rotation deleted the previous checkpoint.
+KILL_POINTS = ["start", "rollout", "reference", "model", "optimizer", "rng", "trainer_state", "written", "sealed"]
+KILL_POINTS += ["renamed", "rotated"]
+
+
+@pytest.mark.slow  # two training runs per kill point (about a minute each on 2 shared cores)
+@pytest.mark.parametrize(
+    "async_rollouts, kill_points",
+    [(False, KILL_POINTS), (True, ["start", "trainer_state", "sealed", "renamed", "rotated"])],  # async: one each side
+)
 def test_a_run_killed_at_each_write_of_a_save_resumes_onto_the_uninterrupted_weights(
-    tmp_path, tiny_model_dir, async_rollouts
+    tmp_path, tiny_model_dir, async_rollouts, kill_points
 ):
     worker = os.path.join(os.path.dirname(__file__), "checkpoint_crash_worker.py")
     results_path = tmp_path / "results.json"
-    overrides = json.dumps({"async_rollouts": async_rollouts})
+    overrides = json.dumps({"async_rollouts": async_rollouts, "kill_points": kill_points})
     command = [sys.executable, worker, tiny_model_dir, str(tmp_path), str(results_path), overrides]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=900, env=worker_env())
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=worker_env())
     assert completed.returncode == 0, completed.stderr[-4000:]
-    results = json.loads(results_path.read_text())
+    counted = json.loads(results_path.read_text())
+    assert counted["events"] == KILL_POINTS  # every write of the save has a point here, in this order
+    results = counted["trials"]
     events = [entry["event"] for entry in results]
-    # Trainer's files, ours, the seal, the rename and the rotation's deletion: each a kill point.
-    for event in ("start", "rollout", "reference", "model", "optimizer", "rng", "trainer_state", "sealed", "renamed"):
-        assert event in events, events
-    assert "rotated" in events
+    assert events == kill_points
     for entry in results:
         assert entry["killed"], entry
         assert entry["resume_status"] == 0, entry
         # the same steps on the same rows from the same state: as in the resume tests, equal up to 1e-6
         assert entry["max_difference"] <= 1e-6, entry
-        after_rename = events.index(entry["event"]) >= events.index("renamed")
-        assert ("checkpoint-2" in entry["left"]) == after_rename, entry
+        after_rename = KILL_POINTS.index(entry["event"]) >= KILL_POINTS.index("renamed")
+        assert entry["left"] == (
+            ["checkpoint-2"] if entry["event"] == "rotated" else ["checkpoint-1"] + ["checkpoint-2"] * after_rename
+        ), entry
     print(f"{len(results)} kill points: {events}")
