@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 
@@ -119,42 +120,68 @@ def _in_child(work) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def _resumed_weights(model_dir, output_dir, overrides, path) -> int:
+    """Resume the run in `output_dir` with `resume_from_checkpoint=True` in a child; its final weights go to `path`."""
+    return _in_child(lambda: save_file(_weights(_train(model_dir, output_dir, overrides, resume=True)), path))
+
+
+def _killed_at(point: int, model_dir, output_dir, overrides) -> bool:
+    _saving["kill_at"] = point
+    try:
+        return _in_child(lambda: _train(model_dir, output_dir, overrides)) == -signal.SIGKILL
+    finally:
+        _saving["kill_at"] = None
+
+
+def _references(events, model_dir, work_dir, overrides, compare) -> dict[str, dict]:
+    """The weights each trial must end on, by the newest checkpoint it left: the uninterrupted run's, or (async
+    rollouts, whose resumed run samples the rollout in flight again) those of a run resumed from that checkpoint left
+    whole (a save cut right after its rename leaves checkpoint-1 and checkpoint-2)."""
+    if compare == "uninterrupted":
+        whole = _in_child(
+            lambda: save_file(_weights(_train(model_dir, f"{work_dir}/whole", overrides)), f"{work_dir}/whole.st")
+        )
+        assert whole == 0
+        return {"checkpoint-1": load_file(f"{work_dir}/whole.st"), "checkpoint-2": load_file(f"{work_dir}/whole.st")}
+    assert _killed_at(events.index("renamed") + 1, model_dir, f"{work_dir}/clean", overrides)
+    references = {}
+    for name in ("checkpoint-1", "checkpoint-2"):
+        copy = f"{work_dir}/clean-{name}"
+        shutil.copytree(f"{work_dir}/clean", copy)
+        if name == "checkpoint-1":
+            shutil.rmtree(f"{copy}/checkpoint-2")
+        assert _resumed_weights(model_dir, copy, overrides, f"{copy}.st") == 0
+        references[name] = load_file(f"{copy}.st")
+    return references
+
+
 def main() -> None:
     model_dir, work_dir, results_path = sys.argv[1:4]
     overrides = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     only = overrides.pop("kill_points", None)  # the names of the write points to kill at (default: all)
+    compare = overrides.pop("compare", "uninterrupted")  # or "clean_resume"
     _patch()
-
-    def whole():
-        save_file(_weights(_train(model_dir, os.path.join(work_dir, "whole"), overrides)), f"{work_dir}/whole.st")
 
     def count():
         _train(model_dir, os.path.join(work_dir, "count"), overrides)
         with open(f"{work_dir}/events.json", "w") as handle:
             json.dump(_saving["events"], handle)
 
-    assert _in_child(whole) == 0 and _in_child(count) == 0
+    assert _in_child(count) == 0
     with open(f"{work_dir}/events.json") as handle:
         events = json.load(handle)
-    expected = load_file(f"{work_dir}/whole.st")
+    references = _references(events, model_dir, work_dir, overrides, compare)
     results = []
     for kill_at in range(1, len(events) + 1):
         if only is not None and events[kill_at - 1] not in only:
             continue
         output_dir = os.path.join(work_dir, f"kill-{kill_at}")
-        _saving["kill_at"] = kill_at
-        killed = _in_child(lambda out=output_dir: _train(model_dir, out, overrides)) == -signal.SIGKILL
-        _saving["kill_at"] = None
+        killed = _killed_at(kill_at, model_dir, output_dir, overrides)
         left = sorted(name for name in os.listdir(output_dir) if name.startswith("checkpoint-"))
-
-        def resume(output_dir=output_dir, kill_at=kill_at):
-            trainer = _train(model_dir, output_dir, overrides, resume=True)
-            save_file(_weights(trainer), f"{work_dir}/resumed-{kill_at}.st")
-
-        status = _in_child(resume)
+        status = _resumed_weights(model_dir, output_dir, overrides, f"{work_dir}/resumed-{kill_at}.st")
         entry = {"event": events[kill_at - 1], "killed": killed, "left": left, "resume_status": status}
         if status == 0:
-            got = load_file(f"{work_dir}/resumed-{kill_at}.st")
+            got, expected = load_file(f"{work_dir}/resumed-{kill_at}.st"), references[left[-1]]
             entry["max_difference"] = max((got[k] - expected[k]).abs().max().item() for k in expected)
         results.append(entry)
     with open(results_path, "w") as handle:

@@ -164,17 +164,20 @@ KILL_POINTS = ["start", "rollout", "reference", "model", "optimizer", "rng", "tr
 KILL_POINTS += ["renamed", "rotated"]
 
 
+# Synchronous rollouts: every trial must end on the uninterrupted run's weights. Async rollouts: a resumed run samples
+# the rollout that was in flight again (docs/async_rollouts.md), so a trial must end where a run resumed from the
+# same checkpoint, left whole, ends; three points: before the save, sealed but not renamed, after the rotation.
 @pytest.mark.slow  # two training runs per kill point (about a minute each on 2 shared cores)
 @pytest.mark.parametrize(
-    "async_rollouts, kill_points",
-    [(False, KILL_POINTS), (True, ["start", "trainer_state", "sealed", "renamed", "rotated"])],  # async: one each side
+    "async_rollouts, kill_points, compare",
+    [(False, KILL_POINTS, "uninterrupted"), (True, ["start", "sealed", "rotated"], "clean_resume")],
 )
 def test_a_run_killed_at_each_write_of_a_save_resumes_onto_the_uninterrupted_weights(
-    tmp_path, tiny_model_dir, async_rollouts, kill_points
+    tmp_path, tiny_model_dir, async_rollouts, kill_points, compare
 ):
     worker = os.path.join(os.path.dirname(__file__), "checkpoint_crash_worker.py")
     results_path = tmp_path / "results.json"
-    overrides = json.dumps({"async_rollouts": async_rollouts, "kill_points": kill_points})
+    overrides = json.dumps({"async_rollouts": async_rollouts, "kill_points": kill_points, "compare": compare})
     command = [sys.executable, worker, tiny_model_dir, str(tmp_path), str(results_path), overrides]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=worker_env())
     assert completed.returncode == 0, completed.stderr[-4000:]
