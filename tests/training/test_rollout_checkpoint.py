@@ -78,11 +78,12 @@ def test_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, tiny_model
 def test_incomplete_checkpoints_are_skipped(tmp_path, tiny_model_dir, caplog):
     run(tmp_path, tiny_model_dir, stop_at=2, save_strategy="steps", save_steps=1)
     os.remove(tmp_path / "checkpoint-2" / "trainer_state.json")  # a file lost after the save
-    (tmp_path / "checkpoint-3").mkdir()  # and a folder without a manifest, as an earlier gspo-trl's cut-off save left
+    # A folder without a manifest (an earlier gspo-trl's cut-off save) counts as saved before every one with a manifest.
+    (tmp_path / "checkpoint-3").mkdir()
     with caplog.at_level("WARNING"):
         resumed = run(tmp_path, tiny_model_dir, resume=True, save_strategy="no")
-    assert "Skipped incomplete or damaged checkpoints, resuming from" in caplog.text
-    assert "checkpoint-2: trainer_state.json is missing" in caplog.text and "checkpoint-3" in caplog.text
+    assert "Skipped incomplete or damaged checkpoints, resuming from " + str(tmp_path / "checkpoint-1") in caplog.text
+    assert "checkpoint-2: trainer_state.json is missing" in caplog.text and "checkpoint-3" not in caplog.text
     assert sorted(step_logs(resumed)) == [1, 2, 3, 4, 5]  # checkpoint-1's history, then steps 2-5
 
 
