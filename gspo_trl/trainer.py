@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -65,6 +64,7 @@ from .scoring.rewards import load_rewards, prepare_reward_models
 from .scoring.score import completions_per_prompt, reward_and_score, scored_batch
 from .scoring.signal_warnings import SignalWarnings
 from .training.async_rollouts import RolloutPipeline, check_async_rollouts_supported
+from .training.checkpoints import Checkpoints
 from .training.cpu_memory import pool_freed_memory
 from .training.logprob_check import FirstRolloutCheck
 from .training.logprobs import completion_logprobs, logprobs_without_grad
@@ -72,7 +72,7 @@ from .training.micro_batch import MicroBatch
 from .training.micro_batch_loss import micro_batch_loss
 from .training.passes import pass_budget, passes_on_every_process, take_pass
 from .training.reference_sync import ReferenceSync
-from .training.rollout_checkpoint import checkpoint_to_resume, save_rollout_state
+from .training.rollout_checkpoint import save_rollout_state
 from .training.schedule import RolloutSchedule, fill_old_logps, rollout_tokens
 
 logger = logging.get_logger(__name__)
@@ -155,6 +155,7 @@ class GSPOTrainer(TRLAttributes, Trainer):
             self.ref_model = prepare_frozen_model(self.ref_model, self.accelerator, scored_by_logprobs=True)
         prepare_reward_models(self.reward_funcs, self.accelerator)
         self.reference_sync = ReferenceSync.for_run(self)  # TR-DPO's sync_ref_model
+        self.checkpoints = Checkpoints(args, self.accelerator)  # each written aside and moved into place whole
 
         unwrapped, device_type = self.accelerator.unwrap_model(self.model), self.accelerator.device.type
         self.padding_free = padding_free_in_use(args.padding_free, device_type, unwrapped)
@@ -280,9 +281,8 @@ class GSPOTrainer(TRLAttributes, Trainer):
         return loss
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint is True:
-            processes = self.accelerator.num_processes
-            resume_from_checkpoint = checkpoint_to_resume(self.args.output_dir, processes, logger.warning)
+        # A used output_dir, a damaged checkpoint or another number of processes: refused before anything loads.
+        resume_from_checkpoint = self.checkpoints.before_training(resume_from_checkpoint, logger.warning)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -458,12 +458,16 @@ class GSPOTrainer(TRLAttributes, Trainer):
             self.completion_log.write(self.state.global_step, self._eval_prefix)
 
     def _save_checkpoint(self, model, trial):
-        # The rollout goes first: Trainer writes trainer_state.json last, which marks a complete checkpoint.
-        checkpoint_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        state = self.schedule.checkpoint_state(self._num_tokens_seen, self.entropy_coefficient.state_dict())
-        save_rollout_state(checkpoint_dir, self.accelerator.process_index, state)
-        self.create_model_card(model_name=Path(self.args.hub_model_id or self.args.output_dir).name)
-        super()._save_checkpoint(model, trial)
+        # Everything goes into a staging folder (Trainer's files too: see _get_output_dir), renamed into place whole.
+        with self.checkpoints.staged(self._get_output_dir(trial=trial), self.state) as checkpoint_dir:
+            state = self.schedule.checkpoint_state(self._num_tokens_seen, self.entropy_coefficient.state_dict())
+            save_rollout_state(checkpoint_dir, self.accelerator.process_index, state)
+            self.reference_sync.save(checkpoint_dir)
+            self.create_model_card(model_name=Path(self.args.hub_model_id or self.args.output_dir).name)
+            super()._save_checkpoint(model, trial)
+
+    def _get_output_dir(self, trial):
+        return self.checkpoints.staging or super()._get_output_dir(trial)
 
     def create_model_card(self, model_name: str | None = None, tags=None, **kwargs) -> None:
         write_trainer_model_card(self, model_name, tags, __version__)

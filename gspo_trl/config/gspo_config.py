@@ -56,6 +56,14 @@ class GSPOConfig(TrainingArguments, VLLMFields, ObjectiveFields):
         },
     )
 
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a new run in an output_dir that holds an earlier run's checkpoints or model, deleting its "
+            "checkpoints (False refuses, unless train() resumes). The name transformers 4 used."
+        },
+    )
+
     # --- Model -------------------------------------------------------------------------------
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,

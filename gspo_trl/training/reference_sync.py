@@ -2,11 +2,11 @@
 steps the reference model moves towards the policy, ref ← α·π + (1 − α)·ref (`mix_into_reference`, α =
 `ref_model_mixup_alpha`).
 
-Owns the mixing rule, the callback that applies it after an optimizer step, and the synced reference's place in a
-checkpoint (a run resumed from one continues from the reference it had, not from a copy of the policy). What it
-does not own: building the reference (`models`) and its forward (`logprobs`). As in TRL, there is nothing to sync
-under PEFT, whose reference is the base model with the adapter disabled; a partitioned reference (ZeRO-3, FSDP) is
-refused, untested here.
+Owns the mixing rule, the callback that applies it after an optimizer step, and the synced reference's file in a
+checkpoint, written by `save` into the folder `checkpoints` seals (a run resumed from one continues from the reference
+it had, not from a copy of the policy). What it does not own: building the reference (`models`) and its forward
+(`logprobs`). As in TRL, there is nothing to sync under PEFT, whose reference is the base model with the adapter
+disabled; a partitioned reference (ZeRO-3, FSDP) is refused, untested here.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from collections.abc import Callable, Iterable
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback
+from transformers.utils import logging
 
 from ..models.distributed import unwrap_model
 from ..models.loading import is_peft_model
 
 REFERENCE_FILE = "reference_model.safetensors"
+logger = logging.get_logger(__name__)
 
 
 @torch.no_grad()
@@ -69,19 +71,32 @@ class ReferenceSync(TrainerCallback):
             policy = self._parameters(self.policy())
             mix_into_reference(self._parameters(self.reference()), policy, self.args.ref_model_mixup_alpha)
 
-    def on_save(self, args, state, control, **kwargs):
-        # Every process holds the same reference; the main one writes it into the checkpoint Trainer just saved.
-        if state.is_world_process_zero:
-            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+    def save(self, checkpoint_dir: str) -> None:
+        """Write the synced reference into the checkpoint being written (every process holds the same one: the main
+        process writes it, before the folder is sealed)."""
+        if self.args.sync_ref_model and self.args.should_save:
             tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self._parameters(self.reference())}
-            save_file(tensors, os.path.join(checkpoint, REFERENCE_FILE))
+            save_file(tensors, os.path.join(checkpoint_dir, REFERENCE_FILE))
 
     def restore(self, checkpoint: str | None) -> None:
-        """Resuming from `checkpoint`: the reference it saved (none saved: it stays a copy of the resumed policy)."""
-        path = None if checkpoint is None else os.path.join(checkpoint, REFERENCE_FILE)
-        if not self.args.sync_ref_model or path is None or not os.path.isfile(path):
+        """Resuming from `checkpoint`: the reference it saved. A checkpoint without one (written before the reference
+        was saved) leaves it a copy of the resumed policy, with a warning."""
+        if not self.args.sync_ref_model or checkpoint is None:
             return
-        saved = load_file(path)
-        with torch.no_grad():
-            for name, target in self._parameters(self.reference()):
-                target.copy_(saved[name])
+        path = os.path.join(checkpoint, REFERENCE_FILE)
+        if not os.path.isfile(path):
+            logger.warning(
+                f"sync_ref_model=True, but checkpoint {checkpoint} holds no {REFERENCE_FILE}: the reference restarts "
+                "as a copy of the resumed policy, not the synced reference the run had."
+            )
+            return
+        try:
+            saved = load_file(path)
+            with torch.no_grad():
+                for name, target in self._parameters(self.reference()):
+                    target.copy_(saved[name])
+        except Exception as error:  # safetensors' own error, a missing tensor, a shape that does not fit
+            raise ValueError(
+                f"Cannot resume from checkpoint {checkpoint}: {REFERENCE_FILE} cannot be read into the reference model "
+                f"({type(error).__name__}: {str(error)[:200]}). Resume from an earlier checkpoint."
+            ) from error

@@ -1,18 +1,16 @@
-"""Crash-safe resume: the rollout in progress travels with each checkpoint, and only complete
-checkpoints are resumed from.
+"""The rollout in progress saved with each checkpoint, one pair of files per process.
 
 A GSPO rollout is trained on for several optimizer steps, so a checkpoint usually falls inside one.
-Its micro-batches (completions, advantages, π_old log-probs) were sampled by weights that no longer
-exist after the next update: a resumed run cannot sample them again. Each process saves its share
-next to Trainer's files, before Trainer writes `trainer_state.json`, the file it writes last; a
-checkpoint without that file, or without every process's rollout file, was cut off while being
-written and is never resumed from. What it does not own: the schedule (`schedule`, the trainer) and
-Trainer's own model / optimizer / RNG files.
+Its micro-batches (completions, advantages, π_old log-probs, routes) were sampled by weights that no longer
+exist after the next update: a resumed run cannot sample them again. Each process saves its share into the
+checkpoint folder being written; `checkpoints` seals the folder and moves it into place. What it does not own: the
+checkpoint folder (`checkpoints`), the schedule (`schedule`, the trainer) and Trainer's own model / optimizer / RNG
+files.
 
 The files hold no pickle: the tensors go to `gspo_rollout_rank{i}.safetensors`, everything else to
 `gspo_rollout_rank{i}.json` (written second, so it marks a whole pair), and resuming runs no code from them. A
 checkpoint of the earlier format (`gspo_rollout_rank{i}.pt`, a pickle) is read with `torch.load(weights_only=True)`,
-which loads tensors and plain values only.
+which loads tensors and plain values only. A file that cannot be read is named with its checkpoint in the error.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-TRAINER_STATE_FILE = "trainer_state.json"  # transformers writes it last in a checkpoint
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE_FILE = "trainer_state.json"  # transformers writes it last: an earlier checkpoint without it was cut off
+_RANK_FILE = re.compile(r"^gspo_rollout_rank(\d+)\.(json|pt)$")
 
 
 @dataclass
@@ -111,14 +109,13 @@ def load_rollout_state(checkpoint_dir: str, process_index: int, device: torch.de
     """The state saved by this process, or None for a checkpoint written before rollouts were saved."""
     manifest_path = rollout_file(checkpoint_dir, process_index)
     if os.path.exists(manifest_path):
-        with open(manifest_path, encoding="utf-8") as handle:
-            manifest = json.load(handle)
-        if manifest.get("format") != FORMAT_VERSION:
+        manifest = _read(manifest_path, checkpoint_dir, _read_json)
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
             raise ValueError(
                 f"{manifest_path}: rollout format {manifest.get('format')!r}; this gspo-trl reads "
                 f"format {FORMAT_VERSION}. Resume with the gspo-trl version that wrote it."
             )
-        tensors = load_file(_tensor_file(checkpoint_dir, process_index), device="cpu")
+        tensors = _read(_tensor_file(checkpoint_dir, process_index), checkpoint_dir, load_file)
         micro_batches = None
         if manifest["micro_batches"] is not None:
             micro_batches = [
@@ -163,29 +160,25 @@ def is_complete_checkpoint(checkpoint_dir: str, num_processes: int) -> bool:
     )
 
 
-def last_complete_checkpoint(output_dir: str, num_processes: int) -> tuple[str | None, list[str]]:
-    """(the newest complete checkpoint under `output_dir`, the newer ones skipped as incomplete)."""
-    if not os.path.isdir(output_dir):
-        return None, []
-    numbered = sorted(
-        ((int(match.group(1)), name) for name in os.listdir(output_dir) if (match := _CHECKPOINT_NAME.match(name))),
-        reverse=True,
-    )
-    skipped = []
-    for _, name in numbered:
-        path = os.path.join(output_dir, name)
-        if os.path.isdir(path) and is_complete_checkpoint(path, num_processes):
-            return path, skipped
-        skipped.append(path)
-    return None, skipped
+def rollout_process_count(checkpoint_dir: str) -> int:
+    """How many processes saved a rollout into `checkpoint_dir` (0: none, a checkpoint from before rollouts were
+    saved)."""
+    ranks = [int(m.group(1)) for name in os.listdir(checkpoint_dir) if (m := _RANK_FILE.match(name))]
+    return max(ranks) + 1 if ranks else 0
 
 
-def checkpoint_to_resume(output_dir: str, num_processes: int, warn) -> str:
-    """The newest complete checkpoint under `output_dir` (`resume_from_checkpoint=True`: Trainer would take the
-    newest folder, even a half-written one); newer incomplete ones are reported through `warn`."""
-    path, skipped = last_complete_checkpoint(output_dir, num_processes)
-    if skipped:
-        warn(f"Skipped incomplete checkpoints (cut off while being written): {skipped}")
-    if path is None:
-        raise ValueError(f"No complete checkpoint found in output_dir ({output_dir}) to resume from.")
-    return path
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _read(path: str, checkpoint_dir: str, reader) -> Any:
+    """`reader(path)`, or an error naming the file and its checkpoint (a file cut short or overwritten)."""
+    try:
+        return reader(path)
+    except Exception as error:  # safetensors, json and OSError each raise their own kind
+        raise ValueError(
+            f"Cannot resume from checkpoint {checkpoint_dir}: {os.path.basename(path)} cannot be read "
+            f"({type(error).__name__}: {str(error)[:200]}). Resume from an earlier checkpoint, or pass "
+            "resume_from_checkpoint=True to take the newest one that reads whole."
+        ) from error

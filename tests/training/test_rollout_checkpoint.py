@@ -11,9 +11,9 @@ from helpers import close, count_digits, length_reward, small_config, text_datas
 from transformers import TrainerCallback
 
 from gspo_trl import GSPOTrainer
+from gspo_trl.training.checkpoints import select_checkpoint
 from gspo_trl.training.rollout_checkpoint import (
     RolloutState,
-    last_complete_checkpoint,
     load_rollout_state,
     rollout_file,
     save_rollout_state,
@@ -77,15 +77,18 @@ def test_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, tiny_model
 
 def test_incomplete_checkpoints_are_skipped(tmp_path, tiny_model_dir, caplog):
     run(tmp_path, tiny_model_dir, stop_at=2, save_strategy="steps", save_steps=1)
-    os.remove(tmp_path / "checkpoint-2" / "trainer_state.json")  # as if killed while writing checkpoint-2
-    (tmp_path / "checkpoint-3").mkdir()  # and a folder from a save that never got far
+    os.remove(tmp_path / "checkpoint-2" / "trainer_state.json")  # a file lost after the save
+    # A folder without a manifest (an earlier gspo-trl's cut-off save) counts as saved before every one with a manifest.
+    (tmp_path / "checkpoint-3").mkdir()
     with caplog.at_level("WARNING"):
         resumed = run(tmp_path, tiny_model_dir, resume=True, save_strategy="no")
-    assert "Skipped incomplete checkpoints" in caplog.text and "checkpoint-3" in caplog.text
+    assert "Skipped incomplete or damaged checkpoints, resuming from " + str(tmp_path / "checkpoint-1") in caplog.text
+    assert "checkpoint-2: trainer_state.json is missing" in caplog.text and "checkpoint-3" not in caplog.text
     assert sorted(step_logs(resumed)) == [1, 2, 3, 4, 5]  # checkpoint-1's history, then steps 2-5
 
 
-def test_last_complete_checkpoint_needs_every_process_rollout(tmp_path):
+def test_a_checkpoint_of_an_earlier_version_needs_every_process_rollout(tmp_path):
+    # Checkpoints written before the manifest: complete with trainer_state.json and every process's rollout file.
     for step, ranks in ((1, [0, 1]), (2, [0]), (10, [0, 1])):
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
@@ -94,12 +97,15 @@ def test_last_complete_checkpoint_needs_every_process_rollout(tmp_path):
     (tmp_path / "checkpoint-10" / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoint-1" / "trainer_state.json").write_text("{}")
-    assert last_complete_checkpoint(str(tmp_path), 2) == (str(tmp_path / "checkpoint-10"), [])
+    warnings = []
+    assert select_checkpoint(str(tmp_path), 2, warnings.append) == str(tmp_path / "checkpoint-10")
+    assert warnings == []
     os.remove(rollout_file(str(tmp_path / "checkpoint-10"), 1))
-    path, skipped = last_complete_checkpoint(str(tmp_path), 2)
-    assert path == str(tmp_path / "checkpoint-1")  # 10 lacks rank 1's rollout, 2 never had it
-    assert skipped == [str(tmp_path / "checkpoint-10"), str(tmp_path / "checkpoint-2")]
-    assert last_complete_checkpoint(str(tmp_path / "missing"), 1) == (None, [])
+    assert select_checkpoint(str(tmp_path), 2, warnings.append) == str(tmp_path / "checkpoint-1")
+    # 10 lacks rank 1's rollout, 2 never had it
+    assert "checkpoint-10" in warnings[0] and "checkpoint-2" in warnings[0]
+    with pytest.raises(ValueError, match="No complete checkpoint"):
+        select_checkpoint(str(tmp_path / "missing"), 1, warnings.append)
 
 
 def _state_with_a_rollout():
@@ -154,7 +160,7 @@ def test_a_checkpoint_of_the_earlier_pickle_format_still_resumes(tmp_path):
     checkpoint.mkdir()
     torch.save({**state.__dict__}, checkpoint / "gspo_rollout_rank0.pt")  # what earlier versions wrote
     (checkpoint / "trainer_state.json").write_text("{}")
-    assert last_complete_checkpoint(str(tmp_path), 1) == (str(checkpoint), [])  # complete with the old file
+    assert select_checkpoint(str(tmp_path), 1, print) == str(checkpoint)  # complete with the old file
     _assert_same_state(load_rollout_state(str(checkpoint), 0, torch.device("cpu")), state)
 
 

@@ -317,6 +317,7 @@ def _with_earlier_key_names(checkpoint):
         earlier.append(batch)
     manifest["micro_batches"] = earlier
     manifest_path.write_text(json.dumps(manifest))
+    (Path(checkpoint) / "gspo_checkpoint.json").unlink()  # that version wrote no checkpoint manifest
     return earlier
 
 
