@@ -216,9 +216,13 @@ def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, serve
     torch.testing.assert_close(rollout.sampling_logps[valid], ours[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "lora merged", "qlora adapter + KL", "qlora merged"])
+@pytest.mark.parametrize(
+    "setup", ["full", "full, shared_dir", "lora adapter + KL", "lora merged", "qlora adapter + KL", "qlora merged"]
+)
 @pytest.mark.slow  # the real vLLM server
 def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
+    """'auto' takes the server's weight-transfer engine (gloo, which `gspo-trl vllm-serve` loads): full and merged
+    weights, and an adapter's frozen base, go in one broadcast; an adapter itself through the shared directory."""
     peft_config = (
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
     )
@@ -232,6 +236,7 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
         learning_rate=3e-2 if peft_config else 1e-2,
         beta=0.05 if "KL" in setup else 0.0,
         vllm_lora_adapter_sync=False if setup.endswith("merged") else None,
+        vllm_weight_transport="shared_dir" if "shared_dir" in setup else "auto",
     )
     trainer = GSPOTrainer(
         served_model_dir,
@@ -242,6 +247,7 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
         peft_config=peft_config,
     )
     assert trainer.rollout_backend.sends_adapter == setup.endswith("adapter + KL")
+    assert trainer.rollout_backend.transport.name == ("shared_dir" if "shared_dir" in setup else "engine")
     syncs = record_syncs(trainer)
     trainer.train()
     assert [step for step, _, _ in syncs] == [0, 2, 4]  # one sync per rollout, before it, with the new weights
@@ -278,6 +284,10 @@ def test_weights_sent_over_http_reach_a_server_that_cannot_see_the_trainers_file
     temporary folder. The sync directory is relative to the trainer's working directory, which is not the server's:
     the server cannot see it, so 'auto' picks HTTP, and no path of the trainer's is ever named to the server."""
     monkeypatch.chdir(tmp_path)
+    if "auto" in setup:  # as a server without a weight-transfer engine, which 'auto' would otherwise take
+        import gspo_trl.vllm.client as client
+
+        monkeypatch.setattr(client.VLLMServerClient, "server_config", lambda self: None)
     peft_config = (
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
     )
@@ -441,7 +451,7 @@ def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_th
     assert len(logged) == 4 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+http"])
+@pytest.mark.parametrize("mode", ["ddp+shared_dir", "zero3", "zero3+http"])
 @pytest.mark.slow  # the real vLLM server
 def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
     import json
@@ -471,7 +481,7 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
     ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
     assert all(r["world_size"] == 2 for r in ranks)
     assert ranks[0]["partitioned"] == mode.startswith("zero3")
-    assert [r["transport"] for r in ranks] == ["http" if mode.endswith("+http") else "shared_dir"] * 2
+    assert [r["transport"] for r in ranks] == [mode.split("+")[1] if "+" in mode else "engine"] * 2
     assert [r["syncs"] for r in ranks] == [3, 3]  # two rollouts, then the final sync
     assert ranks[0]["logs"] == ranks[1]["logs"] and len(ranks[0]["logs"]) == 4  # every rank logs the same numbers
     assert ranks[0]["max_error"] < 1e-4  # the server holds the trained (gathered) weights
