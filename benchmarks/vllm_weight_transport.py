@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""What a weight sync to a vLLM server costs through a shared directory and over HTTP, in time and in memory.
+"""What a weight sync to a vLLM server costs through vLLM's weight-transfer engine, a shared directory and HTTP, in
+time and in memory.
 
 Starts `gspo-trl vllm-serve` for SmolLM2-135M-Instruct (fp32, `--enforce-eager`, `--enable-lora`, on the same CPU
 cores as the trainer) and times, after an untimed warm-up, `--repeats` weight syncs
 (`VLLMServerBackend.update_weights`: pause, send, reload, prefix-cache reset, resume) of:
 
-- the full weights (134.5M parameters, fp32, 538 MB) as a snapshot in /dev/shm (`vllm_weight_transport="shared_dir"`)
-  and over HTTP in chunks of 16 and 64 MiB (the default) (`"http"`);
+- the full weights (134.5M parameters, fp32, 538 MB) broadcast through the server's weight-transfer engine (gloo on
+  loopback, `vllm_weight_transport="engine"`), as a snapshot in /dev/shm (`"shared_dir"`) and over HTTP in chunks
+  of 16 and 64 MiB (the default) (`"http"`);
 - a LoRA adapter (r=16, all linear layers) sent alone over HTTP.
 
 For each, the peak resident memory each side gained during a sync over its resident memory before it (the trainer
@@ -43,6 +45,7 @@ from vllm_rollout import start_server  # noqa: E402
 
 FIXED_TEXT = [1, 504, 314, 1789, 42, 2707, 2096, 30, 28, 1322, 16, 905, 282, 253, 1345, 2]
 SETTINGS = (  # (name, transport, chunk MiB, LoRA adapter alone)
+    ("engine", "engine", 64, False),
     ("shared_dir", "shared_dir", 64, False),
     ("http_16", "http", 16, False),
     ("http_64", "http", 64, False),
@@ -176,6 +179,7 @@ def main(argv=None) -> None:
 def render_table(result: dict) -> str:
     """The table docs/vllm.md shows (tests/test_docs.py checks it against the JSON)."""
     labels = {
+        "engine": "full weights through vLLM's weight-transfer engine, gloo on loopback (`engine`)",
         "shared_dir": "full weights, snapshot in /dev/shm (`shared_dir`)",
         "http_16": "full weights over HTTP, 16 MiB chunks",
         "http_64": "full weights over HTTP, 64 MiB chunks (default)",
@@ -190,7 +194,9 @@ def render_table(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, label in labels.items():
-        row = result["syncs"][name]
+        row = result["syncs"].get(name)
+        if row is None:  # a record from before the setting existed
+            continue
         lines.append(
             f"| {label} | {row['sent_mb']:.0f} | {row['min_s']:.2f} | {row['median_s']:.2f} | "
             f"{row['sent_mb'] / row['min_s']:.0f} | {row['trainer_peak_gain_mb']:.0f} | "

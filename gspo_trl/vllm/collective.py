@@ -34,14 +34,18 @@ def open_master_store(host: str, port: int, world_size: int, timeout: float) -> 
     )
 
 
-def join_group(store, rank: int, world_size: int, bind_address: str, timeout: float):
+def join_group(store, rank: int, world_size: int, bind_address: str, timeout: float, op_timeout: float | None = None):
     """A gloo group of `world_size` over `store`, this process as `rank`, listening on `bind_address`; returns once
-    every rank joined."""
+    every rank joined (or raises after `timeout` seconds); each broadcast then waits at most `op_timeout` (default
+    `timeout`)."""
     options = torch.distributed.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout)
     options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=bind_address)]
     prefixed = torch.distributed.PrefixStore("gspo-trl-weights", store)
-    return torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, options)
+    group = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, options)
+    if op_timeout is not None:
+        group.set_timeout(datetime.timedelta(seconds=op_timeout))
+    return group
 
 
 def connect_store(host: str, port: int, world_size: int, timeout: float) -> torch.distributed.TCPStore:

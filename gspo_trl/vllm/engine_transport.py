@@ -99,26 +99,35 @@ class EngineTransport:
         }
         if self.backend == "gloo":
             store = collective.open_master_store(self.address, self.group_port, world_size, JOIN_TIMEOUT_S)
-            init_info["master_port"] = store.port
-            open_group = lambda: collective.join_group(store, 0, world_size, self.address, self.client.request_timeout)  # noqa: E731
+            init_info.update(master_port=store.port, timeout_s=JOIN_TIMEOUT_S)
+
+            def open_group():
+                timeout = self.client.request_timeout
+                return collective.join_group(store, 0, world_size, self.address, JOIN_TIMEOUT_S, timeout)
         else:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
             init_info["master_port"] = self.group_port or _free_port(self.address)
-            open_group = lambda: trainer_init(init_info)  # noqa: E731
+
+            def open_group():
+                return trainer_init(init_info)
+
         # The workers wait inside the request for the trainer to join: both must run at once.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            answer = pool.submit(self.client.init_weight_transfer_engine, init_info)
-            try:
-                self.group = open_group()
-            except Exception as error:
-                raise VLLMServerError(
-                    f"The vLLM server at {self.client.base_url} did not join the weight-transfer group at "
-                    f"{self.address}:{init_info['master_port']} ({error}). Check that the server's machine can open a "
-                    "connection to that address and port (vllm_group_port), or set vllm_weight_transport to "
-                    "'shared_dir' or 'http'."
-                ) from error
-            answer.result()
+        pool = ThreadPoolExecutor(max_workers=1)
+        answer = pool.submit(self.client.init_weight_transfer_engine, init_info)
+        try:
+            self.group = open_group()
+        except Exception as error:
+            cause = answer.exception() if answer.done() else None
+            raise VLLMServerError(
+                f"The vLLM server at {self.client.base_url} did not join the weight-transfer group at "
+                f"{self.address}:{init_info['master_port']} ({cause or error}). Check that the server's machine can "
+                "open a connection to that address and port (vllm_group_port), or set vllm_weight_transport to "
+                "'shared_dir' or 'http'."
+            ) from error
+        finally:
+            pool.shutdown(wait=False)  # never wait on a request whose peer is gone
+        answer.result()
 
     def send_weights(self, model: torch.nn.Module, is_writer: bool, dtype: torch.dtype | None, merge_lora: bool) -> int:
         """Every process calls it (ZeRO-3 gathers are collective); only `is_writer` sends. Returns the bytes sent."""

@@ -72,7 +72,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             init_info.master_address, init_info.master_port, init_info.world_size, init_info.timeout_s
         )
         address = collective.local_address_towards(init_info.master_address)
-        self.group = collective.join_group(self.store, rank, init_info.world_size, address, init_info.timeout_s)
+        self.group = collective.join_group(
+            self.store, rank, init_info.world_size, address, init_info.timeout_s, op_timeout=600.0
+        )
         self.buffer_bytes = init_info.packed_buffer_size_bytes
 
     def start_weight_update(self) -> None:

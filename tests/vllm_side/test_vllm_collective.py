@@ -56,7 +56,8 @@ def test_packed_tensors_of_several_dtypes_arrive_bit_for_bit_buffer_by_buffer():
     thread.join(timeout=60)
     total = sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
     assert sent == result["value"] == total == 296
-    assert [[name for name, _ in load] for load in loads] == [["a.weight", "b.weight"], ["c.index", "d.weight"], ["e.scale"]]
+    names_per_buffer = [[name for name, _ in load] for load in loads]
+    assert names_per_buffer == [["a.weight", "b.weight"], ["c.index", "d.weight"], ["e.scale"]]
     received = dict(item for load in loads for item in load)
     for name, tensor in weights:
         assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape, name

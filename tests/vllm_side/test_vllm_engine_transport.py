@@ -136,3 +136,22 @@ def test_engine_refused_where_the_server_has_none_or_one_this_trainer_cannot_dri
     args = small_config(tmp_path, vllm_weight_transport="auto")
     with pytest.raises(ValueError, match="'ipc'.*no gspo-trl worker extension"):
         choose_transport(args, server, str(tmp_path), server.server_config(), worker_extension=False)
+
+
+class UnreachableServer(EngineServer):
+    """A server whose workers cannot open a connection to the trainer."""
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append("init")
+        raise engine_transport.VLLMServerError("HTTP 500: connection to the trainer timed out")
+
+
+def test_a_server_that_cannot_join_falls_back_under_auto_and_is_refused_under_engine(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(engine_transport, "JOIN_TIMEOUT_S", 1.0)  # how long the trainer waits for the workers
+    args = small_config(tmp_path, vllm_weight_transport="auto")
+    server = UnreachableServer()
+    transport = choose_transport(args, server, str(tmp_path), server.server_config())
+    assert transport.name == "shared_dir" and server.calls == ["init"]
+    args = small_config(tmp_path, vllm_weight_transport="engine")
+    with pytest.raises(ValueError, match="did not join the weight-transfer group.*connection to the trainer timed out"):
+        choose_transport(args, server, str(tmp_path), server.server_config())
