@@ -58,7 +58,75 @@ def parse_args(argv=None):
     parser.add_argument("--vllm-python", default=os.environ.get("GSPO_TRL_VLLM_PYTHON"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "results" / "vllm_weight_transport.json"))
+    parser.add_argument(
+        "--wire-only",
+        action="store_true",
+        help="Only time the engine's packed gloo broadcast to a local process that drops what it receives (no vLLM), "
+        "and add it to the record in --out.",
+    )
     return parser.parse_args(argv)
+
+
+def _drop_received(port: int, plan: dict, repeats: int) -> None:
+    """The receiving rank of `wire_seconds`: joins, then receives `repeats` times and keeps nothing."""
+    from gspo_trl.vllm import collective
+
+    store = collective.connect_store("127.0.0.1", port, 2, timeout=120)
+    group = collective.join_group(store, 1, 2, "127.0.0.1", timeout=120)
+    dtypes = [getattr(torch, name) for name in plan["dtype_names"]]
+    for _ in range(repeats):
+        collective.receive_packed(
+            group, plan["names"], dtypes, plan["shapes"], plan["buffer_bytes"], lambda items: None
+        )
+
+
+def wire_seconds(model: torch.nn.Module, repeats: int) -> list[float]:
+    """Seconds per broadcast of the policy's weights, as the engine transport packs them, to a second process on
+    loopback that drops them: the collective alone, without vLLM's reload."""
+    import multiprocessing
+
+    from gspo_trl.vllm import collective, engine_transport
+    from gspo_trl.vllm.weight_sync import named_weights
+
+    weights = list(named_weights(model, to_cpu=False))
+    plan = {
+        "names": [name for name, _ in weights],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+        "shapes": [list(t.shape) for _, t in weights],
+        "buffer_bytes": engine_transport.BUFFER_BYTES,
+    }
+    store = collective.open_master_store("127.0.0.1", 0, 2, timeout=120)
+    peer = multiprocessing.get_context("spawn").Process(target=_drop_received, args=(store.port, plan, repeats + 1))
+    peer.start()
+    group = collective.join_group(store, 0, 2, "127.0.0.1", timeout=120)
+    seconds = []
+    for repeat in range(repeats + 1):
+        started = time.perf_counter()
+        collective.send_packed(group, ((n, t) for n, t in named_weights(model, to_cpu=False)), plan["buffer_bytes"])
+        if repeat:  # the first is a warm-up
+            seconds.append(time.perf_counter() - started)
+    peer.join(timeout=120)
+    return seconds
+
+
+def wire_only(args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from gspo_trl.demo.default_model import default_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    sent_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    seconds = wire_seconds(model, args.repeats)
+    record = json.loads(Path(args.out).read_text())
+    record["wire"] = {
+        "date": _dt.date.today().isoformat(),
+        "sent_mb": sent_mb,
+        "min_s": min(seconds),
+        "median_s": statistics.median(seconds),
+        "all_s": seconds,
+    }
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(render_table(record))
 
 
 class PeakRSS:
@@ -90,6 +158,8 @@ class PeakRSS:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.wire_only:
+        return wire_only(args)
     from peft import LoraConfig
 
     from gspo_trl import GSPOConfig, GSPOTrainer
@@ -202,6 +272,14 @@ def render_table(result: dict) -> str:
             f"{row['sent_mb'] / row['min_s']:.0f} | {row['trainer_peak_gain_mb']:.0f} | "
             f"{row['server_peak_gain_mb']:.0f} | {row['max_logprob_gap']:.1e} |"
         )
+    wire = result.get("wire")
+    if wire:
+        lines += [
+            "",
+            f"The engine's packed gloo broadcast alone (measured {wire['date']}, `--wire-only`: the same weights to a "
+            f"second local process that drops them, no vLLM): {wire['sent_mb']:.0f} MiB in {wire['min_s']:.2f} s at "
+            f"best, median {wire['median_s']:.2f} s ({wire['sent_mb'] / wire['min_s']:.0f} MiB/s at best).",
+        ]
     return "\n".join(lines)
 
 

@@ -477,7 +477,7 @@ def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_th
     assert len(logged) == 4 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
 
 
-@pytest.mark.parametrize("mode", ["ddp+shared_dir", "zero3", "zero3+http"])
+@pytest.mark.parametrize("mode", ["ddp", "zero3+shared_dir", "zero3+http"])
 @pytest.mark.slow  # the real vLLM server
 def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
     import json
