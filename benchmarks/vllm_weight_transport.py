@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""What a weight sync to a vLLM server costs through a shared directory and over HTTP, in time and in memory.
+"""What a weight sync to a vLLM server costs through vLLM's weight-transfer engine, a shared directory and HTTP, in
+time and in memory.
 
 Starts `gspo-trl vllm-serve` for SmolLM2-135M-Instruct (fp32, `--enforce-eager`, `--enable-lora`, on the same CPU
 cores as the trainer) and times, after an untimed warm-up, `--repeats` weight syncs
 (`VLLMServerBackend.update_weights`: pause, send, reload, prefix-cache reset, resume) of:
 
-- the full weights (134.5M parameters, fp32, 538 MB) as a snapshot in /dev/shm (`vllm_weight_transport="shared_dir"`)
-  and over HTTP in chunks of 16 and 64 MiB (the default) (`"http"`);
+- the full weights (134.5M parameters, fp32, 538 MB) broadcast through the server's weight-transfer engine (gloo on
+  loopback, `vllm_weight_transport="engine"`), as a snapshot in /dev/shm (`"shared_dir"`) and over HTTP in chunks
+  of 16 and 64 MiB (the default) (`"http"`);
 - a LoRA adapter (r=16, all linear layers) sent alone over HTTP.
 
 For each, the peak resident memory each side gained during a sync over its resident memory before it (the trainer
@@ -43,6 +45,7 @@ from vllm_rollout import start_server  # noqa: E402
 
 FIXED_TEXT = [1, 504, 314, 1789, 42, 2707, 2096, 30, 28, 1322, 16, 905, 282, 253, 1345, 2]
 SETTINGS = (  # (name, transport, chunk MiB, LoRA adapter alone)
+    ("engine", "engine", 64, False),
     ("shared_dir", "shared_dir", 64, False),
     ("http_16", "http", 16, False),
     ("http_64", "http", 64, False),
@@ -55,7 +58,75 @@ def parse_args(argv=None):
     parser.add_argument("--vllm-python", default=os.environ.get("GSPO_TRL_VLLM_PYTHON"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "results" / "vllm_weight_transport.json"))
+    parser.add_argument(
+        "--wire-only",
+        action="store_true",
+        help="Only time the engine's packed gloo broadcast to a local process that drops what it receives (no vLLM), "
+        "and add it to the record in --out.",
+    )
     return parser.parse_args(argv)
+
+
+def _drop_received(port: int, plan: dict, repeats: int) -> None:
+    """The receiving rank of `wire_seconds`: joins, then receives `repeats` times and keeps nothing."""
+    from gspo_trl.vllm import collective
+
+    store = collective.connect_store("127.0.0.1", port, 2, timeout=120)
+    group = collective.join_group(store, 1, 2, "127.0.0.1", timeout=120)
+    dtypes = [getattr(torch, name) for name in plan["dtype_names"]]
+    for _ in range(repeats):
+        collective.receive_packed(
+            group, plan["names"], dtypes, plan["shapes"], plan["buffer_bytes"], lambda items: None
+        )
+
+
+def wire_seconds(model: torch.nn.Module, repeats: int) -> list[float]:
+    """Seconds per broadcast of the policy's weights, as the engine transport packs them, to a second process on
+    loopback that drops them: the collective alone, without vLLM's reload."""
+    import multiprocessing
+
+    from gspo_trl.vllm import collective, engine_transport
+    from gspo_trl.vllm.weight_sync import named_weights
+
+    weights = list(named_weights(model, to_cpu=False))
+    plan = {
+        "names": [name for name, _ in weights],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+        "shapes": [list(t.shape) for _, t in weights],
+        "buffer_bytes": engine_transport.BUFFER_BYTES,
+    }
+    store = collective.open_master_store("127.0.0.1", 0, 2, timeout=120)
+    peer = multiprocessing.get_context("spawn").Process(target=_drop_received, args=(store.port, plan, repeats + 1))
+    peer.start()
+    group = collective.join_group(store, 0, 2, "127.0.0.1", timeout=120)
+    seconds = []
+    for repeat in range(repeats + 1):
+        started = time.perf_counter()
+        collective.send_packed(group, ((n, t) for n, t in named_weights(model, to_cpu=False)), plan["buffer_bytes"])
+        if repeat:  # the first is a warm-up
+            seconds.append(time.perf_counter() - started)
+    peer.join(timeout=120)
+    return seconds
+
+
+def wire_only(args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from gspo_trl.demo.default_model import default_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    sent_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    seconds = wire_seconds(model, args.repeats)
+    record = json.loads(Path(args.out).read_text())
+    record["wire"] = {
+        "date": _dt.date.today().isoformat(),
+        "sent_mb": sent_mb,
+        "min_s": min(seconds),
+        "median_s": statistics.median(seconds),
+        "all_s": seconds,
+    }
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(render_table(record))
 
 
 class PeakRSS:
@@ -87,6 +158,8 @@ class PeakRSS:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.wire_only:
+        return wire_only(args)
     from peft import LoraConfig
 
     from gspo_trl import GSPOConfig, GSPOTrainer
@@ -176,6 +249,7 @@ def main(argv=None) -> None:
 def render_table(result: dict) -> str:
     """The table docs/vllm.md shows (tests/test_docs.py checks it against the JSON)."""
     labels = {
+        "engine": "full weights through vLLM's weight-transfer engine, gloo on loopback (`engine`)",
         "shared_dir": "full weights, snapshot in /dev/shm (`shared_dir`)",
         "http_16": "full weights over HTTP, 16 MiB chunks",
         "http_64": "full weights over HTTP, 64 MiB chunks (default)",
@@ -190,12 +264,22 @@ def render_table(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, label in labels.items():
-        row = result["syncs"][name]
+        row = result["syncs"].get(name)
+        if row is None:  # a record from before the setting existed
+            continue
         lines.append(
             f"| {label} | {row['sent_mb']:.0f} | {row['min_s']:.2f} | {row['median_s']:.2f} | "
             f"{row['sent_mb'] / row['min_s']:.0f} | {row['trainer_peak_gain_mb']:.0f} | "
             f"{row['server_peak_gain_mb']:.0f} | {row['max_logprob_gap']:.1e} |"
         )
+    wire = result.get("wire")
+    if wire:
+        lines += [
+            "",
+            f"The engine's packed gloo broadcast alone (measured {wire['date']}, `--wire-only`: the same weights to a "
+            f"second local process that drops them, no vLLM): {wire['sent_mb']:.0f} MiB in {wire['min_s']:.2f} s at "
+            f"best, median {wire['median_s']:.2f} s ({wire['sent_mb'] / wire['min_s']:.0f} MiB/s at best).",
+        ]
     return "\n".join(lines)
 
 

@@ -445,13 +445,15 @@ def test_vllm_page_shows_the_measured_table_and_demo_run():
 
 
 def test_vllm_page_shows_the_measured_weight_transports():
-    """docs/vllm.md's "several hosts" table is what benchmarks/results/vllm_weight_transport.json holds."""
+    """docs/vllm.md's "several hosts" table, and docs/benchmarks.md's, is what
+    benchmarks/results/vllm_weight_transport.json holds."""
     path = ROOT / "benchmarks" / "vllm_weight_transport.py"
     spec = importlib.util.spec_from_file_location("vllm_transport_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     record = json.loads((ROOT / "benchmarks" / "results" / "vllm_weight_transport.json").read_text())
-    assert bench.render_table(record) in (DOCS / "vllm.md").read_text(encoding="utf-8"), f"run: python {path}"
+    for page in ("vllm.md", "benchmarks.md"):
+        assert bench.render_table(record) in (DOCS / page).read_text(encoding="utf-8"), f"{page}: run python {path}"
 
 
 def test_agents_page_shows_the_measured_retry_run():

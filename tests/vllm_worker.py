@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc_per_node 2` by test_rollout_vllm_server.py: a short GSPO run sampling on a real vLLM
 server, under `ddp` or `zero3` (every parameter partitioned, so the weight sync gathers module by module on both ranks),
-`+http` sending the weights over HTTP.
+`+http` / `+shared_dir` sending the weights over HTTP / through a snapshot, else through the server's
+weight-transfer engine.
 After training, one more sync; then every rank scores a fixed text through the trained (wrapped) model and rank 0
 asks the server for the same log-probs. Each rank writes <out>.rank<R>.json."""
 
@@ -37,7 +38,7 @@ def main(model_dir: str, mode: str, url: str, out: str) -> None:
         deepspeed=DEEPSPEED.get(mode.split("+")[0]),
         use_vllm=True,
         vllm_server_base_url=url,
-        vllm_weight_transport="http" if mode.endswith("+http") else "auto",
+        vllm_weight_transport=mode.split("+")[1] if "+" in mode else "auto",
         vllm_weight_chunk_mb=0.05,
     )
     dataset = Dataset.from_dict({"prompt": [f"What is {i} + {i + 1}?" for i in range(16)]})

@@ -425,12 +425,14 @@ def check_colocate(config) -> None:
 
 def check_vllm_weight_transport(config) -> None:
     """How the weights reach the vLLM server: one of the transports, chunks of a positive size."""
-    transports = ("auto", "shared_dir", "http")
+    transports = ("auto", "engine", "shared_dir", "http")
     if config.vllm_weight_transport not in transports:
         raise ValueError(
-            f"vllm_weight_transport must be one of {transports}, got {config.vllm_weight_transport!r}: 'auto' sends "
-            "the weights over HTTP when the server cannot read vllm_weight_sync_dir."
+            f"vllm_weight_transport must be one of {transports}, got {config.vllm_weight_transport!r}: 'auto' takes "
+            "vLLM's weight-transfer engine where the server has one, else the shared directory or HTTP."
         )
+    if not 0 <= config.vllm_group_port < 65536:
+        raise ValueError(f"vllm_group_port must be a TCP port (0 for any free one), got {config.vllm_group_port}.")
     if not config.vllm_weight_chunk_mb > 0:
         raise ValueError(f"vllm_weight_chunk_mb must be > 0 (MiB per HTTP chunk), got {config.vllm_weight_chunk_mb}.")
 

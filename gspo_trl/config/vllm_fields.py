@@ -61,9 +61,10 @@ class VLLMFields:
     vllm_weight_transport: str = field(
         default="auto",
         metadata={
-            "help": "How weights reach the server: 'shared_dir' (a snapshot in vllm_weight_sync_dir), 'http' (chunks "
-            "through the server's HTTP endpoint, for a server on another machine) or 'auto' (HTTP when the server "
-            "cannot read the directory). See docs/vllm.md#several-hosts."
+            "help": "How weights reach the server: 'engine' (vLLM's weight-transfer engine: one broadcast over gloo, "
+            "or NCCL on GPUs), 'shared_dir' (a snapshot in vllm_weight_sync_dir), 'http' (chunks through the "
+            "server's HTTP endpoint), or 'auto': the engine where the server has one, else 'shared_dir' if the "
+            "server sees the directory, else 'http'. See docs/vllm.md#the-weights-on-their-way-to-the-server."
         },
     )
     vllm_weight_chunk_mb: float = field(
@@ -83,9 +84,10 @@ class VLLMFields:
         },
     )
     vllm_group_port: int = field(
-        default=51216,
+        default=0,
         metadata={
-            "help": "TRL's NCCL weight-sync port. Accepted for compatibility; gspo-trl syncs through files or HTTP."
+            "help": "The port this trainer opens for the server's workers to join its weight-transfer group (the "
+            "'engine' transport; TRL's NCCL port, 51216 there); 0: any free port."
         },
     )
     vllm_gpu_memory_utilization: float = field(

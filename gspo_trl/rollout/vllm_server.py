@@ -4,9 +4,10 @@ Owns what a rollout needs from the server: prompts tokenized here and sent as to
 de-duplicated (`n` samples per distinct prompt), the sampled token ids and their log-probs returned as a
 `Rollout`, and the weight sync (pause, send the weights, prefix-cache reset, resume) whenever the weights
 changed since the last one. Every process sends its own prompts; process 0 alone sends the weights, the others
-wait at a barrier. What it does not own: HTTP details (`client`), how the weights travel (`vllm.transport`),
-turning the model into named tensors (`weight_sync`), and the correction for the server/trainer mismatch
-(`sampling_correction`).
+wait at a barrier. A server without gspo-trl's worker extension (`trl vllm-serve`) is described by its vLLM config
+and takes the weights through its weight-transfer engine. What it does not own: HTTP details (`client`), how the
+weights travel (`vllm.transport`), turning the model into named tensors (`weight_sync`), and the correction for the
+server/trainer mismatch (`sampling_correction`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..models.distributed import unwrap_model
 from ..vllm.address import base_url, check_base_url
 from ..vllm.auth import resolve_token
 from ..vllm.client import VLLMServerClient, VLLMServerError
+from ..vllm.engine_transport import EngineTransport
 from ..vllm.folders import remove_snapshot_dir
 from ..vllm.transport import HTTPTransport, SharedDirTransport, choose_transport, local_sync_dir
 from ..vllm.weight_sync import adapter_sync_unsupported_reason
@@ -102,7 +104,8 @@ class VLLMServerBackend(RolloutBackend):
         self.snapshot_dir = None
         self.client.wait_until_ready()
         self.client.served_model()
-        self.server_info = self.client.model_info()
+        self.server_config = self.client.server_config()  # the weight-transfer engine, if any, is named in it
+        self.server_info = self.client.model_info(self.server_config)
         self.sends_adapter = self._choose_adapter_sync(model)
         self.base_sent = False  # adapter syncs: the server's base weights are the trainer's (sent once)
         self._check_and_choose_transport(model)
@@ -150,8 +153,14 @@ class VLLMServerBackend(RolloutBackend):
                 self._check_same_model(unwrap_model(model))
                 self.snapshot_dir = local_sync_dir(self.args.vllm_weight_sync_dir)
                 weakref.finalize(self, remove_snapshot_dir, self.snapshot_dir)  # goes with the backend
-                self.transport = choose_transport(self.args, self.client, self.snapshot_dir)
-                choice = [self.transport.name]
+                self.transport = choose_transport(
+                    self.args,
+                    self.client,
+                    self.snapshot_dir,
+                    self.server_config,
+                    self.server_info.get("worker_extension", True),
+                )
+                choice = [(self.transport.name, getattr(self.transport, "backend", None))]
             except ValueError as error:
                 choice = [error]
         if self.accelerator.num_processes > 1:
@@ -161,9 +170,13 @@ class VLLMServerBackend(RolloutBackend):
         if isinstance(choice[0], ValueError):
             raise choice[0]
         if not self.accelerator.is_main_process:  # they only take part in the collective gathers
+            name, backend = choice[0]
             chunk_bytes = int(self.args.vllm_weight_chunk_mb * 1024**2)
-            http = HTTPTransport(self.client, None, chunk_bytes)
-            self.transport = http if choice[0] == http.name else SharedDirTransport(self.client, None)
+            if name == EngineTransport.name:
+                self.transport = EngineTransport(self.client, backend)
+            else:
+                http = HTTPTransport(self.client, None, chunk_bytes)
+                self.transport = http if name == http.name else SharedDirTransport(self.client, None)
 
     # --- RolloutBackend ------------------------------------------------------------------------
 

@@ -180,13 +180,18 @@ class VLLMServerClient:
             raise VLLMServerError(f"{self.base_url}/v1/models returned no model: {body!r}") from error
         return self.model_name
 
-    def model_info(self) -> dict:
-        """Architecture, vocabulary, tied head and dtype of the served model, from the gspo-trl worker extension."""
+    def model_info(self, config: dict | None = None) -> dict:
+        """Architecture, vocabulary, tied head and dtype of the served model, from the gspo-trl worker extension; for
+        a server without it but with a weight-transfer engine (`trl vllm-serve`, `vllm serve --weight-transfer-config`),
+        what its vLLM `config` (`server_config()`) says, with `"worker_extension": False`."""
         try:
-            return self._rpc("gspo_model_info")[0]
+            return {**self._rpc("gspo_model_info")[0], "worker_extension": True}
         except (MissingEndpointError, UnauthorizedError):
             raise
         except VLLMServerError as error:
+            if isinstance((config or {}).get("weight_transfer_config"), dict):
+                dtype = str((config.get("model_config") or {}).get("dtype") or "")
+                return {"worker_extension": False, "max_lora_rank": None, "dtype": dtype.replace("torch.", "") or None}
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} does not have gspo-trl's worker extension loaded "
                 f"(--worker-extension-cls gspo_trl.vllm.worker_extension.WeightSyncExtension): {error}. {SERVE_HINT}"
@@ -264,6 +269,52 @@ class VLLMServerClient:
                 f"{response.text[:500]}. Start it with --enable-lora --max-lora-rank R (R >= the adapter's rank), "
                 "or set vllm_lora_adapter_sync=False to send merged weights instead."
             )
+
+    # --- vLLM's weight-transfer engine (`engine_transport`) --------------------------------------
+
+    def server_config(self) -> dict | None:
+        """The server's resolved vLLM config (`/server_info`), None where the server does not expose it."""
+        response = self._request("GET", "/server_info", params={"config_format": "json"})
+        if response.status_code != 200:
+            return None
+        try:
+            config = response.json().get("vllm_config")
+        except ValueError:
+            return None
+        return config if isinstance(config, dict) else None
+
+    def world_size(self) -> int:
+        """How many workers the server has (tensor × pipeline × data parallel): the ranks after the trainer's."""
+        return int(self._json("GET", "/get_world_size")["world_size"])
+
+    def _post_once(self, path: str, body: dict) -> None:
+        """A request that waits on a collective: never retried (a second one would wait for a peer that is gone)."""
+        url = f"{self.base_url}{path}"
+        try:
+            response = self.session.post(url, json=body, timeout=self.request_timeout)
+        except requests.RequestException as error:
+            raise VLLMServerUnreachable(
+                f"The vLLM server at {self.base_url} did not answer POST {path}: {error}"
+            ) from error
+        if response.status_code != 200:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} refused POST {path}: HTTP {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """The workers join the trainer's group (the request returns once they did)."""
+        self._post_once("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post_once("/start_weight_update", {})
+
+    def update_weights(self, update_info: dict) -> None:
+        """The workers receive the tensors `update_info` names (the request returns once they are loaded)."""
+        self._post_once("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self) -> None:
+        self._post_once("/finish_weight_update", {})
 
     # --- sampling ------------------------------------------------------------------------------
 

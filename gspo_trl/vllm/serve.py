@@ -2,8 +2,9 @@
 
 Owns the command line and environment: the gspo-trl worker extension loaded into every worker (weight reloads and
 model checks over `/collective_rpc`, which needs `VLLM_SERVER_DEV_MODE=1`), log-probs of the distribution actually
-sampled from (`--logprobs-mode processed_logprobs`), and 127.0.0.1 unless a host is named; with $GSPO_TRL_VLLM_TOKEN
-set, `auth.TokenMiddleware` guards every path with it, and another address without a token is refused unless
+sampled from (`--logprobs-mode processed_logprobs`), vLLM's weight-transfer engine over gloo (`gloo_engine`) unless
+`--weight-transfer-config` names another, and 127.0.0.1 unless a host is named; with $GSPO_TRL_VLLM_TOKEN set,
+`auth.TokenMiddleware` guards every path with it, and another address without a token is refused unless
 `--insecure-no-token` says so. The folders the worker methods may use are passed in the environment (`folders`).
 The server may run in another Python environment (`--vllm-python`, e.g. a separate venv with the CPU build of vLLM):
 only this package's folder is put on its path, and the extension imports nothing but torch and vllm.
@@ -46,6 +47,9 @@ def find_vllm_python(explicit: str | None = None) -> str:
 
 
 def server_command(model: str, python: str, host: str, port: int, extra: list[str]) -> list[str]:
+    # vLLM's weight-transfer engine over gloo (gspo_trl.vllm.gloo_engine) unless the user names one (NCCL on GPUs).
+    named = any(arg == "--weight-transfer-config" or arg.startswith("--weight-transfer-config=") for arg in extra)
+    transfer = [] if named else ["--weight-transfer-config", '{"backend": "gloo"}']
     return [
         python,
         "-m",
@@ -60,6 +64,7 @@ def server_command(model: str, python: str, host: str, port: int, extra: list[st
         WORKER_EXTENSION,
         "--logprobs-mode",
         "processed_logprobs",
+        *transfer,
         *extra,
     ]
 

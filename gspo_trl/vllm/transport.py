@@ -1,8 +1,10 @@
-"""How the trained weights reach a vLLM server: a snapshot in a directory both sides see, or chunks over HTTP.
+"""How the trained weights reach a vLLM server: vLLM's weight-transfer engine (`engine_transport`), a snapshot in a
+directory both sides see, or chunks over HTTP.
 
-Owns the two transports behind one interface (`send_weights`: the full weights, LoRA merged or the frozen base;
+Owns the file-based transports behind one interface (`send_weights`: the full weights, LoRA merged or the frozen base;
 `send_adapter`: a LoRA adapter, returning the path the server loads it from) and choosing one
-(`vllm_weight_transport`; 'auto' writes a probe file in the sync directory and asks the server whether it sees it).
+(`vllm_weight_transport`; 'auto' takes the engine where the server has one this trainer can drive, else writes a
+probe file in the sync directory and asks the server whether it sees it).
 What it does not own: turning the model into named tensors (`weight_sync`), the wire format (`client`), and when to
 sync (`rollout.vllm_server`).
 """
@@ -16,7 +18,8 @@ import weakref
 import torch
 from transformers.utils import logging
 
-from .client import VLLMServerClient
+from .client import VLLMServerClient, VLLMServerError
+from .engine_transport import EngineTransport, server_backend, unusable_reason
 from .folders import new_snapshot_dir
 from .weight_sync import named_weights, serialize_chunk, weight_chunks, write_adapter, write_snapshot
 
@@ -101,9 +104,38 @@ def server_sees(client: VLLMServerClient, directory: str) -> bool:
         os.remove(probe)
 
 
-def choose_transport(args, client: VLLMServerClient, directory: str):
-    """The transport `args.vllm_weight_transport` asks for; 'auto' probes whether the server sees `directory`."""
+def choose_transport(
+    args, client: VLLMServerClient, directory: str, server_config: dict | None = None, worker_extension: bool = True
+):
+    """The transport `args.vllm_weight_transport` asks for. 'auto': vLLM's weight-transfer engine where the server
+    has one this trainer can drive (one broadcast, no copy through files or base64); else the shared directory if
+    the server sees it (a probe file), else HTTP chunks. `server_config`: the server's vLLM config;
+    `worker_extension`: whether it has gspo-trl's worker extension (the shared directory and HTTP need it)."""
     wanted = args.vllm_weight_transport
+    if wanted in ("engine", "auto"):
+        backend = server_backend(server_config)
+        reason = unusable_reason(backend, client.base_url)
+        if reason is None:
+            files = _file_transport(args, client, directory, "auto") if worker_extension else None
+            transport = EngineTransport(client, backend, files, args.vllm_group_port)
+            try:
+                transport.connect()
+                return transport
+            except VLLMServerError as error:
+                if wanted == "engine" or not worker_extension:
+                    raise ValueError(str(error)) from error
+                logger.warning(f"{error} Sending the weights through the server's worker extension instead.")
+        elif wanted == "engine" or not worker_extension:
+            fallback = "" if worker_extension else ", and it has no gspo-trl worker extension for the other transports"
+            raise ValueError(f"vllm_weight_transport={wanted!r}, but {reason}{fallback}.")
+        else:
+            logger.info(f"Not using vLLM's weight-transfer engine: {reason}.")
+    return _file_transport(args, client, directory, wanted)
+
+
+def _file_transport(args, client: VLLMServerClient, directory: str, wanted: str):
+    """The shared directory or HTTP, through gspo-trl's worker extension; 'auto' probes whether the server sees
+    `directory`."""
     chunk_bytes = int(args.vllm_weight_chunk_mb * 1024**2)
     if wanted == "http":
         return HTTPTransport(client, directory, chunk_bytes)

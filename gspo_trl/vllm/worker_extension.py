@@ -3,6 +3,7 @@
 It imports only torch, vllm and what vllm depends on (safetensors): the server's environment need not have TRL or
 gspo-trl's dependencies, only this package on its path (`gspo-trl vllm-serve` arranges that). The methods that read,
 write or remove files touch only the folders `folders` allows (snapshot folders, the server's own upload folders).
+Importing it registers gspo-trl's gloo weight-transfer engine (`gloo_engine`) with vLLM.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def reload_in_place(worker, **reload_kwargs) -> None:
 
 def repack_tied_head(worker) -> None:
     """Re-pack `worker`'s LM head after a reload."""
-    model = worker.model_runner.get_model()
+    repack_lm_head(worker.model_runner.get_model())
+
+
+def repack_lm_head(model) -> None:
+    """Re-pack `model`'s LM head after a reload (or a weight-transfer engine's update)."""
     # A tied LM head shares the embedding's weight, but CPU kernels keep their own pre-packed copy of it that
     # reload_weights does not refresh (the engine would sample with the new embedding and the old head).
     lm_head = getattr(model, "lm_head", None)
@@ -130,3 +135,17 @@ class WeightSyncExtension:
             "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
             "dtype": str(embed.dtype if embed is not None else torch.get_default_dtype()).replace("torch.", ""),
         }
+
+
+def register_gloo_engine() -> None:
+    """Make `--weight-transfer-config '{"backend": "gloo"}'` name gspo-trl's engine (`gloo_engine`) in this process:
+    vLLM imports this module into each worker before it builds the worker's weight-transfer engine."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # not inside a vLLM worker (the trainer's environment need not have vLLM)
+        return
+    if "gloo" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine("gloo", "gspo_trl.vllm.gloo_engine", "GlooWeightTransferEngine")
+
+
+register_gloo_engine()

@@ -3,6 +3,7 @@
 weight sync after every rollout (full and LoRA), the server's log-probs against the trainer's, bad set-ups, the
 token on every path, the worker methods kept to their folders, and a clean shutdown."""
 
+import json
 import math
 import os
 import re
@@ -76,8 +77,9 @@ def served_model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def server(served_model_dir, tmp_path_factory):
+def launch(command, env, tmp_path_factory, token=None):
+    """Start a vLLM server (its own process group), wait for /health (with `token`, which the server requires when
+    given), yield it, then stop it and check that none of its processes is left."""
     if not os.path.exists(VLLM_PYTHON):
         if os.environ.get("GSPO_TRL_SKIP_VLLM_TESTS") == "1":
             pytest.skip("GSPO_TRL_SKIP_VLLM_TESTS=1")
@@ -85,42 +87,18 @@ def server(served_model_dir, tmp_path_factory):
             f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
             "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests)."
         )
-    port = free_port()
-    token = f"test-token-{secrets.token_urlsafe(16)}"
+    port = int(command[command.index("--port") + 1])
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
     log = open(log_path, "w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gspo_trl.demo.cli",
-            "vllm-serve",
-            served_model_dir,
-            "--port",
-            str(port),
-            "--vllm-python",
-            VLLM_PYTHON,
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--enable-lora",
-            "--max-lora-rank",
-            "8",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", TOKEN_ENV: token},
-    )
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(f"vLLM server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
         try:
-            if requests.get(f"{url}/health", headers={"Authorization": f"Bearer {token}"}, timeout=2).ok:
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            if requests.get(f"{url}/health", headers=headers, timeout=2).ok:
                 break
         except requests.RequestException:
             pass
@@ -146,6 +124,56 @@ def server(served_model_dir, tmp_path_factory):
         left = subprocess.run(["ps", "-o", "pid,args", "-g", str(process.pid)], capture_output=True, text=True).stdout
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"processes of the vLLM server were left running 30 s after it stopped:\n{left}")
+
+
+@pytest.fixture(scope="session")
+def server(served_model_dir, tmp_path_factory):
+    command = [
+        sys.executable,
+        "-m",
+        "gspo_trl.demo.cli",
+        "vllm-serve",
+        served_model_dir,
+        "--port",
+        str(free_port()),
+        "--vllm-python",
+        VLLM_PYTHON,
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+    ]
+    token = f"test-token-{secrets.token_urlsafe(16)}"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", TOKEN_ENV: token}
+    yield from launch(command, env, tmp_path_factory, token)
+
+
+@pytest.fixture(scope="session")
+def trl_server(served_model_dir, tmp_path_factory):
+    """A server as `trl vllm-serve` starts it: TRL's own command line (vLLM's NCCL weight-transfer engine, no gspo-trl
+    extension) and environment (dev mode). TRL runs it through vLLM's console entry point, which dies on the CPU build
+    (`PackageNotFoundError: vllm`, the distribution is `vllm-cpu`): the same arguments go to the API server module."""
+    script = (
+        "import json, sys\n"
+        "from trl.scripts.vllm_serve import ScriptArguments, build_command\n"
+        "print(json.dumps(build_command(ScriptArguments(**json.loads(sys.argv[1])))))"
+    )
+    settings = {"model": served_model_dir, "host": "127.0.0.1", "port": free_port(), "dtype": "float32"}
+    settings.update(enforce_eager=True, max_model_len=512)
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.skip("no vLLM environment")  # the `server` fixture says how to build one
+    built = subprocess.run([VLLM_PYTHON, "-c", script, json.dumps(settings)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    command = json.loads(built.stdout.strip().splitlines()[-1])
+    serve = command.index("serve")
+    command = [*command[: serve - 1], "vllm.entrypoints.openai.api_server", "--model", *command[serve + 1 :]]
+    assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    yield from launch(command, env, tmp_path_factory)
 
 
 def vllm_config(tmp_path, server, **overrides):
@@ -224,9 +252,13 @@ def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, serve
     torch.testing.assert_close(rollout.sampling_logps[valid], ours[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "lora merged", "qlora adapter + KL", "qlora merged"])
+@pytest.mark.parametrize(
+    "setup", ["full", "full, shared_dir", "lora adapter + KL", "lora merged", "qlora adapter + KL", "qlora merged"]
+)
 @pytest.mark.slow  # the real vLLM server
 def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
+    """'auto' takes the server's weight-transfer engine (gloo, which `gspo-trl vllm-serve` loads): full and merged
+    weights, and an adapter's frozen base, go in one broadcast; an adapter itself through the shared directory."""
     peft_config = (
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
     )
@@ -240,6 +272,7 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
         learning_rate=3e-2 if peft_config else 1e-2,
         beta=0.05 if "KL" in setup else 0.0,
         vllm_lora_adapter_sync=False if setup.endswith("merged") else None,
+        vllm_weight_transport="shared_dir" if "shared_dir" in setup else "auto",
     )
     trainer = GSPOTrainer(
         served_model_dir,
@@ -250,6 +283,7 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
         peft_config=peft_config,
     )
     assert trainer.rollout_backend.sends_adapter == setup.endswith("adapter + KL")
+    assert trainer.rollout_backend.transport.name == ("shared_dir" if "shared_dir" in setup else "engine")
     syncs = record_syncs(trainer)
     trainer.train()
     assert [step for step, _, _ in syncs] == [0, 2, 4]  # one sync per rollout, before it, with the new weights
@@ -286,6 +320,10 @@ def test_weights_sent_over_http_reach_a_server_that_cannot_see_the_trainers_file
     temporary folder. The sync directory is relative to the trainer's working directory, which is not the server's:
     the server cannot see it, so 'auto' picks HTTP, and no path of the trainer's is ever named to the server."""
     monkeypatch.chdir(tmp_path)
+    if "auto" in setup:  # as a server without a weight-transfer engine, which 'auto' would otherwise take
+        import gspo_trl.vllm.client as client
+
+        monkeypatch.setattr(client.VLLMServerClient, "server_config", lambda self: None)
     peft_config = (
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
     )
@@ -449,7 +487,7 @@ def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_th
     assert len(logged) == 4 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+http"])
+@pytest.mark.parametrize("mode", ["ddp", "zero3+shared_dir", "zero3+http"])
 @pytest.mark.slow  # the real vLLM server
 def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
     import json
@@ -479,7 +517,7 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
     ranks = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
     assert all(r["world_size"] == 2 for r in ranks)
     assert ranks[0]["partitioned"] == mode.startswith("zero3")
-    assert [r["transport"] for r in ranks] == ["http" if mode.endswith("+http") else "shared_dir"] * 2
+    assert [r["transport"] for r in ranks] == [mode.split("+")[1] if "+" in mode else "engine"] * 2
     assert [r["syncs"] for r in ranks] == [3, 3]  # two rollouts, then the final sync
     assert ranks[0]["logs"] == ranks[1]["logs"] and len(ranks[0]["logs"]) == 4  # every rank logs the same numbers
     assert ranks[0]["max_error"] < 1e-4  # the server holds the trained (gathered) weights
@@ -699,3 +737,30 @@ def test_a_killed_runs_snapshot_is_removed_by_the_next_and_sigterm_removes_its_o
         for process in processes:
             process.kill()
             process.wait(timeout=60)
+
+
+@pytest.mark.slow  # a real vLLM server
+def test_a_trl_vllm_serve_server_is_described_and_sampled_and_its_nccl_sync_refused_on_cpu(
+    tmp_path, trl_server, served_model_dir
+):
+    """Everything up to NCCL itself: the trainer reads the server's engine and world size from TRL's endpoints, knows
+    the server has no gspo-trl extension, samples from it; the NCCL sync cannot run without a GPU, so the trainer is
+    refused at construction with what to run instead."""
+    from gspo_trl.vllm.client import VLLMServerClient
+    from gspo_trl.vllm.engine_transport import server_backend
+
+    client = VLLMServerClient(trl_server["url"], retries=0)
+    config = client.server_config()
+    assert server_backend(config) == "nccl" and client.world_size() == 1
+    info = client.model_info(config)
+    assert info == {"worker_extension": False, "max_lora_rank": None, "dtype": "float32"}
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=small_config(tmp_path), train_dataset=text_dataset())
+    server = torch.tensor(client.prompt_logprobs(FIXED_TEXT))  # the same checkpoint on both sides
+    torch.testing.assert_close(server, trainer_logprobs(trainer, FIXED_TEXT), atol=1e-4, rtol=0)
+    (samples,) = client.complete([FIXED_TEXT[:4]], 3, {"max_tokens": 5, "temperature": 1.0})
+    assert len(samples) == 3 and all(len(sample["token_ids"]) == len(sample["logprobs"]) for sample in samples)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="NCCL weight-transfer engine.*needs a CUDA GPU.*gspo-trl vllm-serve"):
+            GSPOTrainer(
+                served_model_dir, count_digits, args=vllm_config(tmp_path, trl_server), train_dataset=text_dataset()
+            )

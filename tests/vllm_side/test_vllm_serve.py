@@ -10,7 +10,7 @@ import pytest
 from gspo_trl.demo.cli import main
 from gspo_trl.vllm.auth import MIDDLEWARE, TOKEN_ENV
 from gspo_trl.vllm.folders import MAX_UPLOAD_ENV, SYNC_DIRS_ENV
-from gspo_trl.vllm.serve import WORKER_EXTENSION, find_vllm_python, server_environment
+from gspo_trl.vllm.serve import WORKER_EXTENSION, find_vllm_python, server_command, server_environment
 
 
 def test_print_command_has_the_extension_processed_logprobs_and_localhost(capsys):
@@ -25,6 +25,15 @@ def test_print_command_has_the_extension_processed_logprobs_and_localhost(capsys
     assert line[line.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
     assert line[line.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert line[-2:] == ["--dtype", "bfloat16"]  # unknown arguments go to vLLM unchanged
+
+
+def test_the_gloo_weight_transfer_engine_unless_the_user_names_one():
+    default = server_command("m", "python", "127.0.0.1", 8000, [])
+    assert default[default.index("--weight-transfer-config") + 1] == '{"backend": "gloo"}'
+    nccl = '{"backend": "nccl"}'
+    for named in (["--weight-transfer-config", nccl], [f"--weight-transfer-config={nccl}"]):
+        command = server_command("m", "python", "127.0.0.1", 8000, named)
+        assert command[-len(named) :] == named and '{"backend": "gloo"}' not in command  # one config, the user's
 
 
 def test_environment_enables_dev_mode_and_finds_the_extension():

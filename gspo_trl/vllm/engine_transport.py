@@ -1,0 +1,181 @@
+"""The weights sent through vLLM's weight-transfer engine: the trainer joins the server's workers as rank 0 of a
+group and broadcasts the tensors packed into buffers, as TRL's `VLLMClient` does.
+
+One code path for the two collectives vLLM's engine runs over: NCCL (`--weight-transfer-config '{"backend":
+"nccl"}'`, what `trl vllm-serve` starts; GPUs on both sides, vLLM installed in the trainer's environment, whose
+rendezvous and packed broadcast are then vLLM's own) and gloo (`gspo-trl vllm-serve`'s engine, `gloo_engine`; any
+device, torch alone on the trainer's side). The HTTP control plane is the same for both: `/init_weight_transfer_engine`
+while the trainer opens its end of the group, then per sync `/start_weight_update`, one `/update_weights` per chunk
+of whole layers (announcing its tensors while the trainer broadcasts them) and `/finish_weight_update`.
+What it does not own: the tensors (`weight_sync`), the wire format of the requests (`client`), when to sync.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import torch
+
+from . import collective
+from .client import VLLMServerClient, VLLMServerError
+from .weight_sync import named_weights, weight_chunks
+
+BACKENDS = ("gloo", "nccl")
+BUFFER_BYTES = 64 * 1024**2  # one packed broadcast; the receiving side holds two
+CHUNK_BYTES = 512 * 1024**2  # one /update_weights call (whole layers; a larger layer goes alone)
+JOIN_TIMEOUT_S = 120.0  # the workers' rendezvous with the trainer; after it, the requests' timeout applies
+
+
+class EngineUnavailable(ValueError):
+    """The server's weight-transfer engine cannot be used from this trainer (the message says why and what to do)."""
+
+
+def server_backend(config: dict | None) -> str | None:
+    """The weight-transfer backend a server was started with (`/server_info`'s vLLM config), None without one."""
+    transfer = (config or {}).get("weight_transfer_config")
+    return transfer.get("backend") if isinstance(transfer, dict) else None
+
+
+def unusable_reason(backend: str | None, base_url: str) -> str | None:
+    """Why this trainer cannot send weights through a server's engine of `backend` (None: it can)."""
+    if backend is None:
+        return (
+            f"the vLLM server at {base_url} was started without a weight-transfer engine (start it with "
+            '`gspo-trl vllm-serve`, or pass --weight-transfer-config \'{"backend": "gloo"}\' with gspo-trl\'s worker '
+            'extension, or \'{"backend": "nccl"}\' on GPUs)'
+        )
+    if backend not in BACKENDS:
+        return f"the vLLM server at {base_url} uses the weight-transfer backend {backend!r}; gspo-trl drives {BACKENDS}"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            return (
+                f"the vLLM server at {base_url} uses vLLM's NCCL weight-transfer engine (as `trl vllm-serve` starts "
+                "it), which needs a CUDA GPU in the trainer too, and this process has none. On CPU, start the server "
+                "with `gspo-trl vllm-serve MODEL` (the same protocol over gloo)"
+            )
+        try:
+            import vllm.distributed.weight_transfer.nccl_common  # noqa: F401
+        except ImportError:
+            return (
+                f"the vLLM server at {base_url} uses vLLM's NCCL weight-transfer engine, whose trainer side is part "
+                "of vLLM, and vLLM is not installed in the trainer's environment (`pip install 'gspo-trl[vllm]'`)"
+            )
+    return None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class EngineTransport:
+    """Full weights through the server's weight-transfer engine; a LoRA adapter alone (which vLLM's engine does not
+    carry) through `files`, the shared-directory or HTTP transport, when the server has gspo-trl's extension."""
+
+    name = "engine"
+
+    def __init__(self, client: VLLMServerClient, backend: str, files=None, group_port: int = 0):
+        self.client = client
+        self.backend = backend
+        self.files = files
+        self.group = None
+        host = urlparse(client.base_url).hostname or "127.0.0.1"
+        self.address = collective.local_address_towards(host)  # where the server's workers reach this process
+        self.group_port = group_port
+
+    def connect(self) -> None:
+        """Join the server's workers in one group (the writer only, once): the trainer rank 0, the workers after."""
+        world_size = self.client.world_size() + 1
+        init_info = {
+            "master_address": self.address,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "packed": True,
+            "packed_buffer_size_bytes": BUFFER_BYTES,
+            "packed_num_buffers": 2,
+        }
+        if self.backend == "gloo":
+            store = collective.open_master_store(self.address, self.group_port, world_size, JOIN_TIMEOUT_S)
+            init_info.update(master_port=store.port, timeout_s=JOIN_TIMEOUT_S)
+
+            def open_group():
+                timeout = self.client.request_timeout
+                return collective.join_group(store, 0, world_size, self.address, JOIN_TIMEOUT_S, timeout)
+        else:
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+            init_info["master_port"] = self.group_port or _free_port(self.address)
+
+            def open_group():
+                return trainer_init(init_info)
+
+        # The workers wait inside the request for the trainer to join: both must run at once.
+        pool = ThreadPoolExecutor(max_workers=1)
+        answer = pool.submit(self.client.init_weight_transfer_engine, init_info)
+        try:
+            self.group = open_group()
+        except Exception as error:
+            cause = answer.exception() if answer.done() else None
+            raise VLLMServerError(
+                f"The vLLM server at {self.client.base_url} did not join the weight-transfer group at "
+                f"{self.address}:{init_info['master_port']} ({cause or error}). Check that the server's machine can "
+                "open a connection to that address and port (vllm_group_port), or set vllm_weight_transport to "
+                "'shared_dir' or 'http'."
+            ) from error
+        finally:
+            pool.shutdown(wait=False)  # never wait on a request whose peer is gone
+        answer.result()
+
+    def send_weights(self, model: torch.nn.Module, is_writer: bool, dtype: torch.dtype | None, merge_lora: bool) -> int:
+        """Every process calls it (ZeRO-3 gathers are collective); only `is_writer` sends. Returns the bytes sent."""
+        weights = named_weights(model, dtype, merge_lora, to_cpu=False)
+        if not is_writer:
+            for _ in weights:  # the gathers of ZeRO-3 / FSDP2 need every process
+                pass
+            return 0
+        if self.group is None:
+            self.connect()
+        device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        weights = ((name, tensor.to(device)) for name, tensor in weights)
+        total = 0
+        self.client.start_weight_update()
+        for chunk in weight_chunks(weights, CHUNK_BYTES):
+            update_info = {
+                "names": [name for name, _ in chunk],
+                "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in chunk],
+                "shapes": [list(tensor.shape) for _, tensor in chunk],
+            }
+            # The workers receive inside the request: it runs while this process broadcasts.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                answer = pool.submit(self.client.update_weights, update_info)
+                total += self._broadcast(chunk)
+                answer.result()
+        self.client.finish_weight_update()
+        return total
+
+    def _broadcast(self, chunk: list[tuple[str, torch.Tensor]]) -> int:
+        if self.backend == "gloo":
+            return collective.send_packed(self.group, iter(chunk), BUFFER_BYTES)
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        packed_nccl_broadcast_producer(
+            iterator=iter(chunk),
+            group=self.group,
+            src=0,
+            post_iter_func=lambda item: item[1],
+            buffer_size_bytes=BUFFER_BYTES,
+            num_buffers=2,
+        )
+        torch.cuda.current_stream().synchronize()
+        return sum(tensor.numel() * tensor.element_size() for _, tensor in chunk)
+
+    def send_adapter(self, model: torch.nn.Module) -> str:
+        if self.files is None:
+            raise ValueError(
+                f"The vLLM server at {self.client.base_url} has no gspo-trl worker extension to receive a LoRA "
+                "adapter: set vllm_lora_adapter_sync=False (merged weights go through the engine)."
+            )
+        return self.files.send_adapter(model)
