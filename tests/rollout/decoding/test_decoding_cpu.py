@@ -131,18 +131,18 @@ def test_full_determinism_repeats_a_run_bit_for_bit_on_a_busy_machine(
     # The one choice made by timing on the tiny model is the attention kernel against SDPA (its weights are too small
     # for the product forms to be timed), and a busy core is what tips a timing. Under `full_determinism` nothing is
     # timed: the run beside a busy process must log the same numbers and train the same weights, bit for bit.
-    quiet = logged_and_trained(tmp_path / "quiet", tiny_model_dir, full_determinism=True)
+    alone = logged_and_trained(tmp_path / "alone", tiny_model_dir, full_determinism=True)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         loaded = logged_and_trained(tmp_path / "loaded", tiny_model_dir, full_determinism=True)
     finally:
         busy.kill()
         busy.wait()
-    assert quiet[0] == loaded[0]
-    assert quiet[1].keys() == loaded[1].keys()
-    assert all(torch.equal(quiet[1][name], loaded[1][name]) for name in quiet[1])
+    assert alone[0] == loaded[0]
+    assert alone[1].keys() == loaded[1].keys()
+    assert all(torch.equal(alone[1][name], loaded[1][name]) for name in alone[1])
     # The comparison sees float rounding: with every product in another form (what another timing can choose), the
     # same seed logs other numbers.
     force_choices(monkeypatch, COMPILED)
     other_form = logged_and_trained(tmp_path / "compiled", tiny_model_dir)
-    assert other_form[0] != quiet[0]
+    assert other_form[0] != alone[0]
