@@ -139,3 +139,22 @@ def tiny_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+@pytest.fixture()
+def determinism_flags_restored(monkeypatch):
+    """`full_determinism` switches torch to deterministic algorithms and sets environment variables for the whole
+    process: put both back after the test."""
+    for name in (
+        "CUDA_LAUNCH_BLOCKING",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "ASCEND_LAUNCH_BLOCKING",
+        "HCCL_DETERMINISTIC",
+        "FLASH_ATTENTION_DETERMINISTIC",
+    ):
+        monkeypatch.delenv(name, raising=False)  # restored (or removed again) at teardown
+    deterministic, cudnn = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
+    benchmark = torch.backends.cudnn.benchmark
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn, benchmark

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -54,6 +55,17 @@ def small_config(output_dir, **overrides) -> GSPOConfig:
     )
     values.update(overrides)
     return GSPOConfig(**values)
+
+
+def frequency_tolerance(probs: torch.Tensor, rows: int, failure_rate: float = 1e-4) -> torch.Tensor:
+    """How far each outcome's frequency over `rows` independent draws may stray from its probability `probs` (a
+    tensor) so that any of them strays further with probability at most `failure_rate`. Bernstein's inequality,
+    P(|f - p| >= t) <= 2 exp(-rows t^2 / (2 p (1 - p) + 2 t / 3)), holds for every p (the normal approximation
+    underrates the tails of rare outcomes); each of the k outcomes with p > 0 gets failure_rate / k (a union bound)."""
+    outcomes = int((probs > 0).sum())
+    log_term = math.log(2 * outcomes / failure_rate)
+    variance = probs * (1 - probs)
+    return (log_term / 3 + torch.sqrt((log_term / 3) ** 2 + 2 * rows * variance * log_term)) / rows
 
 
 def worker_env() -> dict:

@@ -1,19 +1,23 @@
 """gspo_trl.rollout.decoding.cpu: `GSPOConfig.cpu_decoding_kernels` resolves to the accelerations the decoding loop uses
 ("auto" on CPU only, "on", "off", no timing under `full_determinism`), the HF backend builds them from the config,
-and `accelerate` enters exactly the parts its `CPUKernels` asks for and restores the model on exit."""
+and `accelerate` enters exactly the parts its `CPUKernels` asks for and restores the model on exit; with
+`full_determinism` a run repeats bit for bit, on a busy machine too."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from helpers import force_choices
+from helpers import count_digits, force_choices, small_config, text_dataset
 
-from gspo_trl import GSPOConfig
+from gspo_trl import GSPOConfig, GSPOTrainer
 from gspo_trl.rollout import HFGenerateBackend
 from gspo_trl.rollout.decoding import cpu
 from gspo_trl.rollout.decoding.cpu import ALL, CPUKernels, for_setting
 from gspo_trl.rollout.decoding.cpu.attention import NAME
-from gspo_trl.rollout.decoding.cpu.linear import TRANSPOSED, forms
+from gspo_trl.rollout.decoding.cpu.linear import COMPILED, TRANSPOSED, forms
 
 
 @pytest.mark.parametrize(
@@ -112,3 +116,39 @@ def test_the_old_environment_variable_is_said_to_be_ignored(monkeypatch):
         cpu._environment_variable_ignored.cache_clear()
     warnings = [record.getMessage() for record in records if record.levelno == logging.WARNING]
     assert len(warnings) == 1 and "cpu_decoding_kernels" in warnings[0]
+
+
+def logged_and_trained(tmp_path, model_dir, **overrides) -> tuple[list[dict], dict]:
+    """Two rollouts of two optimizer steps on the tiny model: what it logged (less the wall-clock figures) and its
+    trained weights. Each rollout's first step takes π_old from the log-probs the decoding loop recorded, so the logged
+    ratios carry the decoding's arithmetic, not only the sampled tokens."""
+    config = small_config(tmp_path, max_steps=4, steps_per_generation=2, max_completion_length=16, **overrides)
+    trainer = GSPOTrainer(model_dir, count_digits, args=config, train_dataset=text_dataset())
+    trainer.train()
+    timing = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+    logs = [{key: value for key, value in entry.items() if key not in timing} for entry in trainer.state.log_history]
+    return logs, {name: parameter.detach().clone() for name, parameter in trainer.model.named_parameters()}
+
+
+@pytest.mark.slow  # three short training runs, one beside a busy process
+def test_full_determinism_repeats_a_run_bit_for_bit_on_a_busy_machine(
+    tmp_path, tiny_model_dir, monkeypatch, determinism_flags_restored
+):
+    # The one choice made by timing on the tiny model is the attention kernel against SDPA (its weights are too small
+    # for the product forms to be timed), and a busy core is what tips a timing. Under `full_determinism` nothing is
+    # timed: the run beside a busy process must log the same numbers and train the same weights, bit for bit.
+    alone = logged_and_trained(tmp_path / "alone", tiny_model_dir, full_determinism=True)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        loaded = logged_and_trained(tmp_path / "loaded", tiny_model_dir, full_determinism=True)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert alone[0] == loaded[0]
+    assert alone[1].keys() == loaded[1].keys()
+    assert all(torch.equal(alone[1][name], loaded[1][name]) for name in alone[1])
+    # The comparison sees float rounding: with every product in another form (what another timing can choose), the
+    # same seed logs other numbers.
+    force_choices(monkeypatch, COMPILED)
+    other_form = logged_and_trained(tmp_path / "compiled", tiny_model_dir)
+    assert other_form[0] != alone[0]

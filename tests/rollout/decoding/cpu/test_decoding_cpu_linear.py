@@ -238,25 +238,6 @@ def test_decoding_loop_in_each_form_samples_and_scores_like_f_linear(tiny_model,
     torch.testing.assert_close(policy[mask], expected[mask], rtol=0, atol=2e-5)
 
 
-@pytest.fixture()
-def determinism_flags_restored(monkeypatch):
-    """`full_determinism` switches torch to deterministic algorithms and sets environment variables for the whole
-    process: put both back after the test."""
-    for name in (
-        "CUDA_LAUNCH_BLOCKING",
-        "CUBLAS_WORKSPACE_CONFIG",
-        "ASCEND_LAUNCH_BLOCKING",
-        "HCCL_DETERMINISTIC",
-        "FLASH_ATTENTION_DETERMINISTIC",
-    ):
-        monkeypatch.delenv(name, raising=False)  # restored (or removed again) at teardown
-    deterministic, cudnn = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
-    benchmark = torch.backends.cudnn.benchmark
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn, benchmark
-
-
 @pytest.mark.parametrize("full_determinism", [False, True])
 def test_full_determinism_keeps_f_linear_in_the_rollouts(
     tmp_path, tiny_model_dir, monkeypatch, full_determinism, determinism_flags_restored
