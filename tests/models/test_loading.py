@@ -91,8 +91,16 @@ def test_custom_code_models_load_only_with_trust_remote_code(tmp_path, custom_co
 
     with pytest.raises(ValueError, match="trust_remote_code"):
         GSPOTrainer(custom_code_dir, count_digits, args=small_config(tmp_path), train_dataset=text_dataset())
-    args = small_config(tmp_path, trust_remote_code=True, max_steps=1)
-    trainer = GSPOTrainer(custom_code_dir, [count_digits, custom_code_dir], args=args, train_dataset=text_dataset())
+    # The reward model: the custom family's sequence-classification class, saved as such (a causal-LM checkpoint
+    # given as a reward model is refused: its score head would be random).
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    reward_dir = tmp_path / "reward"
+    scorer = AutoModelForSequenceClassification.from_pretrained(custom_code_dir, trust_remote_code=True, num_labels=1)
+    scorer.save_pretrained(reward_dir)
+    AutoTokenizer.from_pretrained(custom_code_dir, trust_remote_code=True).save_pretrained(reward_dir)
+    args = small_config(tmp_path / "run", trust_remote_code=True, max_steps=1)
+    trainer = GSPOTrainer(custom_code_dir, [count_digits, str(reward_dir)], args=args, train_dataset=text_dataset())
     assert type(trainer.model).__name__ == "TinyCustomForCausalLM"
     assert type(trainer.processing_class).__name__ == "TinyCustomTokenizer"
     reward_model = trainer.reward_funcs[1]

@@ -690,7 +690,10 @@ import sys
 from helpers import count_digits, small_config, text_dataset
 from gspo_trl import GSPOTrainer
 model, url, sync_dir, out = sys.argv[1:5]
-args = small_config(out, use_vllm=True, vllm_server_base_url=url, vllm_weight_sync_dir=sync_dir, max_steps=10000)
+args = small_config(
+    out, use_vllm=True, vllm_server_base_url=url, vllm_weight_sync_dir=sync_dir, vllm_weight_transport="http",
+    max_steps=10000,
+)
 trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=text_dataset())
 print("SNAPSHOT", trainer.rollout_backend.snapshot_dir, flush=True)
 trainer.train()
