@@ -1,16 +1,18 @@
 """Smoke runs of the benchmarks that can run in seconds (figures meaningless; the measured ones live in docs):
 the GPU suite's CPU mode, with both libraries' workers, the static-decoding agreement check, the sharded and offload
 cells of the distributed benchmark, the decoding, async-rollouts and training-length benchmarks, the training
-micro-batch's settings, and the QLoRA memory benchmark."""
+micro-batch's settings, and the QLoRA memory benchmark; the delta-sync benchmark's counting."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -422,3 +424,18 @@ def test_dynamic_sampling_benchmark_smoke_runs_both_variants(tmp_path, tiny_mode
     assert 1 <= on["rollout/dynamic_sampling_rounds"] <= 4  # dynamic_sampling_max_rounds=4
     assert 0 <= on["rollout/dynamic_sampling_filler_groups"] <= 8  # a rollout of 8 groups
     assert on["rollout/sampled_tokens_per_trained_token"] >= 1
+
+
+def test_delta_sync_counts_the_changed_bf16_elements_and_each_encodings_bytes():
+    spec = importlib.util.spec_from_file_location("delta_sync", REPO_ROOT / "benchmarks" / "delta_sync.py")
+    delta_sync = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(delta_sync)
+    last = {"a": torch.zeros(16, dtype=torch.bfloat16), "b": torch.ones(2, 4, dtype=torch.bfloat16)}
+    now = {name: tensor.clone() for name, tensor in last.items()}
+    now["a"][[1, 5, 9]] = 1.0
+    now["b"][0, 0] = 1.0078125  # the next bf16 after 1.0: one bit apart still counts as changed
+    result = delta_sync.compare(last, now)
+    assert (result["elements"], result["changed"]) == (24, 4)
+    assert result["unchanged_fraction"] == 20 / 24
+    # dense: 24 x 2 bytes; indices: 4 x (4 + 2); bitmask: 24 bits + 4 x 2 bytes.
+    assert [result[key] * 2**20 for key in ("dense_mb", "indices_mb", "bitmask_mb")] == [48, 24, 11]

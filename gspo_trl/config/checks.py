@@ -435,6 +435,12 @@ def check_vllm_weight_transport(config) -> None:
         raise ValueError(f"vllm_group_port must be a TCP port (0 for any free one), got {config.vllm_group_port}.")
     if not config.vllm_weight_chunk_mb > 0:
         raise ValueError(f"vllm_weight_chunk_mb must be > 0 (MiB per HTTP chunk), got {config.vllm_weight_chunk_mb}.")
+    if config.vllm_weight_sync_delta and config.vllm_weight_transport in ("engine", "shared_dir"):
+        raise ValueError(
+            f"vllm_weight_sync_delta=True sends deltas over HTTP only, but vllm_weight_transport="
+            f"{config.vllm_weight_transport!r} sends whole weights. Set vllm_weight_transport='http' (or 'auto', "
+            "which uses the delta when it falls back to HTTP), or vllm_weight_sync_delta=False."
+        )
 
 
 def check_liger(config) -> None:

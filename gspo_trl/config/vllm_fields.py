@@ -75,6 +75,14 @@ class VLLMFields:
             "docs/vllm.md#several-hosts."
         },
     )
+    vllm_weight_sync_delta: bool = field(
+        default=False,
+        metadata={
+            "help": "With the HTTP transport, send only the elements whose bits changed since the last sync (exact); "
+            "both sides keep a copy of the weights in the sent dtype. Pays with bf16 weights on a slow link; see "
+            "docs/vllm.md#sending-only-what-changed."
+        },
+    )
     vllm_lora_adapter_sync: bool | None = field(
         default=None,
         metadata={

@@ -216,9 +216,17 @@ class VLLMServerClient:
         """Every worker loads the safetensors snapshot in `weights_path` (a directory the server can read)."""
         self._rpc("gspo_reload_weights", weights_path=weights_path)
 
-    def load_weights_chunk(self, payload: bytes) -> None:
-        """Every worker loads the weights in `payload` (a safetensors file's bytes, whole layers) in place."""
-        self._rpc("gspo_load_weights_chunk", payload)
+    def load_weights_chunk(self, payload: bytes, version: str = "", delta_base: str = "") -> list[str]:
+        """Every worker loads the weights in `payload` (a safetensors file's bytes, whole layers) in place; with a
+        `version`, deltas against `delta_base` (`delta`). Returns the tensors some worker did not hold in
+        `delta_base` (it then loaded nothing of the chunk): send them whole."""
+        kwargs = {"version": version, "delta_base": delta_base} if version else {}
+        results = self._rpc("gspo_load_weights_chunk", payload, **kwargs)
+        return sorted({name for result in results if isinstance(result, dict) for name in result.get("stale", ())})
+
+    def delta_digest(self) -> list[dict]:
+        """Each worker's SHA-256 per tensor it holds for delta syncs (`delta`), by name."""
+        return self._rpc("gspo_delta_digest")
 
     def finish_weight_load(self) -> None:
         """After the last chunk: the workers re-pack what the chunks' reloads left stale (a tied LM head)."""

@@ -18,6 +18,7 @@ import weakref
 import torch
 from transformers.utils import logging
 
+from . import delta
 from .client import VLLMServerClient, VLLMServerError
 from .engine_transport import EngineTransport, server_backend, unusable_reason
 from .folders import new_snapshot_dir
@@ -57,25 +58,58 @@ class HTTPTransport:
 
     name = "http"
 
-    def __init__(self, client: VLLMServerClient, directory: str | None, chunk_bytes: int):
+    def __init__(self, client: VLLMServerClient, directory: str | None, chunk_bytes: int, delta_sync: bool = False):
         self.client = client
         self.directory = directory  # local scratch for the adapter's files (the writer's only)
         self.chunk_bytes = chunk_bytes
         self.remote_dir = f"gspo-trl-adapter-{uuid.uuid4().hex[:12]}"  # in the server's temporary folder
         self.cleanup = None
+        self.sender = delta.DeltaSender() if delta_sync else None  # `vllm_weight_sync_delta`
+        self.version = None  # the sync the server holds every tensor from (delta syncs)
 
     def send_weights(self, model: torch.nn.Module, is_writer: bool, dtype: torch.dtype | None, merge_lora: bool) -> int:
+        """Every process calls it (ZeRO-3 gathers are collective); only `is_writer` sends. Returns the bytes sent:
+        the weights' own, or with deltas the requests' safetensors payloads."""
         weights = named_weights(model, dtype, merge_lora)
         if not is_writer:
             for _ in weights:  # the gathers of ZeRO-3 / FSDP2 need every process
                 pass
             return 0
-        total = 0
-        for chunk in weight_chunks(weights, self.chunk_bytes):
-            self.client.load_weights_chunk(serialize_chunk(chunk))
-            total += sum(tensor.numel() * tensor.element_size() for _, tensor in chunk)
-        self.client.finish_weight_load()
+        if self.sender is None:
+            total = 0
+            for chunk in weight_chunks(weights, self.chunk_bytes):
+                self.client.load_weights_chunk(serialize_chunk(chunk))
+                total += sum(tensor.numel() * tensor.element_size() for _, tensor in chunk)
+            self.client.finish_weight_load()
+            return total
+        version, base = delta.new_version(), self.version
+        self.version = None  # until this sync is through, the server holds a mix
+        try:
+            total = sum(
+                self._send_delta_chunk(chunk, base, version) for chunk in weight_chunks(weights, self.chunk_bytes)
+            )
+            self.client.finish_weight_load()
+        except BaseException:
+            self.sender.forget()  # what the server holds is unknown: the next sync goes whole
+            raise
+        self.version = version
         return total
+
+    def _send_delta_chunk(self, chunk: list[tuple[str, torch.Tensor]], base: str | None, version: str) -> int:
+        """One chunk as deltas against the server's `base` where they are smaller; the tensors the server does not
+        hold in `base`, and the rest of the chunk with them, whole. Returns the bytes sent."""
+        chunk = [(name, tensor.to("cpu")) for name, tensor in chunk]
+        entries = {}
+        for name, tensor in chunk:
+            entries.update(self.sender.entries(name, tensor, base))
+        payload = serialize_chunk(list(entries.items()))
+        sent = len(payload)
+        if self.client.load_weights_chunk(payload, version=version, delta_base=base or ""):
+            payload = serialize_chunk(chunk)  # the workers loaded nothing of it: all whole
+            sent += len(payload)
+            self.client.load_weights_chunk(payload, version=version)
+        self.sender.acknowledge([name for name, _ in chunk], [tensor for _, tensor in chunk], version)
+        return sent
 
     def send_adapter(self, model: torch.nn.Module) -> str:
         local = os.path.join(self.directory, "adapter")
@@ -120,6 +154,8 @@ def choose_transport(
             transport = EngineTransport(client, backend, files, args.vllm_group_port)
             try:
                 transport.connect()
+                if args.vllm_weight_sync_delta:
+                    logger.info("vllm_weight_sync_delta: the weight-transfer engine sends whole weights.")
                 return transport
             except VLLMServerError as error:
                 if wanted == "engine" or not worker_extension:
@@ -137,9 +173,12 @@ def _file_transport(args, client: VLLMServerClient, directory: str, wanted: str)
     """The shared directory or HTTP, through gspo-trl's worker extension; 'auto' probes whether the server sees
     `directory`."""
     chunk_bytes = int(args.vllm_weight_chunk_mb * 1024**2)
+    delta_sync = args.vllm_weight_sync_delta
     if wanted == "http":
-        return HTTPTransport(client, directory, chunk_bytes)
+        return HTTPTransport(client, directory, chunk_bytes, delta_sync)
     if server_sees(client, directory):
+        if args.vllm_weight_sync_delta:
+            logger.info("vllm_weight_sync_delta: the server sees the sync directory, which takes whole snapshots.")
         return SharedDirTransport(client, directory)
     if wanted == "shared_dir":
         raise ValueError(
@@ -154,4 +193,4 @@ def _file_transport(args, client: VLLMServerClient, directory: str, wanted: str)
         f"The vLLM server at {client.base_url} cannot read the weight-sync directory {directory}: the weights go "
         f"to it over HTTP, in chunks of at most {args.vllm_weight_chunk_mb:g} MiB (vllm_weight_transport='auto')."
     )
-    return HTTPTransport(client, directory, chunk_bytes)
+    return HTTPTransport(client, directory, chunk_bytes, delta_sync)

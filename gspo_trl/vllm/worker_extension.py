@@ -16,7 +16,7 @@ import shutil
 
 import torch
 
-from . import folders
+from . import delta, folders
 
 # The loggers of vLLM's in-place reload, which warn about every layer a partial reload (one HTTP chunk) leaves as is.
 RELOAD_LOGGERS = tuple(f"vllm.model_executor.model_loader.reload.{name}" for name in ("inplace", "layerwise"))
@@ -66,18 +66,41 @@ class WeightSyncExtension:
         reload_in_place(self, weights_path=folders.snapshot_folder(weights_path))
         return {"reloaded": weights_path}
 
-    def gspo_load_weights_chunk(self, data: str) -> dict:
+    def gspo_load_weights_chunk(self, data: str, version: str = "", delta_base: str = "") -> dict:
         """Load one chunk of weights sent over HTTP (base64 of a safetensors file) in place.
 
         A chunk holds whole layers (the trainer splits between them), since vLLM's in-place reload processes a layer
         (fusing q/k/v, re-packing for CPU kernels) once all of its weights arrived; layers absent from the chunk keep
-        their weights. `gspo_finish_weight_load` follows the last chunk."""
+        their weights. `gspo_finish_weight_load` follows the last chunk.
+
+        With a `version` (a delta sync, `delta`), the chunk may hold deltas against the tensors this worker kept in
+        version `delta_base`; the worker keeps what it loads as `version`. If it does not hold a tensor in
+        `delta_base`, it loads nothing of the chunk and names the tensors, which the trainer then sends whole."""
         from safetensors.torch import load
 
         tensors = load(base64.b64decode(data))
+        receiver = self.__dict__.setdefault("gspo_delta_receiver", delta.DeltaReceiver())
+        if version:
+            tensors, stale = receiver.rebuild(tensors, delta_base or None)
+            if stale:
+                return {"stale": stale}
+        receiver.forget(list(tensors))  # until the load succeeds, no base for these tensors
         with _quiet_partial_reload():
             self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        if version:
+            receiver.keep(tensors, version)
         return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+    def gspo_delta_digest(self) -> dict:
+        """The SHA-256 of each tensor this worker holds for delta syncs (the last it loaded of each), by name: what a
+        trainer compares with its own copy to check that the server's weights are its own bit for bit."""
+        import hashlib
+
+        held = self.__dict__.get("gspo_delta_receiver")
+        return {
+            name: hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, (_, tensor) in (held.held.items() if held is not None else ())
+        }
 
     def gspo_finish_weight_load(self) -> dict:
         """After the last chunk: re-pack what the reloads left stale."""

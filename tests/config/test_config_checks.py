@@ -165,6 +165,11 @@ def test_routing_replay_is_refused_where_no_routes_are_recorded_or_replayed(tmp_
     [
         ({"vllm_weight_transport": "nccl"}, "vllm_weight_transport must be one of"),
         ({"vllm_weight_chunk_mb": 0}, "vllm_weight_chunk_mb must be > 0"),
+        (
+            {"vllm_weight_sync_delta": True, "vllm_weight_transport": "engine"},
+            "vllm_weight_sync_delta=True sends deltas over HTTP only, but vllm_weight_transport='engine'",
+        ),
+        ({"vllm_weight_sync_delta": True, "vllm_weight_transport": "shared_dir"}, "Set vllm_weight_transport='http'"),
     ],
 )
 def test_bad_vllm_weight_transport_settings_are_refused_at_construction(tmp_path, values, match):

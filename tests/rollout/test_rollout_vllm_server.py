@@ -29,6 +29,7 @@ from gspo_trl import GSPOTrainer
 from gspo_trl.training.logprobs import completion_logprobs
 from gspo_trl.vllm.auth import TOKEN_ENV
 from gspo_trl.vllm.client import VLLMServerError
+from gspo_trl.vllm.weight_sync import named_weights
 
 # One server for the whole module (session-scoped: under `pytest -n`, a worker may run other files' tests between
 # this module's, which would tear a module-scoped server down and start it again); every test of it on one worker.
@@ -767,3 +768,48 @@ def test_a_trl_vllm_serve_server_is_described_and_sampled_and_its_nccl_sync_refu
             GSPOTrainer(
                 served_model_dir, count_digits, args=vllm_config(tmp_path, trl_server), train_dataset=text_dataset()
             )
+
+
+@pytest.mark.slow  # the real vLLM server
+def test_a_delta_sync_sends_less_and_leaves_the_server_with_the_trainers_weights_bit_for_bit(
+    tmp_path, server, served_model_dir
+):
+    """vllm_weight_sync_delta over HTTP, bf16 weights (as to a bf16 server): after the first sync, whole, each sync
+    sends the elements whose bf16 bits moved; the server's copy is then the trainer's bf16 weights bit for bit."""
+    import hashlib
+
+    args = vllm_config(
+        tmp_path,
+        server,
+        max_steps=6,
+        steps_per_generation=2,
+        learning_rate=2e-5,  # Adam moves each weight ~2e-5 a step; bf16's spacing near 0.02 is 1.2e-4: most stay
+        vllm_weight_transport="http",
+        vllm_weight_sync_delta=True,
+        bf16=True,
+        model_init_kwargs={"dtype": torch.bfloat16},
+    )
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    backend = trainer.rollout_backend
+    backend.server_info["dtype"] = "bfloat16"  # weights go as bf16; this fp32 server widens them exactly
+    sent, digests, send = [], [], backend.transport.send_weights
+
+    def send_weights(model, **kwargs):
+        sent.append(send(model, **kwargs))
+        ours = {
+            name: hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, tensor in named_weights(model, torch.bfloat16, merge_lora=True)
+        }
+        digests.append((ours, backend.client.delta_digest()))
+        return sent[-1]
+
+    backend.transport.send_weights = send_weights
+    syncs = record_syncs(trainer, fp32_logprobs)
+    trainer.train()
+    assert [step for step, _, _ in syncs] == [0, 2, 4]
+    for ours, workers in digests:
+        assert all(theirs == ours for theirs in workers)  # every tensor, every worker, bit for bit
+    for step, server_logps, trainer_logps in syncs:
+        torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
+    # The first sync is whole; the next ones carry a bitmask (1/16 of the bf16 bytes) and the moved elements only.
+    assert sent[1] < 0.8 * sent[0] and sent[2] < 0.8 * sent[0], sent

@@ -217,3 +217,29 @@ def test_a_shared_dir_the_server_cannot_see_is_refused_naming_http(tmp_path):
     with pytest.raises(ValueError, match="cannot read the weight-sync directory.*vllm_weight_transport='http'"):
         choose_transport(args, ProbedClient(False), str(tmp_path))
     assert server_sees(ProbedClient(True), str(tmp_path)) and not server_sees(ProbedClient(False), str(tmp_path))
+
+
+def test_http_delta_sends_the_moved_elements_and_the_worker_rebuilds_the_weights(rpc, tiny_model):
+    transport = HTTPTransport(rpc.client, None, 10**9, delta_sync=True)  # one chunk: one request per sync
+    first = transport.send_weights(tiny_model, True, torch.bfloat16, True)
+    with torch.no_grad():
+        moved = next(tiny_model.parameters())
+        moved.view(-1)[:3] += 1.0  # three elements of one tensor move; every other bf16 bit stays
+    second = transport.send_weights(tiny_model, True, torch.bfloat16, True)
+    expected = dict(named_weights(tiny_model, torch.bfloat16))
+    # Whole bf16 weights, then a bitmask of each tensor (1 bit per element) and three values.
+    elements = sum(t.numel() for t in expected.values())
+    assert first > 2 * elements and second < elements / 8 + 16_384, (first, second)
+    last = rpc.worker.model_runner.reloads[-1]
+    assert last.keys() == expected.keys()
+    for name, tensor in expected.items():  # rebuilt bit for bit
+        assert torch.equal(last[name].view(torch.int16), tensor.view(torch.int16)), name
+    # A worker that lost what it held (a restarted server) names the tensors; the chunk then goes whole.
+    rpc.worker.gspo_delta_receiver.forget()
+    with torch.no_grad():
+        moved.view(-1)[:3] += 1.0
+    third = transport.send_weights(tiny_model, True, torch.bfloat16, True)
+    assert third > first and rpc.worker.calls[-3:] == ["gspo_load_weights_chunk"] * 2 + ["gspo_finish_weight_load"]
+    last = rpc.worker.model_runner.reloads[-1]
+    for name, tensor in dict(named_weights(tiny_model, torch.bfloat16)).items():
+        assert torch.equal(last[name].view(torch.int16), tensor.view(torch.int16)), name
