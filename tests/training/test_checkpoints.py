@@ -282,7 +282,7 @@ def assert_whole_checkpoints(run_dir, names: list[str]) -> None:
 # `cutrollout` once rank 1 has written its rollout file into the staging folder (rank 0 anywhere in its own writes),
 # `cutrenamed` once checkpoint-2 is in place and checkpoint-1 not yet rotated away. Each resumes with
 # resume_from_checkpoint=True from the newest complete checkpoint and ends on the uninterrupted run's weights.
-@pytest.mark.slow  # five torchrun launches
+@pytest.mark.slow  # five torchrun launches: 5.5 min on 2 cores shared with other jobs
 def test_two_processes_killed_during_a_save_resume_from_the_newest_complete_checkpoint(tmp_path, tiny_model_dir):
     whole = torchrun(tmp_path, tiny_model_dir, "ddp+checkpoints", "whole")
     assert whole.returncode == 0, whole.stderr[-4000:]
