@@ -1,6 +1,6 @@
 """GSPO learns a visual task on CPU: name the colour of a shape whose colour is only in the image.
 
-    python benchmarks/vision_learning.py --seeds 0,1,2 --plot docs/vision_reward_curve.png
+    python benchmarks/vision_learning.py --seeds 0,1,2,3,4,5,6,7,8,9 --plot docs/vision_reward_curve.png
 
 A tiny random Gemma 3 (the test suite's, `tests/vlm_models.py`: 64-wide, 2 layers, a one-layer SigLIP tower, the
 test tokenizer) is first warmed up on transcripts where every image is answered with every colour word
@@ -112,7 +112,7 @@ def _commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run each")
-    parser.add_argument("--max_steps", type=int, default=120, help="GSPO optimizer steps (one rollout each)")
+    parser.add_argument("--max_steps", type=int, default=240, help="GSPO optimizer steps (one rollout each)")
     parser.add_argument("--learning_rate", type=float, default=5e-3)
     parser.add_argument("--warm_up_steps", type=int, default=96, help="supervised steps of 2 images x 4 colours")
     parser.add_argument("--beta", type=float, default=0.1, help="KL coefficient towards the warmed-up model")

@@ -7,7 +7,11 @@ accelerate swaps in DeepSpeedCPUAdam), `+bf16` (CPU bf16 autocast) and/or `+noga
 partitioned weights); `+checkpoints` saves every step of a longer schedule, `+kill` also SIGKILLs rank 1
 in the middle of step 3, `+resume` resumes that run from its last complete checkpoint, `+raise` uses a
 reward function that raises on rank 1 only, `+seeded` samples with layout-independent streams and 8
-completions per micro-step over however many processes run, `+family` trains DAPO's token-mean loss on
+completions per micro-step over however many processes run, `+rotate` keeps one checkpoint (save_total_limit=1),
+`+cutrollout` SIGKILLs the whole launch (torchrun and both ranks) once rank 1 has written its rollout file into
+checkpoint-2's staging folder, `+cutrenamed` once rank 0 has renamed checkpoint-2 into place (before the rotation),
+`+best` evaluates after every step with scores that make step 2 the best and loads it at the end
+(load_best_model_at_end), `+family` trains DAPO's token-mean loss on
 the top-half-entropy tokens with an entropy bonus (quantities that span every process), `+episodes` plays
 two-turn episodes of a text environment with turn-level ratios and advantages, `+async` samples the second
 rollout in the background during the first one's training (async_rollouts), `+linears` decodes with
@@ -21,7 +25,8 @@ completions per micro-step over however many processes run, `+dynsamp` trains wi
 that is constant for half the prompts, `+vlm` trains the tiny Qwen2.5-VL (or with
 `+llava`, `+gemma3`, `+idefics3` that family) saved at the model path on prompts with
 images (`vlm_models`). Each rank writes
-its per-step logs, a checksum of its full weights and the size of its own share of the parameters to
+its per-step logs, the steps it trained, a checksum of its full weights and the size of its own share of the
+parameters to
 <out>.rank<R>.json, and the `save_model()` checkpoint to <out>.saved (the test loads it with
 `from_pretrained`: inside a ZeRO-3 run, `from_pretrained` itself would partition it)."""
 
@@ -37,7 +42,7 @@ import sys
 
 import torch
 from datasets import Dataset
-from helpers import count_digits, leave_worker, length_reward
+from helpers import count_digits, leave_worker, length_reward, scored_by_step
 from transformers import TrainerCallback
 from vlm_models import BUILDERS, image_dataset
 
@@ -81,6 +86,57 @@ class KillRank1MidWindow(TrainerCallback):
     def on_substep_end(self, args, state, control, **kwargs):
         if state.global_step == 2 and torch.distributed.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TrainedSteps(TrainerCallback):
+    """The optimizer steps this launch trained (a resumed one starts after its checkpoint)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def kill_the_launch() -> None:
+    """SIGKILL torchrun and every rank at once, as a crash of the machine would. torchrun starts each rank in a
+    session of its own, so no process group holds them all: the ranks are found as torchrun's children."""
+    assert "TORCHELASTIC_RUN_ID" in os.environ, "only a rank of a torchrun launch kills its launch"
+    launcher, ranks = os.getppid(), []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/stat") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[1]) == launcher:  # "pid (name) state ppid ..."
+                    ranks.append(int(entry))
+    for pid in [launcher, *(pid for pid in ranks if pid != os.getpid()), os.getpid()]:
+        os.kill(pid, signal.SIGKILL)
+
+
+def cut_the_save_of_step_2(point: str) -> None:
+    """`rollout`: rank 1 kills the launch right after writing its rollout file into checkpoint-2's staging folder
+    (rank 0 is then anywhere in its own writes); `renamed`: rank 0 kills it right after checkpoint-2 is renamed into
+    place, before the rotation deletes checkpoint-1."""
+    import gspo_trl.trainer
+    from gspo_trl.training import checkpoints
+
+    if point == "rollout":
+        save = gspo_trl.trainer.save_rollout_state
+
+        def save_then_kill(checkpoint_dir, process_index, state):
+            save(checkpoint_dir, process_index, state)
+            if process_index == 1 and os.path.basename(checkpoint_dir) == "checkpoint-2":
+                kill_the_launch()
+
+        gspo_trl.trainer.save_rollout_state = save_then_kill
+    else:
+        renamed = []
+
+        def write_point(name):  # called on the main process only
+            renamed.extend([name] if name == "renamed" else [])
+            if len(renamed) == 2:
+                kill_the_launch()
+
+        checkpoints._write_point = write_point
 
 
 def fails_on_rank_1(completions, **kwargs):
@@ -165,6 +221,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
     if mode == "fsdp2" or os.environ.get("ACCELERATE_USE_FSDP") == "true":
         import fsdp_on_cpu  # noqa: F401  (accelerate's FSDP on a CPU launch, as on GPUs)
     resume_options = {"kill", "resume", "checkpoints"} & set(options)
+    if {"cutrollout", "cutrenamed"} & set(options):
+        cut_the_save_of_step_2("rollout" if "cutrollout" in options else "renamed")
     peft_config = None
     if "lora" in options:
         from peft import LoraConfig
@@ -174,6 +232,12 @@ def main(model_dir: str, mode: str, out: str) -> None:
     if resume_options:  # rollouts of 3 optimizer steps of 2 micro-steps, a checkpoint at every step
         schedule = dict(
             gradient_accumulation_steps=2, steps_per_generation=6, max_steps=4, save_strategy="steps", save_steps=1
+        )
+    if "rotate" in options:
+        schedule.update(save_total_limit=1)
+    if "best" in options:  # evaluated after every step; step 2 scores best
+        schedule.update(
+            eval_strategy="steps", eval_steps=1, load_best_model_at_end=True, metric_for_best_model="reward"
         )
     if "seeded" in options:  # 8 completions per micro-step over all processes, each with its own random stream
         schedule.update(
@@ -257,6 +321,9 @@ def main(model_dir: str, mode: str, out: str) -> None:
         rewards = [even_prompts_constant]
     if "skip" in options:  # no reward for any completion: every rollout is skipped
         rewards = [no_reward]
+    if "best" in options:
+        rewards = [scored_by_step]
+    trained_steps = TrainedSteps()
     trainer = GSPOTrainer(
         model_dir,
         rewards,
@@ -265,7 +332,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
         quantization_config={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if "qlora" in options else None,
         peft_config=peft_config,
         processing_class=processor,
-        callbacks=[KillRank1MidWindow()] if "kill" in options else None,
+        eval_dataset=Dataset.from_dict({"prompt": ["Check 1", "Check 2"]}) if "best" in options else None,
+        callbacks=[trained_steps] + ([KillRank1MidWindow()] if "kill" in options else []),
         env_factory=MoreDigits if "episodes" in options else None,
         rollout_func=scripted_rollout if "scripted" in options else None,
     )
@@ -348,6 +416,8 @@ def main(model_dir: str, mode: str, out: str) -> None:
             {
                 "world_size": trainer.accelerator.num_processes,
                 "logs": logs,
+                "trained_steps": trained_steps.steps,
+                "best_model_checkpoint": trainer.state.best_model_checkpoint,
                 "checksum": checksum,
                 "distributed_type": str(trainer.accelerator.distributed_type),
                 "fsdp": bool(trainer.is_fsdp_enabled),

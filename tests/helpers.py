@@ -24,6 +24,17 @@ def length_reward(completion_ids, **kwargs):
     return [len(ids) / 16 for ids in completion_ids]
 
 
+EVAL_SCORES = {1: 0.25, 2: 0.75, 3: 0.5, 4: 0.125}  # evaluation reward after each step (exact in fp32): step 2 best
+
+
+def scored_by_step(prompts, completions, trainer_state, **kwargs):
+    """Training prompts: count_digits. Evaluation prompts ("Check ..."): EVAL_SCORES of the step just trained, so
+    `load_best_model_at_end` (metric "reward") must end on step 2's weights."""
+    if str(prompts[0]).startswith("Check"):
+        return [EVAL_SCORES[trainer_state.global_step]] * len(completions)
+    return count_digits(completions)
+
+
 def text_dataset(n=8):
     return Dataset.from_dict(
         {"prompt": [f"What is {i} + {i + 1}?" for i in range(n)], "answer": [str(2 * i + 1) for i in range(n)]}

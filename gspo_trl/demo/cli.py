@@ -19,6 +19,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from ..config.gspo_config import GSPOConfig
+from ..training.checkpoints import run_outputs
 
 # The demo's GSPOConfig values where they differ from the library defaults: sized so that a
 # 2-core CPU shows the reward rising within about ten minutes (see README).
@@ -233,12 +234,35 @@ def _load_local_dataset(path: str):
     return datasets.load_dataset(builder, data_files=path, split="train")
 
 
+def resume_argument(config: GSPOConfig) -> str | bool | None:
+    """`--resume_from_checkpoint`: `true` for the newest complete checkpoint in output_dir, else a checkpoint's path."""
+    value = config.resume_from_checkpoint
+    if value is None or value.lower() == "false":
+        return None
+    return True if value.lower() == "true" else value
+
+
+def check_output_dir(config: GSPOConfig, resume: str | bool | None) -> None:
+    """Refuse an output_dir that holds an earlier run's checkpoints or model, naming the flags that continue or replace
+    it (the trainer refuses it too, in the Python API's words)."""
+    found = run_outputs(config.output_dir)
+    if found and not resume and not config.overwrite_output_dir:
+        raise ValueError(
+            f"--output_dir {config.output_dir} already holds an earlier run's outputs ({', '.join(found[:5])}"
+            f"{', ...' if len(found) > 5 else ''}). Add --resume_from_checkpoint true to continue that run from its "
+            "newest complete checkpoint (or give a checkpoint folder), --overwrite_output_dir true to start over "
+            "there (its checkpoints are deleted), or choose another --output_dir."
+        )
+
+
 def train(argv: list[str]) -> dict:
     from ..reporting.metrics import format_health, training_health
     from ..reporting.plotting import plot_reward_curve
     from ..trainer import GSPOTrainer
 
     run_args, config = parse_train_args(argv)
+    resume = resume_argument(config)
+    check_output_dir(config, resume)  # before the model is loaded or a warm-up writes into it
     model, dataset, reward_funcs, env_factory = build_run(run_args)
     tool_kwargs = {}
     if run_args.env == "calculator":  # a TRL environment_factory (tools), not a gym-style env_factory
@@ -268,7 +292,7 @@ def train(argv: list[str]) -> dict:
         env_factory=env_factory,
         **tool_kwargs,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     trainer.create_model_card()
     metrics_path = run_args.metrics_file or os.path.join(config.output_dir, "metrics.json")

@@ -300,16 +300,18 @@ class Checkpoints:
         finally:
             self.staging = None
         self.accelerator.wait_for_everyone()  # every process's files are written
+        if state.best_model_checkpoint and os.path.dirname(state.best_model_checkpoint) == staging:
+            # Trainer found the best checkpoint in the folder it wrote to: every process names its final place
+            # instead (each loads it at the end under `load_best_model_at_end`).
+            state.best_model_checkpoint = os.path.join(run_dir, name)
+            if main:
+                state.save_to_json(os.path.join(staging, name, "trainer_state.json"))
         if main:
             self._seal_and_place(run_dir, staging, name, state)
         self.accelerator.wait_for_everyone()
 
     def _seal_and_place(self, run_dir: str, staging: str, name: str, state) -> None:
         folder, final = os.path.join(staging, name), os.path.join(run_dir, name)
-        if state.best_model_checkpoint and os.path.dirname(state.best_model_checkpoint) == staging:
-            # Trainer found the best checkpoint in the folder it wrote to: name its final place instead.
-            state.best_model_checkpoint = final
-            state.save_to_json(os.path.join(folder, "trainer_state.json"))
         _write_point("written")
         sequence = 1 + max((_sequence(path) for _, path in numbered_checkpoints(run_dir)), default=0)
         write_manifest(folder, self.accelerator.num_processes, run_fields(self.args), sequence)

@@ -11,6 +11,7 @@ import pytest
 from datasets import Dataset
 
 from gspo_trl.demo.cli import DEMO_DEFAULTS, main, parse_train_args, summarize
+from gspo_trl.training.checkpoints import MANIFEST_FILE
 
 
 def test_no_arguments_gives_the_demo_settings():
@@ -78,7 +79,9 @@ def test_training_health_summary_and_hints():
     assert format_health(health).startswith("Training health:")
 
 
-def test_train_command_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
+def tiny_train_command(tmp_path, tiny_model_dir, monkeypatch, out) -> list[str]:
+    """`gspo-trl train` of 2 steps on the tiny model, a local dataset and a reward function from a file in the working
+    directory, into `out`."""
     data = tmp_path / "prompts.jsonl"
     Dataset.from_dict({"prompt": [f"Say {i}" for i in range(4)], "target": [str(i) for i in range(4)]}).to_json(data)
     (tmp_path / "my_rewards.py").write_text(
@@ -89,37 +92,66 @@ def test_train_command_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
+    return [
+        "train",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--dataset_name",
+        str(data),
+        "--reward_funcs",
+        "my_rewards:has_target",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--steps_per_generation",
+        "1",
+        "--max_completion_length",
+        "6",
+        "--disable_tqdm",
+        "true",
+    ]
+
+
+def test_train_command_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
     out = tmp_path / "out"
-    code = main(
-        [
-            "train",
-            "--model_name_or_path",
-            tiny_model_dir,
-            "--dataset_name",
-            str(data),
-            "--reward_funcs",
-            "my_rewards:has_target",
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
-            "--steps_per_generation",
-            "1",
-            "--max_completion_length",
-            "6",
-            "--disable_tqdm",
-            "true",
-        ]
-    )
+    code = main(tiny_train_command(tmp_path, tiny_model_dir, monkeypatch, out))
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["summary"]["steps"] == 2
     assert (out / "reward_curve.png").stat().st_size > 0
     assert os.path.isfile(out / "model.safetensors") and os.path.isfile(out / "README.md")
+
+
+def test_a_second_train_into_a_used_output_dir_is_refused_unless_it_resumes_or_overwrites(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    out = tmp_path / "out"
+    command = tiny_train_command(tmp_path, tiny_model_dir, monkeypatch, out) + ["--save_strategy", "steps"]
+    command += ["--save_steps", "1"]
+    assert main(command) == 0
+    manifests = {name: (out / name / MANIFEST_FILE).read_bytes() for name in ("checkpoint-1", "checkpoint-2")}
+    before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    with pytest.raises(ValueError) as refused:
+        main(command)
+    message = str(refused.value)
+    assert f"--output_dir {out} already holds an earlier run's outputs (checkpoint-1, checkpoint-2, " in message
+    assert "--resume_from_checkpoint true" in message and "--overwrite_output_dir true" in message, message
+    assert before == {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    # The remedies the message names work. Resumed from checkpoint-2 (left as it was) to step 3:
+    assert main(command + ["--max_steps", "3", "--resume_from_checkpoint", "true"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["summary"]["steps"] == 3
+    assert all((out / name / MANIFEST_FILE).read_bytes() == manifest for name, manifest in manifests.items())
+    assert json.loads((out / "checkpoint-3" / MANIFEST_FILE).read_text())["sequence"] == 3
+    # Overwritten: the earlier checkpoints deleted (checkpoint-3 too), a new run of 2 steps saved in their place.
+    assert main(command + ["--overwrite_output_dir", "true"]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert json.loads((out / "checkpoint-2" / MANIFEST_FILE).read_text())["sequence"] == 2
+    assert json.loads((out / "metrics.json").read_text())["summary"]["steps"] == 2
 
 
 def test_unknown_command_fails():
