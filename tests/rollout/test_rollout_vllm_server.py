@@ -689,9 +689,9 @@ KILLED_RUN = """
 import sys
 from helpers import count_digits, small_config, text_dataset
 from gspo_trl import GSPOTrainer
-model, url, sync_dir, out = sys.argv[1:5]
+model, url, sync_dir, out, transport = sys.argv[1:6]
 args = small_config(
-    out, use_vllm=True, vllm_server_base_url=url, vllm_weight_sync_dir=sync_dir, vllm_weight_transport="http",
+    out, use_vllm=True, vllm_server_base_url=url, vllm_weight_sync_dir=sync_dir, vllm_weight_transport=transport,
     max_steps=10000,
 )
 trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=text_dataset())
@@ -700,9 +700,13 @@ trainer.train()
 """
 
 
+@pytest.mark.parametrize("transport", ["http", "engine"])
 @pytest.mark.slow  # the real vLLM server, two training processes
-def test_a_killed_runs_snapshot_is_removed_by_the_next_and_sigterm_removes_its_own(tmp_path, server, served_model_dir):
-    sync_dir = tmp_path / "sync"  # the trainers' snapshot folders (the server cannot read it: weights go over HTTP)
+def test_a_killed_runs_snapshot_is_removed_by_the_next_and_sigterm_removes_its_own(
+    tmp_path, server, served_model_dir, transport
+):
+    """The next run trains on the server a killed run left (wherever the kill landed: the engine's sync included)."""
+    sync_dir = tmp_path / "sync"  # the trainers' snapshot folders (the server cannot read it: weights do not go there)
     tests_dir = str(Path(__file__).parents[1])
     env = {**worker_env(), TOKEN_ENV: server["token"]}
     env["PYTHONPATH"] = os.pathsep.join([tests_dir, str(Path(tests_dir).parent), env.get("PYTHONPATH", "")])
@@ -711,7 +715,8 @@ def test_a_killed_runs_snapshot_is_removed_by_the_next_and_sigterm_removes_its_o
 
     def start(name):
         process = subprocess.Popen(
-            [sys.executable, "-c", KILLED_RUN, served_model_dir, server["url"], str(sync_dir), str(tmp_path / name)],
+            [sys.executable, "-c", KILLED_RUN, served_model_dir, server["url"], str(sync_dir), str(tmp_path / name)]
+            + [transport],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
