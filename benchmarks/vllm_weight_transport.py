@@ -75,9 +75,7 @@ def _drop_received(port: int, plan: dict, repeats: int) -> None:
     group = collective.join_group(store, 1, 2, "127.0.0.1", timeout=120)
     dtypes = [getattr(torch, name) for name in plan["dtype_names"]]
     for _ in range(repeats):
-        collective.receive_packed(
-            group, plan["names"], dtypes, plan["shapes"], plan["buffer_bytes"], lambda items: None
-        )
+        collective.receive_packed(group, plan["names"], dtypes, plan["shapes"], plan["lengths"], lambda items: None)
 
 
 def wire_seconds(model: torch.nn.Module, repeats: int) -> list[float]:
@@ -89,11 +87,14 @@ def wire_seconds(model: torch.nn.Module, repeats: int) -> list[float]:
     from gspo_trl.vllm.weight_sync import named_weights
 
     weights = list(named_weights(model, to_cpu=False))
+    names = [name for name, _ in weights]
     plan = {
-        "names": [name for name, _ in weights],
+        "names": names,
         "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
         "shapes": [list(t.shape) for _, t in weights],
-        "buffer_bytes": engine_transport.BUFFER_BYTES,
+        "lengths": collective.buffer_lengths(
+            names, [t.numel() * t.element_size() for _, t in weights], engine_transport.BUFFER_BYTES
+        ),
     }
     store = collective.open_master_store("127.0.0.1", 0, 2, timeout=120)
     peer = multiprocessing.get_context("spawn").Process(target=_drop_received, args=(store.port, plan, repeats + 1))
@@ -102,7 +103,7 @@ def wire_seconds(model: torch.nn.Module, repeats: int) -> list[float]:
     seconds = []
     for repeat in range(repeats + 1):
         started = time.perf_counter()
-        collective.send_packed(group, ((n, t) for n, t in named_weights(model, to_cpu=False)), plan["buffer_bytes"])
+        collective.send_packed(group, list(named_weights(model, to_cpu=False)), plan["lengths"])
         if repeat:  # the first is a warm-up
             seconds.append(time.perf_counter() - started)
     peer.join(timeout=120)

@@ -197,9 +197,11 @@ class VLLMServerBackend(RolloutBackend):
                 self.client.load_lora_adapter(ADAPTER_NAME, self.transport.send_adapter(model))
             if is_main:
                 self.client.reset_prefix_cache()
-        finally:
-            if is_main:
-                self.client.resume()
+        except BaseException:
+            self.synced_step = None  # a sync that failed half-way leaves the server paused (it holds some old weights)
+            raise
+        if is_main:
+            self.client.resume()
         self.accelerator.wait_for_everyone()  # nobody samples before the server has the new weights
         if self.sends_adapter:
             self.client.model_name = ADAPTER_NAME  # requests now sample from the base model plus the adapter

@@ -324,6 +324,10 @@ class VLLMServerClient:
     def finish_weight_update(self) -> None:
         self._post_once("/finish_weight_update", {})
 
+    def abandon_weight_update(self) -> list:
+        """Every worker undoes a weight update left unfinished (gspo-trl's worker extension): one dict per worker."""
+        return self._rpc("gspo_abandon_weight_update")
+
     # --- sampling ------------------------------------------------------------------------------
 
     def complete(self, prompt_ids: list[list[int]], n: int, sampling: dict[str, Any]) -> list[list[dict]]:

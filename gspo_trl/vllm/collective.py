@@ -2,8 +2,8 @@
 
 Owns what both sides run alike and what needs only torch: joining a gloo group outside torch's default one (the
 trainer as rank 0, the server's workers after it), and broadcasting a stream of named tensors packed into uint8
-buffers, cut where the sender and the receivers agree (a buffer closes once it holds more than `buffer_bytes`, as
-vLLM's NCCL engine cuts them), two buffers in flight so that packing or loading one overlaps sending the other.
+buffers cut between layers (the sender names the cuts), two buffers in flight so that packing or loading one overlaps
+sending the other.
 What it does not own: the HTTP handshake (`engine_transport`), loading what arrives into vLLM's model
 (`gloo_engine`).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import math
 import socket
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -66,18 +66,30 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def packed_sizes(shapes: Iterable[Iterable[int]], dtypes: Iterable[torch.dtype], buffer_bytes: int) -> list[list[int]]:
-    """Byte sizes of the tensors in each buffer: a buffer closes once it holds more than `buffer_bytes`."""
-    buffers: list[list[int]] = [[]]
-    total = 0
-    for shape, dtype in zip(shapes, dtypes):
-        size = math.prod(shape) * dtype.itemsize
-        buffers[-1].append(size)
-        total += size
-        if total > buffer_bytes:
-            buffers.append([])
-            total = 0
-    return [sizes for sizes in buffers if sizes]
+def sync_group(name: str) -> str:
+    """The part of the model whose weights a partial in-place reload must receive together: a numbered block (a decoder
+    layer: vLLM fuses q/k/v, gate/up and a MoE layer's experts into one weight) or else the parameter's own module."""
+    parts = name.split(".")
+    for index, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return ".".join(parts[:-1])
+
+
+def buffer_lengths(names: list[str], sizes: list[int], buffer_bytes: int) -> list[int]:
+    """How many of the tensors named `names` (of `sizes` bytes, in order) each packed buffer holds: a buffer closes at
+    the end of a `sync_group` once it holds more than `buffer_bytes`. A group never straddles two buffers, so the
+    receiver's load of a buffer finishes every layer in it, and the buffer can be reused for the next one (vLLM's
+    layer-wise reload keeps the tensors of an unfinished layer, views into the buffer, until the layer is complete)."""
+    lengths: list[int] = []
+    count = held = 0
+    for index, (name, size) in enumerate(zip(names, sizes)):
+        count, held = count + 1, held + size
+        group_ends = index + 1 == len(names) or sync_group(names[index + 1]) != sync_group(name)
+        if group_ends and (held > buffer_bytes or index + 1 == len(names)):
+            lengths.append(count)
+            count = held = 0
+    return lengths
 
 
 class _Slots:
@@ -103,31 +115,22 @@ class _Slots:
                 self.work[index] = None
 
 
-def send_packed(group, weights: Iterator[tuple[str, torch.Tensor]], buffer_bytes: int) -> int:
-    """Broadcast `weights` from rank 0, packed into buffers as `packed_sizes` cuts them (the next one packed while
-    the last is on the wire); returns the bytes sent."""
+def send_packed(group, weights: list[tuple[str, torch.Tensor]], lengths: list[int]) -> int:
+    """Broadcast `weights` from rank 0, packed into one buffer per entry of `lengths` (as many tensors each; see
+    `buffer_lengths`), the next one packed while the last is on the wire; returns the bytes sent."""
     slots = _Slots()
-    pieces: list[torch.Tensor] = []
-    held = sent = index = 0
-
-    def flush():
-        nonlocal pieces, held, sent, index
-        buffer = slots.take(index, held)
-        torch.cat(pieces, out=buffer)
-        slots.work[index] = _broadcast(group, buffer)
-        sent, pieces, held, index = sent + held, [], 0, 1 - index
-
+    start = sent = 0
     try:
-        for _, tensor in weights:
-            piece = _as_bytes(tensor)
-            pieces.append(piece)
-            held += piece.numel()
-            if held > buffer_bytes:
-                flush()
-        if pieces:
-            flush()
+        for number, count in enumerate(lengths):
+            pieces = [_as_bytes(tensor) for _, tensor in weights[start : start + count]]
+            buffer = slots.take(number % 2, sum(piece.numel() for piece in pieces))
+            torch.cat(pieces, out=buffer)
+            slots.work[number % 2] = _broadcast(group, buffer)
+            start, sent = start + count, sent + buffer.numel()
     finally:
         slots.drain()
+    if start != len(weights):
+        raise ValueError(f"the buffers' lengths {lengths} cover {start} tensors, not the {len(weights)} sent")
     return sent
 
 
@@ -136,38 +139,38 @@ def receive_packed(
     names: list[str],
     dtypes: list[torch.dtype],
     shapes: list[list[int]],
-    buffer_bytes: int,
+    lengths: list[int],
     load: Callable[[list[tuple[str, torch.Tensor]]], object],
 ) -> int:
-    """Receive what `send_packed` broadcasts for tensors described by `names`/`dtypes`/`shapes`, handing each
-    buffer's tensors (views into it, valid during the call) to `load` while the next buffer arrives; returns the
-    bytes received."""
-    plan = packed_sizes(shapes, dtypes, buffer_bytes)
+    """Receive what `send_packed` broadcasts for tensors described by `names`/`dtypes`/`shapes`, cut into buffers of
+    `lengths` tensors, handing each buffer's tensors (views into it, valid during the call) to `load` while the next
+    buffer arrives; returns the bytes received."""
+    if sum(lengths) != len(names) or any(count <= 0 for count in lengths):
+        raise ValueError(f"buffer lengths {lengths} do not cut {len(names)} tensors into non-empty buffers")
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
+    starts = [sum(lengths[:number]) for number in range(len(lengths))]
+    plan = [sizes[start : start + count] for start, count in zip(starts, lengths)]
     slots = _Slots()
     buffers = []
-    for index, sizes in enumerate(plan[:2]):  # the first two on the wire at once
-        buffers.append(slots.take(index % 2, sum(sizes)))
+    for index, buffer_sizes in enumerate(plan[:2]):  # the first two on the wire at once
+        buffers.append(slots.take(index % 2, sum(buffer_sizes)))
         slots.work[index % 2] = _broadcast(group, buffers[-1])
-    start = received = 0
+    received = 0
     try:
-        for number, sizes in enumerate(plan):
+        for number, (start, buffer_sizes) in enumerate(zip(starts, plan)):
             index = number % 2
             slots.work[index].wait()
             slots.work[index] = None
             buffer = buffers[number]
-            count = len(sizes)
+            end = start + len(buffer_sizes)
             load(
                 [
                     (name, view.view(dtype).view(shape))
                     for name, dtype, shape, view in zip(
-                        names[start : start + count],
-                        dtypes[start : start + count],
-                        shapes[start : start + count],
-                        buffer.split(sizes),
+                        names[start:end], dtypes[start:end], shapes[start:end], buffer.split(buffer_sizes)
                     )
                 ]
             )
-            start += count
             received += buffer.numel()
             if number + 2 < len(plan):  # this slot is free again: the buffer after next goes into it
                 buffers.append(slots.take(index, sum(plan[number + 2])))

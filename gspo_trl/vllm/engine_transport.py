@@ -7,6 +7,9 @@ rendezvous and packed broadcast are then vLLM's own) and gloo (`gspo-trl vllm-se
 device, torch alone on the trainer's side). The HTTP control plane is the same for both: `/init_weight_transfer_engine`
 while the trainer opens its end of the group, then per sync `/start_weight_update`, one `/update_weights` per chunk
 of whole layers (announcing its tensors while the trainer broadcasts them) and `/finish_weight_update`.
+Where the server has gspo-trl's worker extension, a trainer first undoes an update a trainer before it left unfinished
+(killed during a sync), and a sync that fails half-way is undone on the server before the error is raised: the server
+never keeps layers waiting for weights, and the next sync starts clean.
 What it does not own: the tensors (`weight_sync`), the wire format of the requests (`client`), when to sync.
 """
 
@@ -17,10 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import torch
+from transformers.utils import logging
 
 from . import collective
 from .client import VLLMServerClient, VLLMServerError
 from .weight_sync import named_weights, weight_chunks
+
+logger = logging.get_logger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 BUFFER_BYTES = 64 * 1024**2  # one packed broadcast; the receiving side holds two
@@ -88,6 +94,13 @@ class EngineTransport:
 
     def connect(self) -> None:
         """Join the server's workers in one group (the writer only, once): the trainer rank 0, the workers after."""
+        undone = self._abandon_unfinished_update()
+        if undone:
+            logger.warning(
+                f"The vLLM server at {self.client.base_url} was in the middle of a weight update that another trainer "
+                f"started and never finished (it stopped during a sync): undone ({undone}); this trainer's first sync "
+                "sends every weight."
+            )
         world_size = self.client.world_size() + 1
         init_info = {
             "master_address": self.address,
@@ -140,25 +153,63 @@ class EngineTransport:
             self.connect()
         device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         weights = ((name, tensor.to(device)) for name, tensor in weights)
+        try:
+            return self._send(weights)
+        except BaseException as error:
+            self.group = None  # whatever state the broadcast left it in, the next sync joins afresh
+            undone = self._abandon_unfinished_update()
+            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: as they are
+                raise
+            undo = (
+                "The server put back the weights it served before in every layer this sync had not finished"
+                if undone is not None
+                else "The server has no gspo-trl worker extension to undo it (restart the server)"
+            )
+            raise VLLMServerError(
+                f"The weight sync to the vLLM server at {self.client.base_url} failed half-way: {error}. {undo}: it "
+                "holds some of this step's weights and some older ones, and stays paused until a sync completes (the "
+                "next one sends every weight again)."
+            ) from error
+
+    def _send(self, weights) -> int:
         total = 0
         self.client.start_weight_update()
         for chunk in weight_chunks(weights, CHUNK_BYTES):
+            names = [name for name, _ in chunk]
+            sizes = [tensor.numel() * tensor.element_size() for _, tensor in chunk]
+            lengths = collective.buffer_lengths(names, sizes, BUFFER_BYTES)
             update_info = {
-                "names": [name for name, _ in chunk],
+                "names": names,
                 "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in chunk],
                 "shapes": [list(tensor.shape) for _, tensor in chunk],
             }
+            if self.backend == "gloo":
+                update_info["buffer_lengths"] = lengths
             # The workers receive inside the request: it runs while this process broadcasts.
             with ThreadPoolExecutor(max_workers=1) as pool:
                 answer = pool.submit(self.client.update_weights, update_info)
-                total += self._broadcast(chunk)
+                total += self._broadcast(chunk, lengths)
                 answer.result()
         self.client.finish_weight_update()
         return total
 
-    def _broadcast(self, chunk: list[tuple[str, torch.Tensor]]) -> int:
+    def _abandon_unfinished_update(self) -> str | None:
+        """Have the server undo a weight update left unfinished (best effort: the server may be what failed). Returns
+        what was undone ("" if nothing), None where the server has no gspo-trl extension or did not answer."""
+        if self.files is None:  # the worker extension's methods come with the file transports
+            return None
+        try:
+            results = self.client.abandon_weight_update()
+        except VLLMServerError as error:
+            logger.warning(f"Could not undo an unfinished weight update on {self.client.base_url}: {error}")
+            return None
+        layers = sum(int(result.get("layers_restored", 0)) for result in results if isinstance(result, dict))
+        active = any(isinstance(result, dict) and result.get("was_active") for result in results)
+        return f"{layers} layers put back" if layers or active else ""
+
+    def _broadcast(self, chunk: list[tuple[str, torch.Tensor]], lengths: list[int]) -> int:
         if self.backend == "gloo":
-            return collective.send_packed(self.group, iter(chunk), BUFFER_BYTES)
+            return collective.send_packed(self.group, chunk, lengths)
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         packed_nccl_broadcast_producer(

@@ -2,9 +2,12 @@
 
 Loaded into each worker of a server started with `--weight-transfer-config '{"backend": "gloo"}'` (the worker
 extension registers it; `gspo-trl vllm-serve` passes both). The trainer joins the workers' group as rank 0
-(`init_weight_transfer_engine`), then each sync announces its tensors (`update_weights`: names, dtypes, shapes) while
-it broadcasts them packed into buffers; the worker loads each buffer through vLLM's layer-wise reload, as the NCCL
-engine does, and re-packs the tied LM head at the end. It imports only torch, vLLM and the torch-only `collective`.
+(`init_weight_transfer_engine`), then each sync announces its tensors (`update_weights`: names, dtypes, shapes, and
+how many go in each buffer) while it broadcasts them packed into buffers; the worker loads each buffer through vLLM's
+layer-wise reload, as the NCCL engine does, and re-packs the tied LM head at the end. An update a trainer leaves
+unfinished (it died or failed in the middle) is undone, when the receive fails or at the next start, so that the
+model never serves from layers still waiting for weights and the next trainer's update starts clean. It imports only
+torch, vLLM, the torch-only `collective` and the worker extension's re-packing.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from . import collective
-from .worker_extension import repack_lm_head
+from .worker_extension import abandon_layerwise_reload, repack_lm_head
 
 
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    """Where the trainer's group is and how its buffers are cut (the NCCL engine's fields, same names)."""
+    """Where the trainer's group is (the NCCL engine's fields, same names; the buffers' cuts come with each update)."""
 
     master_address: str
     master_port: int
@@ -34,17 +37,23 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """The tensors one `update_weights` call receives, in the order they are broadcast."""
+    """The tensors one `update_weights` call receives, in the order they are broadcast, and how many of them each
+    packed buffer holds (`collective.buffer_lengths`: cut between layers)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    buffer_lengths: list[int]
 
     def __post_init__(self):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(
                 f"names, dtype_names and shapes must have one entry per tensor, got {len(self.names)}, "
                 f"{len(self.dtype_names)} and {len(self.shapes)}"
+            )
+        if sum(self.buffer_lengths) != len(self.names) or any(count <= 0 for count in self.buffer_lengths):
+            raise ValueError(
+                f"buffer_lengths {self.buffer_lengths} must cut the {len(self.names)} tensors into non-empty buffers"
             )
         for name in self.dtype_names:
             if not isinstance(getattr(torch, name, None), torch.dtype):
@@ -60,7 +69,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.store = None
-        self.buffer_bytes = collective.DEFAULT_BUFFER_BYTES
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         if not init_info.packed:
@@ -75,20 +83,33 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = collective.join_group(
             self.store, rank, init_info.world_size, address, init_info.timeout_s, op_timeout=600.0
         )
-        self.buffer_bytes = init_info.packed_buffer_size_bytes
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        abandon_layerwise_reload(self.model)  # what an update left unfinished would otherwise mix into this one
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("The gloo weight transfer has no trainer: POST /init_weight_transfer_engine first.")
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
-        collective.receive_packed(
-            self.group, update_info.names, dtypes, update_info.shapes, self.buffer_bytes, self.model.load_weights
-        )
+        try:
+            collective.receive_packed(
+                self.group,
+                update_info.names,
+                dtypes,
+                update_info.shapes,
+                update_info.buffer_lengths,
+                self.model.load_weights,
+            )
+        except BaseException:
+            # The trainer died or the load failed: vLLM ends the update here (the next call must start a new one),
+            # so the layers still waiting for weights get back those they served with, and the group is dropped
+            # (closing its connections, which ends a trainer's broadcast still waiting on this worker).
+            abandon_layerwise_reload(self.model)
+            self.shutdown()
+            raise
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -18,6 +18,7 @@ import torch
 
 from ..models.distributed import unwrap_model
 from ..models.quantization import dequantized
+from .collective import sync_group
 
 SHARD_BYTES = 2 * 1024**3
 
@@ -180,16 +181,6 @@ def write_snapshot(
     if is_writer:
         flush()
     return total
-
-
-def sync_group(name: str) -> str:
-    """The part of the model whose weights a partial in-place reload must receive together: a numbered block (a decoder
-    layer: vLLM fuses q/k/v, gate/up and a MoE layer's experts into one weight) or else the parameter's own module."""
-    parts = name.split(".")
-    for index, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: index + 1])
-    return ".".join(parts[:-1])
 
 
 def weight_chunks(

@@ -57,6 +57,35 @@ def repack_lm_head(model) -> None:
         quant_method.process_weights_after_loading(lm_head)
 
 
+def abandon_layerwise_reload(model) -> int:
+    """Undo what an unfinished layer-wise reload (vLLM's weight-transfer update, `/start_weight_update` without its
+    `/finish_weight_update`: a trainer that died or failed during a sync) left behind: every layer still waiting for
+    weights sits on the meta device, and would crash the next forward or mix the next update's weights with stale
+    buffered ones. Each gets back the tensors it served with (layers the update had finished keep their new weights),
+    the reload's bookkeeping is cleared and the LM head re-packed. Returns how many layers were put back."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        LOADING_LAYERS,
+        _place_kernel_tensors,  # vLLM has no public abort; its sharded engine restores layers with it too
+    )
+
+    restored = 0
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():  # never reloaded, or finished
+            continue
+        if info.kernel_tensors is not None:
+            _place_kernel_tensors(layer, info)
+            restored += 1
+        info.reset()
+    LOADING_LAYERS.clear()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    if restored:
+        repack_lm_head(model)  # the embedding may be one of the layers the update finished
+    return restored
+
+
 class WeightSyncExtension:
     """Methods a vLLM worker gains: reload the weights a trainer wrote or sent, and describe the served model."""
 
@@ -106,6 +135,18 @@ class WeightSyncExtension:
         """After the last chunk: re-pack what the reloads left stale."""
         repack_tied_head(self)
         return {"finished": True}
+
+    def gspo_abandon_weight_update(self) -> dict:
+        """End a weight-transfer update a trainer started and never finished (it was killed, or failed half-way):
+        the layers left waiting for weights get back the ones they served with, and the worker takes a new
+        `/start_weight_update` again (vLLM refuses one while it thinks an update is active). A no-op otherwise."""
+        active = bool(getattr(self, "_weight_update_active", False))
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None:
+            engine.reset_weight_update_target()
+            engine.shutdown()  # the group of a trainer that failed or died: it joins afresh
+        self._weight_update_active = False
+        return {"was_active": active, "layers_restored": abandon_layerwise_reload(self.model_runner.get_model())}
 
     def gspo_receive_file(self, directory: str, name: str, data: str, offset: str, last: str) -> dict:
         """Write one piece (base64, at byte `offset`) of a file the trainer sends into upload folder `directory` of

@@ -49,11 +49,17 @@ class EngineServer:
         def load(items):
             self.received.update((name, tensor.clone()) for name, tensor in items)
 
-        buffer_bytes = self.init_info["packed_buffer_size_bytes"]
-        collective.receive_packed(self.group, update_info["names"], dtypes, update_info["shapes"], buffer_bytes, load)
+        lengths = update_info["buffer_lengths"]
+        collective.receive_packed(self.group, update_info["names"], dtypes, update_info["shapes"], lengths, load)
 
     def finish_weight_update(self):
         self.calls.append("finish")
+
+    def abandon_weight_update(self):
+        self.calls.append("abandon")
+        return [self.left_unfinished]
+
+    left_unfinished = {"was_active": False, "layers_restored": 0}
 
 
 def test_the_trainer_joins_once_then_each_sync_announces_and_broadcasts_every_weight(tiny_model):
@@ -121,7 +127,9 @@ def test_the_transport_asked_for_or_found(tmp_path, wanted, backend, readable, e
     transport = choose_transport(args, server, str(tmp_path), server.server_config())
     assert transport.name == expected
     if expected == "engine":
-        assert server.calls == ["init"]  # joined at once, so a server that cannot reach the trainer is found early
+        # joined at once, so a server that cannot reach the trainer is found early; first, whatever update a trainer
+        # before this one left unfinished is undone (gspo-trl's extension)
+        assert server.calls == ["abandon", "init"]
         assert isinstance(transport.files, SharedDirTransport if readable else HTTPTransport)  # for an adapter
 
 
@@ -151,7 +159,40 @@ def test_a_server_that_cannot_join_falls_back_under_auto_and_is_refused_under_en
     args = small_config(tmp_path, vllm_weight_transport="auto")
     server = UnreachableServer()
     transport = choose_transport(args, server, str(tmp_path), server.server_config())
-    assert transport.name == "shared_dir" and server.calls == ["init"]
+    assert transport.name == "shared_dir" and server.calls == ["abandon", "init"]
     args = small_config(tmp_path, vllm_weight_transport="engine")
     with pytest.raises(ValueError, match="did not join the weight-transfer group.*connection to the trainer timed out"):
         choose_transport(args, server, str(tmp_path), server.server_config())
+
+
+def test_a_sync_failing_half_way_is_undone_on_the_server_and_the_next_one_joins_afresh(tiny_model, monkeypatch):
+    server = EngineServer()
+    transport = EngineTransport(server, "gloo", files=SharedDirTransport(server, None))
+    real_chunks = engine_transport.weight_chunks
+
+    def failing_chunks(weights, max_bytes):  # the first chunk goes out, then the trainer fails (a gather, say)
+        chunks = real_chunks(weights, max_bytes)
+        yield next(chunks)
+        raise RuntimeError("gather failed")
+
+    monkeypatch.setattr(engine_transport, "CHUNK_BYTES", 20_000)  # several chunks
+    monkeypatch.setattr(engine_transport, "weight_chunks", failing_chunks)
+    expected = "failed half-way: gather failed.*put back.*stays paused"
+    with pytest.raises(engine_transport.VLLMServerError, match=expected):
+        transport.send_weights(tiny_model, True, None, True)
+    assert server.calls == ["abandon", "init", "start", "update", "abandon"] and transport.group is None
+    monkeypatch.setattr(engine_transport, "weight_chunks", real_chunks)
+    server.calls, server.received = [], {}
+    transport.send_weights(tiny_model, True, None, True)
+    assert server.calls[:3] == ["abandon", "init", "start"] and server.calls[-1] == "finish"
+    for name, tensor in named_weights(tiny_model):
+        assert torch.equal(server.received[name], tensor), name
+
+
+def test_a_trainer_warns_when_it_finds_an_update_another_left_unfinished(tiny_model, caplog):
+    server = EngineServer()
+    server.left_unfinished = {"was_active": True, "layers_restored": 12}
+    transport = EngineTransport(server, "gloo", files=SharedDirTransport(server, None))
+    with caplog.at_level("WARNING"):
+        transport.connect()
+    assert "never finished" in caplog.text and "12 layers put back" in caplog.text
