@@ -8,8 +8,8 @@ kills its engine on seeded requests, see `vllm_server.generate`, and `layout_ind
 vLLM), so each server samples from its own random state and a prompt's samples have the same distribution wherever
 it goes. A seed in `generation_kwargs` travels with every request to every server alike: vLLM then draws a prompt's
 samples from that seed alone (seed + the sample's index), so which server drew them does not change them either.
-Servers started with the same `--seed` draw the same random numbers for requests of the same shape, which ties the
-samples of different prompts together: `check_servers_alike` warns about it.
+Servers started with the same `--seed` start from the same random state and can draw the same random numbers for
+requests of the same shapes, which would tie the samples of different prompts together: `check_servers_alike` warns.
 What it does not own: one server's requests and weight sync (`vllm_server`), the wire format (`vllm.client`), the
 transports (`vllm.transport`).
 """
@@ -160,7 +160,7 @@ def check_servers_alike(links: Sequence[ServerLink]) -> None:
     if shared:
         seed, urls = next(iter(shared.items()))
         logger.warning(
-            f"The vLLM servers at {', '.join(urls)} were started with the same seed ({seed}): they draw the same "
-            "random numbers for requests of the same shape, which ties the samples of different prompts together. "
-            "Start each server with its own --seed."
+            f"The vLLM servers at {', '.join(urls)} were started with the same seed ({seed}): they can draw the same "
+            "random numbers for requests of the same shapes, which would tie the samples of different prompts "
+            "together. Start each server with its own --seed."
         )
