@@ -188,8 +188,8 @@ def trl_server(served_model_dir, tmp_path_factory):
 
 
 def vllm_config(tmp_path, server, **overrides):
-    overrides = {"vllm_server_token": server["token"], **overrides}
-    return small_config(tmp_path, use_vllm=True, vllm_server_base_url=server["url"], **overrides)
+    overrides = {"vllm_server_token": server["token"], "vllm_server_base_url": server["url"], **overrides}
+    return small_config(tmp_path, use_vllm=True, **overrides)
 
 
 def trainer_logprobs(trainer, ids):
