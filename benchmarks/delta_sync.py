@@ -121,8 +121,8 @@ def run(learning_rate: float, max_steps: int, output_dir: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runs = [run(float(lr), args.max_steps, args.output_dir) for lr in args.learning_rates.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
+    runs = [run(float(lr), args.max_steps, args.output_dir) for lr in args.learning_rates.split(",")]
     result = {
         "command": "python benchmarks/delta_sync.py "
         f"--learning_rates {args.learning_rates} --max_steps {args.max_steps}",

@@ -1,9 +1,9 @@
 """Run under `torchrun --nproc_per_node 2` by test_rollout_vllm_server.py: a short GSPO run sampling on a real vLLM
 server, under `ddp` or `zero3` (every parameter partitioned, so the weight sync gathers module by module on both ranks),
 `+http` / `+shared_dir` sending the weights over HTTP / through a snapshot, else through the server's
-weight-transfer engine.
+weight-transfer engine; `url` may name several servers, comma-separated.
 After training, one more sync; then every rank scores a fixed text through the trained (wrapped) model and rank 0
-asks the server for the same log-probs. Each rank writes <out>.rank<R>.json."""
+asks every server for the same log-probs. Each rank writes <out>.rank<R>.json."""
 
 from __future__ import annotations
 
@@ -63,9 +63,10 @@ def main(model_dir: str, mode: str, url: str, out: str) -> None:
             if "loss" in e
         ],
     }
-    if rank == 0:
-        server = torch.tensor(backend.client.prompt_logprobs(FIXED_TEXT))
-        record["max_error"] = (server - ours).abs().max().item()
+    if rank == 0:  # every server's error (`url` may name several, comma-separated)
+        served = [torch.tensor(link.client.prompt_logprobs(FIXED_TEXT)) for link in backend.servers]
+        record["max_error"] = max((server - ours).abs().max().item() for server in served)
+        record["servers"] = len(served)
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as handle:
         json.dump(record, handle)
 

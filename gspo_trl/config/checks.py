@@ -19,7 +19,7 @@ from ..objective.loss import Objective
 from ..objective.sampling_correction import CORRECTION_MODES
 from ..rollout.decoding.cpu import SETTINGS as CPU_DECODING_KERNELS
 from ..scoring.advantages import AGGREGATION_OPTIONS, SCALE_REWARDS_OPTIONS
-from ..vllm.address import base_url, check_base_url
+from ..vllm.address import base_url, check_base_urls
 from ..vllm.auth import resolve_token
 from .generation_kwargs import check_generation_kwargs
 
@@ -381,10 +381,16 @@ def check_vllm(config) -> None:
 
 
 def check_vllm_server(config) -> None:
-    """The server's address (a URL, else host and port) and token, read as the client will use them, so that a
-    malformed one fails here rather than after vllm_server_timeout seconds of waiting for an answer."""
+    """The servers' addresses (one URL or several, else host and port) and token, read as the clients will use them,
+    so that a malformed one fails here rather than after vllm_server_timeout seconds of waiting for an answer."""
     if config.vllm_server_base_url is not None:
-        check_base_url(config.vllm_server_base_url)
+        servers = len(check_base_urls(config.vllm_server_base_url))
+        last_port = config.vllm_group_port + servers - 1
+        if config.vllm_group_port and servers > 1 and last_port > 65535:
+            raise ValueError(
+                f"vllm_group_port={config.vllm_group_port} with {servers} servers: the i-th server's workers join at "
+                f"vllm_group_port + i, up to {last_port}, past 65535. Choose a lower port, or 0 for free ones."
+            )
     else:
         base_url(config.vllm_server_host, config.vllm_server_port)
     resolve_token(config.vllm_server_token)  # the field, else $GSPO_TRL_VLLM_TOKEN: a header must carry it

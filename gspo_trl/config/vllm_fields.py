@@ -29,13 +29,20 @@ class VLLMFields:
             "'colocate' (TRL's default): a vLLM engine in each training process. See docs/vllm.md#colocated-vllm."
         },
     )
-    vllm_server_base_url: str | None = field(
+    vllm_server_base_url: list[str] | str | None = field(
         default=None,
-        metadata={"help": "Base URL of the vLLM server (e.g. 'http://127.0.0.1:8000'); overrides host and port."},
+        metadata={
+            "help": "Base URL of the vLLM server (e.g. 'http://127.0.0.1:8000'), overriding host and port; or several "
+            "servers, as a list or comma-separated, which share every rollout and each get every sync. See "
+            "docs/vllm.md#several-servers."
+        },
     )
     vllm_server_host: str = field(
         default="127.0.0.1",
-        metadata={"help": "Host of the vLLM server when vllm_server_base_url is unset (TRL's default is 0.0.0.0)."},
+        metadata={
+            "help": "Host of the vLLM server when vllm_server_base_url is unset (TRL's default is 0.0.0.0); one "
+            "server only, several go in vllm_server_base_url."
+        },
     )
     vllm_server_port: int = field(default=8000, metadata={"help": "Port of the vLLM server."})
     vllm_server_timeout: float = field(
@@ -95,7 +102,8 @@ class VLLMFields:
         default=0,
         metadata={
             "help": "The port this trainer opens for the server's workers to join its weight-transfer group (the "
-            "'engine' transport; TRL's NCCL port, 51216 there); 0: any free port."
+            "'engine' transport; TRL's NCCL port, 51216 there; with several servers, the next ports for the next "
+            "servers); 0: any free port."
         },
     )
     vllm_gpu_memory_utilization: float = field(

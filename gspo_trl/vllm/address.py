@@ -1,4 +1,5 @@
-"""Where a vLLM server is: its base URL checked (or built from host and port), and whether an address is loopback.
+"""Where the vLLM servers are: each base URL checked (or one built from host and port), a list of servers read from a
+list or a comma-separated string, and whether an address is loopback.
 
 Pure standard library, so the config's checks, `gspo-trl vllm-serve` and the client share one reading of an
 address. What it does not own: talking to the server (`client`), the token (`auth`).
@@ -62,8 +63,47 @@ def check_base_url(url, field: str = "vllm_server_base_url") -> str:
     return f"{parts.scheme.lower()}://{parts.netloc}"
 
 
+def check_base_urls(value, field: str = "vllm_server_base_url") -> list[str]:
+    """The servers' URLs as the clients use them: `value` is one URL, several separated by commas, or a list of URLs.
+    A ValueError (or TypeError) names `field`, the entry at fault (`field[i]`) and what to write instead; the same
+    server named twice is refused (it would get two shares of every rollout and every sync twice)."""
+    if isinstance(value, str) and "," in value:
+        entries = [entry.strip() for entry in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        entries = list(value)
+    else:
+        return [check_base_url(value, field)]  # one URL: checked and named exactly as before
+    if not entries:
+        raise ValueError(f"{field} is an empty list: name at least one server, like [{EXAMPLE!r}].")
+    urls: list[str] = []
+    for index, entry in enumerate(entries):
+        if entry == "":
+            raise ValueError(
+                f"{field}={value!r} has an empty entry at position {index}: separate the URLs with single commas, "
+                f"like '{EXAMPLE},http://127.0.0.1:8001'."
+            )
+        url = check_base_url(entry, f"{field}[{index}]")
+        earlier = next((i for i, seen in enumerate(urls) if _server_key(seen) == _server_key(url)), None)
+        if earlier is not None:
+            raise ValueError(
+                f"{field} names the server {url} twice (entries {earlier} and {index}): list each server once."
+            )
+        urls.append(url)
+    return urls
+
+
+def _server_key(url: str) -> tuple:
+    parts = urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port
+
+
 def base_url(host: str, port: int, fields: tuple[str, str] = ("vllm_server_host", "vllm_server_port")) -> str:
     """The base URL of a server at `host`:`port` (checked, naming `fields`)."""
+    if isinstance(host, str) and "," in host:
+        raise ValueError(
+            f"{fields[0]}={host!r} names several hosts: {fields[0]} and {fields[1]} name one server; list several "
+            "servers' URLs in vllm_server_base_url instead, e.g. 'http://10.0.0.7:8000,http://10.0.0.8:8000'."
+        )
     if not isinstance(host, str) or not host.strip() or "/" in host or any(char.isspace() for char in host):
         raise ValueError(
             f"{fields[0]}={host!r} must be a host name or an IP address alone (no scheme, path or spaces), e.g. "

@@ -139,19 +139,26 @@ def server_sees(client: VLLMServerClient, directory: str) -> bool:
 
 
 def choose_transport(
-    args, client: VLLMServerClient, directory: str, server_config: dict | None = None, worker_extension: bool = True
+    args,
+    client: VLLMServerClient,
+    directory: str,
+    server_config: dict | None = None,
+    worker_extension: bool = True,
+    group_port: int | None = None,
 ):
     """The transport `args.vllm_weight_transport` asks for. 'auto': vLLM's weight-transfer engine where the server
     has one this trainer can drive (one broadcast, no copy through files or base64); else the shared directory if
     the server sees it (a probe file), else HTTP chunks. `server_config`: the server's vLLM config;
-    `worker_extension`: whether it has gspo-trl's worker extension (the shared directory and HTTP need it)."""
+    `worker_extension`: whether it has gspo-trl's worker extension (the shared directory and HTTP need it);
+    `group_port`: the engine group's port, else `args.vllm_group_port`."""
     wanted = args.vllm_weight_transport
     if wanted in ("engine", "auto"):
         backend = server_backend(server_config)
         reason = unusable_reason(backend, client.base_url)
         if reason is None:
             files = _file_transport(args, client, directory, "auto") if worker_extension else None
-            transport = EngineTransport(client, backend, files, args.vllm_group_port)
+            port = args.vllm_group_port if group_port is None else group_port
+            transport = EngineTransport(client, backend, files, port)
             try:
                 transport.connect()
                 if args.vllm_weight_sync_delta:

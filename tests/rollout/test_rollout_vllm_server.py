@@ -127,14 +127,13 @@ def launch(command, env, tmp_path_factory, token=None):
         pytest.fail(f"processes of the vLLM server were left running 30 s after it stopped:\n{left}")
 
 
-@pytest.fixture(scope="session")
-def server(served_model_dir, tmp_path_factory):
-    command = [
+def serve_command(model_dir: str, *extra: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "gspo_trl.demo.cli",
         "vllm-serve",
-        served_model_dir,
+        model_dir,
         "--port",
         str(free_port()),
         "--vllm-python",
@@ -147,10 +146,22 @@ def server(served_model_dir, tmp_path_factory):
         "--enable-lora",
         "--max-lora-rank",
         "8",
+        *extra,
     ]
+
+
+@pytest.fixture(scope="session")
+def server(served_model_dir, tmp_path_factory):
     token = f"test-token-{secrets.token_urlsafe(16)}"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", TOKEN_ENV: token}
-    yield from launch(command, env, tmp_path_factory, token)
+    yield from launch(serve_command(served_model_dir), env, tmp_path_factory, token)
+
+
+@pytest.fixture(scope="session")
+def second_server(server, served_model_dir, tmp_path_factory):
+    """A second server like the first (started after it, with the same token), but for its port and its seed."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", TOKEN_ENV: server["token"]}
+    yield from launch(serve_command(served_model_dir, "--seed", "1"), env, tmp_path_factory, server["token"])
 
 
 @pytest.fixture(scope="session")
@@ -178,8 +189,8 @@ def trl_server(served_model_dir, tmp_path_factory):
 
 
 def vllm_config(tmp_path, server, **overrides):
-    overrides = {"vllm_server_token": server["token"], **overrides}
-    return small_config(tmp_path, use_vllm=True, vllm_server_base_url=server["url"], **overrides)
+    overrides = {"vllm_server_token": server["token"], "vllm_server_base_url": server["url"], **overrides}
+    return small_config(tmp_path, use_vllm=True, **overrides)
 
 
 def trainer_logprobs(trainer, ids):
@@ -488,11 +499,16 @@ def test_a_rollout_func_samples_on_the_synced_server_and_its_logprobs_correct_th
     assert len(logged) == 4 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero3", "zero3+shared_dir", "zero3+http"])  # no "+": the engine
+@pytest.mark.parametrize(
+    "mode", ["ddp", "zero3", "zero3+shared_dir", "zero3+http", "zero3+http, two servers"]
+)  # no "+": the engine
 @pytest.mark.slow  # the real vLLM server
-def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode):
+def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, server, served_model_dir, mode, request):
+    """Two servers: ZeRO-3's gathers pair up across the processes as process 0 syncs one server after the other."""
     import json
 
+    urls = [server["url"]] + ([request.getfixturevalue("second_server")["url"]] if "two servers" in mode else [])
+    mode = mode.removesuffix(", two servers")
     out = tmp_path / mode
     worker = Path(__file__).parents[1] / "vllm_worker.py"
     completed = subprocess.run(
@@ -506,7 +522,7 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
             str(worker),
             served_model_dir,
             mode,
-            server["url"],
+            ",".join(urls),
             str(out),
         ],
         capture_output=True,
@@ -521,7 +537,7 @@ def test_two_processes_sample_on_the_server_and_sync_every_rollout(tmp_path, ser
     assert [r["transport"] for r in ranks] == [mode.split("+")[1] if "+" in mode else "engine"] * 2
     assert [r["syncs"] for r in ranks] == [3, 3]  # two rollouts, then the final sync
     assert ranks[0]["logs"] == ranks[1]["logs"] and len(ranks[0]["logs"]) == 4  # every rank logs the same numbers
-    assert ranks[0]["max_error"] < 1e-4  # the server holds the trained (gathered) weights
+    assert ranks[0]["max_error"] < 1e-4 and ranks[0]["servers"] == len(urls)  # each holds the trained weights
 
 
 class AskAgain:
@@ -933,3 +949,130 @@ def test_a_delta_sync_sends_less_and_leaves_the_server_with_the_trainers_weights
         torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
     # The first sync is whole; the next ones carry a bitmask (1/16 of the bf16 bytes) and the moved elements only.
     assert sent[1] < 0.8 * sent[0] and sent[2] < 0.8 * sent[0], sent
+
+
+# --- several servers ------------------------------------------------------------------------------------------------
+
+
+def two_servers_config(tmp_path, server, second_server, **overrides):
+    return vllm_config(tmp_path, server, vllm_server_base_url=[server["url"], second_server["url"]], **overrides)
+
+
+def record_requests(backend):
+    """Per server URL, (prompts, n) of every sampling request it got."""
+    seen = {link.url: [] for link in backend.servers}
+    for link in backend.servers:
+        complete, url = link.client.complete, link.url
+        link.client.complete = lambda ids, n, sampling, c=complete, u=url: (
+            seen[u].append((len(ids), n)) or c(ids, n, sampling)
+        )
+    return seen
+
+
+def record_every_servers_syncs(trainer):
+    """After each real sync: the step, every server's log-probs of a fixed text, the trainer's."""
+    backend, syncs = trainer.rollout_backend, []
+    original = backend.update_weights
+
+    def update_weights(model, global_step):
+        before = len(backend.sync_seconds)
+        original(model, global_step)
+        if len(backend.sync_seconds) > before:
+            served = [torch.tensor(link.client.prompt_logprobs(FIXED_TEXT)) for link in backend.servers]
+            syncs.append((global_step, served, trainer_logprobs(trainer, FIXED_TEXT)))
+
+    backend.update_weights = update_weights
+    return syncs
+
+
+@pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "full, http"])
+@pytest.mark.slow  # two real vLLM servers
+def test_two_servers_share_every_rollout_and_each_matches_the_trainer_after_every_sync(
+    tmp_path, server, second_server, served_model_dir, setup
+):
+    """Each rollout's two groups go one to each server, in one request each; every sync reaches both, each through
+    its own transport (the engine: a gloo group per server; or HTTP), the adapter to each from its own folder."""
+    peft_config = (
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
+    )
+    args = two_servers_config(
+        tmp_path,
+        server,
+        second_server,
+        max_steps=6,
+        steps_per_generation=2,  # 8 rows a rollout: 2 groups of 4
+        learning_rate=3e-2 if peft_config else 1e-2,
+        beta=0.05 if "KL" in setup else 0.0,
+        vllm_weight_transport="http" if "http" in setup else "auto",
+    )
+    trainer = GSPOTrainer(
+        served_model_dir, count_digits, args=args, train_dataset=text_dataset(), peft_config=peft_config
+    )
+    backend = trainer.rollout_backend
+    assert [link.url for link in backend.servers] == [server["url"], second_server["url"]]
+    assert [link.transport.name for link in backend.servers] == ["http" if "http" in setup else "engine"] * 2
+    assert backend.servers[0].transport is not backend.servers[1].transport
+    assert backend.servers[0].snapshot_dir != backend.servers[1].snapshot_dir
+    if "http" not in setup:  # each server's workers joined a group of their own
+        assert backend.servers[0].transport.group is not backend.servers[1].transport.group
+    assert backend.sends_adapter == ("adapter" in setup)
+    requests, syncs = record_requests(backend), record_every_servers_syncs(trainer)
+    trainer.train()
+    # Three rollouts: each server got one group of 4 in one request per rollout.
+    assert requests == {server["url"]: [(1, 4)] * 3, second_server["url"]: [(1, 4)] * 3}
+    assert [step for step, _, _ in syncs] == [0, 2, 4]
+    for step, served, ours in syncs:
+        for url, theirs in zip(requests, served):
+            torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0, msg=f"{url} after the sync at step {step}")
+    assert all((a[1][1] - b[1][1]).abs().max() > 1e-3 for a, b in zip(syncs, syncs[1:]))  # the weights did change
+    # The samples of both servers are the trainer's policy's: no mismatch to correct.
+    logged = [entry for entry in trainer.state.log_history if "sampling/mismatch_kl" in entry]
+    assert len(logged) == 6 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
+
+
+@pytest.mark.slow  # two real vLLM servers
+def test_a_seeded_request_samples_each_prompt_alike_on_one_server_or_split_over_two(
+    tmp_path, server, second_server, served_model_dir
+):
+    """With a seed in generation_kwargs, vLLM draws a prompt's samples from it alone: the split changes none."""
+    args = two_servers_config(tmp_path, server, second_server, max_completion_length=16, generation_kwargs={"seed": 7})
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    backend = trainer.rollout_backend
+    backend.update_weights(trainer.model, 0)
+    prompts = [p for p in ["What is 1 + 2?", "Reply with 7.", "Count to three.", "Say hi."] for _ in range(4)]
+    requests, servers = record_requests(backend), backend.servers
+    split = backend.generate(prompts)
+    assert requests == {server["url"]: [(2, 4)], second_server["url"]: [(2, 4)]}  # two whole groups each
+    backend.servers = servers[:1]
+    first_alone = backend.generate(prompts)
+    backend.servers = servers[1:]
+    second_alone = backend.generate(prompts)
+    backend.servers = servers
+    assert len({tuple(row.tolist()) for row in split.completion_ids[:4]}) > 1  # a group's samples differ
+    for alone in (first_alone, second_alone):
+        assert torch.equal(split.completion_ids, alone.completion_ids)
+        # Same tokens, same weights: the log-probs agree up to the kernels' float32 rounding in another batch.
+        torch.testing.assert_close(split.sampling_logps, alone.sampling_logps, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # two real vLLM servers
+def test_a_server_that_is_gone_is_named_at_construction_and_mid_run(tmp_path, server, second_server, served_model_dir):
+    gone = f"http://127.0.0.1:{free_port()}"
+    args = vllm_config(tmp_path, server, vllm_server_base_url=[server["url"], gone], vllm_server_timeout=2)
+    with pytest.raises(VLLMServerError, match=f"No vLLM server answered at {gone}/health"):
+        GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    trainer = GSPOTrainer(
+        served_model_dir,
+        count_digits,
+        args=two_servers_config(tmp_path, server, second_server),
+        train_dataset=text_dataset(),
+    )
+    backend = trainer.rollout_backend
+    backend.update_weights(trainer.model, 0)
+    client = backend.servers[1].client
+    client.base_url, client.retries = gone, 0  # as if the second server had stopped
+    with pytest.raises(VLLMServerError, match=f"The vLLM server at {gone} did not answer POST /v1/completions"):
+        backend.generate(["What is 1 + 2?"] * 4 + ["Say hi."] * 4)
+    with pytest.raises(VLLMServerError, match=f"The vLLM server at {gone} did not answer POST /pause"):
+        backend.update_weights(trainer.model, 1)
+    assert backend.servers[0].client.prompt_logprobs(FIXED_TEXT)  # the other server still serves, resumed

@@ -4,7 +4,7 @@ which addresses are loopback."""
 import pytest
 
 from gspo_trl import GSPOConfig
-from gspo_trl.vllm.address import base_url, check_base_url, is_loopback
+from gspo_trl.vllm.address import base_url, check_base_url, check_base_urls, is_loopback
 
 
 @pytest.mark.parametrize(
@@ -108,3 +108,89 @@ def test_host_and_port_make_the_url_with_ipv6_in_brackets():
 )
 def test_loopback_addresses(host, loopback):
     assert is_loopback(host) is loopback
+
+
+# --- several servers --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "http://127.0.0.1:8000,http://10.0.0.7:8001/",
+        "http://127.0.0.1:8000, http://10.0.0.7:8001",
+        ["http://127.0.0.1:8000", "http://10.0.0.7:8001/"],
+        ("http://127.0.0.1:8000", "http://10.0.0.7:8001"),
+    ],
+)
+def test_several_servers_are_a_list_or_comma_separated(value):
+    assert check_base_urls(value) == ["http://127.0.0.1:8000", "http://10.0.0.7:8001"]
+
+
+def test_one_server_reads_as_before():
+    assert (
+        check_base_urls("http://127.0.0.1:8000/")
+        == ["http://127.0.0.1:8000"]
+        == check_base_urls(["http://127.0.0.1:8000"])
+    )
+    with pytest.raises(ValueError, match=r"^vllm_server_base_url='127.0.0.1:8000' has no scheme"):
+        check_base_urls("127.0.0.1:8000")  # the field's own name, as with one URL before
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (
+            "http://127.0.0.1:8000,127.0.0.1:8001",
+            ValueError,
+            r"vllm_server_base_url\[1\]='127.0.0.1:8001' has no scheme",
+        ),
+        (["http://127.0.0.1:8000", "http://h:8001/v1"], ValueError, r"vllm_server_base_url\[1\]=.* path.*adds /v1"),
+        (["http://127.0.0.1:8000", 8001], TypeError, r"vllm_server_base_url\[1\] must be a string"),
+        ("http://127.0.0.1:8000,", ValueError, "empty entry at position 1"),
+        ("http://127.0.0.1:8000,,http://127.0.0.1:8001", ValueError, "empty entry at position 1"),
+        ([], ValueError, "vllm_server_base_url is an empty list"),
+        (
+            "http://127.0.0.1:8000,http://10.0.0.7:8000,http://127.0.0.1:8000/",
+            ValueError,
+            r"names the server http://127.0.0.1:8000 twice \(entries 0 and 2\)",
+        ),
+        (["http://Host.example:8000", "HTTP://host.EXAMPLE:8000"], ValueError, "twice"),
+    ],
+)
+def test_a_bad_server_list_is_refused_naming_the_entry(tmp_path, value, error, message):
+    with pytest.raises(error, match=message):
+        check_base_urls(value)
+    with pytest.raises(error, match=message):
+        GSPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_server_base_url=value)
+
+
+def test_the_config_keeps_a_server_list_as_given(tmp_path):
+    urls = ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    config = GSPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_server_base_url=urls)
+    assert config.vllm_server_base_url == urls
+    text = "http://127.0.0.1:8000,http://127.0.0.1:8001"
+    config = GSPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_server_base_url=text)
+    assert config.vllm_server_base_url == text  # TRL's field, untouched: the backend reads it
+
+
+def test_the_command_line_takes_several_servers_comma_separated(tmp_path):
+    from transformers import HfArgumentParser
+
+    text = "http://127.0.0.1:8000,http://127.0.0.1:8001"
+    (config,) = HfArgumentParser(GSPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--use_vllm", "--vllm_server_base_url", text]
+    )
+    assert check_base_urls(config.vllm_server_base_url) == text.split(",")
+
+
+def test_host_and_port_name_one_server(tmp_path):
+    with pytest.raises(ValueError, match="names several hosts.*list several servers' URLs in vllm_server_base_url"):
+        GSPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_server_host="10.0.0.7,10.0.0.8")
+
+
+def test_a_fixed_group_port_leaves_room_for_every_server(tmp_path):
+    urls = ["http://127.0.0.1:8000", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    fields = dict(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_server_base_url=urls)
+    GSPOConfig(**fields, vllm_group_port=65533)  # 65533, 65534, 65535
+    with pytest.raises(ValueError, match="vllm_group_port=65534 with 3 servers.*up to 65536, past 65535"):
+        GSPOConfig(**fields, vllm_group_port=65534)
