@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import small_config, worker_env
-from test_rollout_vllm_server import VLLM_PYTHON, served_model_dir  # noqa: F401 (the server tier's tiny tied Llama)
+from real_vllm_servers import VLLM_PYTHON
 
 from gspo_trl.rollout.vllm_colocate import samples_of
 from gspo_trl.vllm.colocate import checkpoint_path, engine_kwargs

@@ -1,7 +1,6 @@
 """Tests for gspo_trl.rollout.vllm_servers: a rollout's groups split among servers and put back in order, calls to
 all servers at once with errors naming their server, and the servers checked against each other. The backend's
-sampling runs here against stand-in clients (the HTTP boundary); the real two-server runs are in
-tests/rollout/test_rollout_vllm_server.py."""
+sampling runs against stand-in clients (the HTTP boundary), then against two real servers."""
 
 import threading
 import time
@@ -9,7 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import count_digits, text_dataset
+from peft import LoraConfig
+from real_vllm_servers import FIXED_TEXT, free_port, record_syncs, vllm_config
 
+from gspo_trl import GSPOTrainer
 from gspo_trl.rollout.vllm_server import VLLMServerBackend
 from gspo_trl.rollout.vllm_servers import ServerLink, check_servers_alike, in_parallel, split_groups
 from gspo_trl.vllm.client import VLLMServerError
@@ -207,3 +210,117 @@ def test_episode_turns_split_by_row_and_come_back_in_order(tiny_tokenizer):
     rollout = backend.generate_from_ids(prompt_ids, max_new_tokens=3)
     assert rollout.completion_ids[:, 0].tolist() == [7 + row for row in range(7)]
     assert (-rollout.sampling_logps[:, 1]).tolist() == [0, 0, 1, 1, 1, 2, 2]  # 7 rows over 3 servers: 2, 3, 2
+
+
+# --- two real servers ------------------------------------------------------------------------------------------------
+
+
+def two_servers_config(tmp_path, server, second_server, **overrides):
+    return vllm_config(tmp_path, server, vllm_server_base_url=[server["url"], second_server["url"]], **overrides)
+
+
+def record_requests(backend):
+    """Per server URL, (prompts, n) of every sampling request it got."""
+    seen = {link.url: [] for link in backend.servers}
+    for link in backend.servers:
+        complete, url = link.client.complete, link.url
+        link.client.complete = lambda ids, n, sampling, c=complete, u=url: (
+            seen[u].append((len(ids), n)) or c(ids, n, sampling)
+        )
+    return seen
+
+
+@pytest.mark.parametrize("setup", ["full", "lora adapter + KL", "full, http"])
+@pytest.mark.slow  # two real vLLM servers
+@pytest.mark.xdist_group("vllm_server")  # every real server on one worker
+def test_two_servers_share_every_rollout_and_each_matches_the_trainer_after_every_sync(
+    tmp_path, server, second_server, served_model_dir, setup
+):
+    """Each rollout's two groups go one to each server, in one request each; every sync reaches both, each through
+    its own transport (the engine: a gloo group per server; or HTTP), the adapter to each from its own folder."""
+    peft_config = (
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
+    )
+    args = two_servers_config(
+        tmp_path,
+        server,
+        second_server,
+        max_steps=6,
+        steps_per_generation=2,  # 8 rows a rollout: 2 groups of 4
+        learning_rate=3e-2 if peft_config else 1e-2,
+        beta=0.05 if "KL" in setup else 0.0,
+        vllm_weight_transport="http" if "http" in setup else "auto",
+    )
+    trainer = GSPOTrainer(
+        served_model_dir, count_digits, args=args, train_dataset=text_dataset(), peft_config=peft_config
+    )
+    backend = trainer.rollout_backend
+    assert [link.url for link in backend.servers] == [server["url"], second_server["url"]]
+    assert [link.transport.name for link in backend.servers] == ["http" if "http" in setup else "engine"] * 2
+    assert backend.servers[0].transport is not backend.servers[1].transport
+    assert backend.servers[0].snapshot_dir != backend.servers[1].snapshot_dir
+    if "http" not in setup:  # each server's workers joined a group of their own
+        assert backend.servers[0].transport.group is not backend.servers[1].transport.group
+    assert backend.sends_adapter == ("adapter" in setup)
+    requests, syncs = record_requests(backend), record_syncs(trainer, every_server=True)
+    trainer.train()
+    # Three rollouts: each server got one group of 4 in one request per rollout.
+    assert requests == {server["url"]: [(1, 4)] * 3, second_server["url"]: [(1, 4)] * 3}
+    assert [step for step, _, _ in syncs] == [0, 2, 4]
+    for step, served, ours in syncs:
+        for url, theirs in zip(requests, served):
+            torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0, msg=f"{url} after the sync at step {step}")
+    assert all((a[1][1] - b[1][1]).abs().max() > 1e-3 for a, b in zip(syncs, syncs[1:]))  # the weights did change
+    # The samples of both servers are the trainer's policy's: no mismatch to correct.
+    logged = [entry for entry in trainer.state.log_history if "sampling/mismatch_kl" in entry]
+    assert len(logged) == 6 and all(entry["sampling/mismatch_kl"] < 1e-6 for entry in logged)
+
+
+@pytest.mark.slow  # two real vLLM servers
+@pytest.mark.xdist_group("vllm_server")  # every real server on one worker
+def test_a_seeded_request_samples_each_prompt_alike_on_one_server_or_split_over_two(
+    tmp_path, server, second_server, served_model_dir
+):
+    """With a seed in generation_kwargs, vLLM draws a prompt's samples from it alone: the split changes none."""
+    args = two_servers_config(tmp_path, server, second_server, max_completion_length=16, generation_kwargs={"seed": 7})
+    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    backend = trainer.rollout_backend
+    backend.update_weights(trainer.model, 0)
+    prompts = [p for p in ["What is 1 + 2?", "Reply with 7.", "Count to three.", "Say hi."] for _ in range(4)]
+    requests, servers = record_requests(backend), backend.servers
+    split = backend.generate(prompts)
+    assert requests == {server["url"]: [(2, 4)], second_server["url"]: [(2, 4)]}  # two whole groups each
+    backend.servers = servers[:1]
+    first_alone = backend.generate(prompts)
+    backend.servers = servers[1:]
+    second_alone = backend.generate(prompts)
+    backend.servers = servers
+    assert len({tuple(row.tolist()) for row in split.completion_ids[:4]}) > 1  # a group's samples differ
+    for alone in (first_alone, second_alone):
+        assert torch.equal(split.completion_ids, alone.completion_ids)
+        # Same tokens, same weights: the log-probs agree up to the kernels' float32 rounding in another batch.
+        torch.testing.assert_close(split.sampling_logps, alone.sampling_logps, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # two real vLLM servers
+@pytest.mark.xdist_group("vllm_server")  # every real server on one worker
+def test_a_server_that_is_gone_is_named_at_construction_and_mid_run(tmp_path, server, second_server, served_model_dir):
+    gone = f"http://127.0.0.1:{free_port()}"
+    args = vllm_config(tmp_path, server, vllm_server_base_url=[server["url"], gone], vllm_server_timeout=2)
+    with pytest.raises(VLLMServerError, match=f"No vLLM server answered at {gone}/health"):
+        GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    trainer = GSPOTrainer(
+        served_model_dir,
+        count_digits,
+        args=two_servers_config(tmp_path, server, second_server),
+        train_dataset=text_dataset(),
+    )
+    backend = trainer.rollout_backend
+    backend.update_weights(trainer.model, 0)
+    client = backend.servers[1].client
+    client.base_url, client.retries = gone, 0  # as if the second server had stopped
+    with pytest.raises(VLLMServerError, match=f"The vLLM server at {gone} did not answer POST /v1/completions"):
+        backend.generate(["What is 1 + 2?"] * 4 + ["Say hi."] * 4)
+    with pytest.raises(VLLMServerError, match=f"The vLLM server at {gone} did not answer POST /pause"):
+        backend.update_weights(trainer.model, 1)
+    assert backend.servers[0].client.prompt_logprobs(FIXED_TEXT)  # the other server still serves, resumed

@@ -2,23 +2,20 @@
 "Several hosts" section starts it, and the trainer reaches it by this machine's network address, not loopback, so
 that the HTTP requests, the token and the weight-transfer group all go over the network interface."""
 
-import os
 import secrets
 import socket
 import sys
 
 import pytest
 import requests
-import test_rollout_vllm_server as one_server
 import torch
 from helpers import count_digits, small_config, text_dataset
-from test_rollout_vllm_server import VLLM_PYTHON, free_port, launch, record_syncs
+from real_vllm_servers import VLLM_PYTHON, free_port, launch, record_syncs, server_env
 
 from gspo_trl import GSPOTrainer
 from gspo_trl.vllm.auth import TOKEN_ENV
 
 pytestmark = pytest.mark.xdist_group("vllm_server")  # with the other real servers: one at a time per worker
-served_model_dir = one_server.served_model_dir  # the tiny tied Llama the other server tests serve
 
 
 def network_address() -> str | None:
@@ -32,8 +29,8 @@ def network_address() -> str | None:
     return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
-@pytest.fixture(scope="module")
-def open_server(served_model_dir, tmp_path_factory):
+@pytest.fixture
+def open_server(vllm_servers, served_model_dir, tmp_path_factory, request):
     """`gspo-trl vllm-serve MODEL --host 0.0.0.0 --port P` with $GSPO_TRL_VLLM_TOKEN set: the docs' command, plus
     the flags every CPU test server here takes (eager mode, fp32, a short context)."""
     address = network_address()
@@ -44,9 +41,10 @@ def open_server(served_model_dir, tmp_path_factory):
     command = [sys.executable, "-m", "gspo_trl.demo.cli", "vllm-serve", served_model_dir, "--host", "0.0.0.0"]
     command += ["--port", str(port), "--vllm-python", VLLM_PYTHON]
     command += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", TOKEN_ENV: token}
-    for running in launch(command, env, tmp_path_factory, token):
-        yield {**running, "url": f"http://{address}:{port}", "address": address}
+    running = vllm_servers.get(
+        "open_server", lambda: launch(command, server_env(token), tmp_path_factory, token), request
+    )
+    return {**running, "url": f"http://{address}:{running['port']}", "address": address}
 
 
 @pytest.mark.slow  # a real vLLM server

@@ -1,5 +1,5 @@
 """Tests for gspo_trl.vllm.auth: the token's format, the Bearer check and `TokenMiddleware` called as an ASGI app (a
-real vLLM server runs it in test_rollout_vllm_server.py)."""
+real vLLM server runs it in test_rollout_vllm_server_guard.py)."""
 
 import asyncio
 import json
