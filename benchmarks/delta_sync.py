@@ -29,9 +29,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy
 import torch
 from transformers import TrainerCallback
+
+from gspo_trl.vllm.delta import encode
 
 HERE = Path(__file__).resolve().parent
 
@@ -60,13 +61,10 @@ def compare(last: dict[str, torch.Tensor], now: dict[str, torch.Tensor]) -> dict
     """The unchanged fraction (bit for bit) and the bytes of each encoding; the seconds the bitmask encoding took."""
     start = time.perf_counter()
     elements = changed = 0
-    payload = []
+    sent = 0
     for name, tensor in now.items():
-        differs = tensor.view(torch.int16) != last[name].view(torch.int16)
-        mask = differs.flatten()
-        values = tensor.flatten()[mask]
-        packed = torch.from_numpy(numpy.packbits(mask.numpy()))
-        payload.append((packed, values))
+        packed, values = encode(last[name], tensor)  # what `vllm_weight_sync_delta` sends for this tensor
+        sent += packed.numel() + values.numel() * values.element_size()
         elements += tensor.numel()
         changed += int(values.numel())
     seconds = time.perf_counter() - start
@@ -76,7 +74,7 @@ def compare(last: dict[str, torch.Tensor], now: dict[str, torch.Tensor]) -> dict
         "unchanged_fraction": 1 - changed / elements,
         "dense_mb": 2 * elements / 2**20,
         "indices_mb": 6 * changed / 2**20,
-        "bitmask_mb": (elements / 8 + 2 * changed) / 2**20,
+        "bitmask_mb": sent / 2**20,  # each tensor's mask padded to whole bytes
         "encode_s": seconds,
     }
 

@@ -437,5 +437,5 @@ def test_delta_sync_counts_the_changed_bf16_elements_and_each_encodings_bytes():
     result = delta_sync.compare(last, now)
     assert (result["elements"], result["changed"]) == (24, 4)
     assert result["unchanged_fraction"] == 20 / 24
-    # dense: 24 x 2 bytes; indices: 4 x (4 + 2); bitmask: 24 bits + 4 x 2 bytes.
+    # dense: 24 x 2 bytes; indices: 4 x (4 + 2); bitmask: 16 bits + 8 bits + 4 x 2 bytes.
     assert [result[key] * 2**20 for key in ("dense_mb", "indices_mb", "bitmask_mb")] == [48, 24, 11]
