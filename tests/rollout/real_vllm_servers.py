@@ -165,11 +165,20 @@ class ServerPool:
             self.stop(name)
 
 
+POOL = ServerPool()
+
+
 @pytest.fixture(scope="session")
 def vllm_servers():
-    pool = ServerPool()
-    yield pool
-    pool.stop_all()
+    yield POOL
+    POOL.stop_all()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Once the next test this process runs asks for no server (or there is none), stop them all: the servers' memory
+    goes back before the tests that follow the group on this worker."""
+    if POOL.running and (nextitem is None or not set(SERVER_FIXTURES) & set(nextitem.fixturenames)):
+        POOL.stop_all()
 
 
 def server_env(token=None, **extra) -> dict:
