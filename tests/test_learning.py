@@ -33,7 +33,8 @@ def test_demo_reward_rises_on_the_real_model(tmp_path, determinism_flags_restore
     # such spreads under that mean: a run that learns fails by chance with probability ~1e-6 (3e-5 if the spread were
     # 0.06). Without learning the reward stays at the base model's: seven rollouts of it (seeds 0-2) scored
     # 0.24-0.34, mean 0.29, and a mean of 3 such rollouts passes 0.5 with probability ~1e-8 (5.6 standard errors of
-    # 0.038). Shown: with --learning_rate 0 this command's rollouts scored 0.244, 0.263, 0.247 (the first 12 steps).
+    # 0.038). Shown: this command with --learning_rate 0 scored 0.259 (the same first rollout), 0.309, 0.285, 0.290,
+    # 0.322, 0.312: 0.308 over the last three, under the bar.
     # Why not 12 steps, as before: the last rollout alone (step 9) scored 0.42-0.59 in recorded runs, and compared
     # with the first (each with a standard error near 0.05) no bar is both 3.7 standard errors under the learned
     # gain and above what a run without learning reaches; a bar of 0.15 failed by chance a few times in a hundred.
