@@ -39,8 +39,8 @@ def test_reward_rises_above_chance_on_a_tiny_gemma3(tmp_path):
     # sqrt(3/16 / n) = 0.0099; a run passes above chance + 4 standard errors = 0.290. A blind policy passes one run
     # with probability below exp(-2 n (4 SE)^2) = exp(-6) = 0.0025 (Hoeffding), 3e-5 by the normal approximation, and
     # so the test, over its three tries, below 0.0075 and 1e-4. With learning_rate 0
-    # (benchmarks/results/vision_learning_lr0.json, seed 0) the last 120 rollouts averaged 0.187: every try fails
-    # when nothing is learned.
+    # (benchmarks/results/vision_learning_lr0.json, the three seeds of the test) the last 120 rollouts averaged 0.187,
+    # 0.186 and 0.168: every try fails when nothing is learned.
     #
     # A policy that learns: the ten recorded seeds (benchmarks/results/vision_learning.json; the run-to-run variation
     # to expect, since CPU kernels are chosen by timing and CI runs on other CPUs) reached 0.376 to 0.925 over their
