@@ -430,12 +430,13 @@ def test_delta_sync_counts_the_changed_bf16_elements_and_each_encodings_bytes():
     spec = importlib.util.spec_from_file_location("delta_sync", REPO_ROOT / "benchmarks" / "delta_sync.py")
     delta_sync = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(delta_sync)
-    last = {"a": torch.zeros(16, dtype=torch.bfloat16), "b": torch.ones(2, 4, dtype=torch.bfloat16)}
+    last = {"a": torch.zeros(16, dtype=torch.bfloat16), "b": torch.ones(2, 5, dtype=torch.bfloat16)}
     now = {name: tensor.clone() for name, tensor in last.items()}
     now["a"][[1, 5, 9]] = 1.0
     now["b"][0, 0] = 1.0078125  # the next bf16 after 1.0: one bit apart still counts as changed
     result = delta_sync.compare(last, now)
-    assert (result["elements"], result["changed"]) == (24, 4)
-    assert result["unchanged_fraction"] == 20 / 24
-    # dense: 24 x 2 bytes; indices: 4 x (4 + 2); bitmask: 16 bits + 8 bits + 4 x 2 bytes.
-    assert [result[key] * 2**20 for key in ("dense_mb", "indices_mb", "bitmask_mb")] == [48, 24, 11]
+    assert (result["elements"], result["changed"]) == (26, 4)
+    assert result["unchanged_fraction"] == 22 / 26
+    # dense: 26 x 2 bytes; indices: 4 x (4 + 2); bitmask: each tensor's mask in whole bytes (16 bits: 2; 10 bits: 2),
+    # then 4 x 2 bytes of values.
+    assert [result[key] * 2**20 for key in ("dense_mb", "indices_mb", "bitmask_mb")] == [52, 24, 12]

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import small_config, worker_env
-from real_vllm_servers import VLLM_PYTHON
+from real_vllm_servers import VLLM_PYTHON, require_vllm
 
 from gspo_trl.rollout.vllm_colocate import samples_of
 from gspo_trl.vllm.colocate import checkpoint_path, engine_kwargs
@@ -93,13 +93,7 @@ def test_samples_keep_each_sampled_tokens_logprob_in_order():
 
 
 def run_worker(model_dir: str, setup: str, out: Path, processes: int = 1) -> list[dict]:
-    if not os.path.exists(VLLM_PYTHON):
-        if os.environ.get("GSPO_TRL_SKIP_VLLM_TESTS") == "1":
-            pytest.skip("GSPO_TRL_SKIP_VLLM_TESTS=1")
-        pytest.fail(
-            f"No vLLM environment at {VLLM_PYTHON}: run scripts/setup_vllm_cpu.sh (or set GSPO_TRL_VLLM_PYTHON; "
-            "GSPO_TRL_SKIP_VLLM_TESTS=1 skips these tests)."
-        )
+    require_vllm()
     probe = subprocess.run([VLLM_PYTHON, "-c", "import trl, peft, accelerate, datasets"], capture_output=True)
     if probe.returncode != 0:
         pytest.fail(f"The vLLM venv at {VLLM_PYTHON} lacks the trainer's dependencies: run scripts/setup_vllm_cpu.sh.")
