@@ -6,9 +6,11 @@ Starts `gspo-trl vllm-serve` for SmolLM2-135M-Instruct (fp32, `--enforce-eager`,
 cores as the trainer) and times, after an untimed warm-up, `--repeats` weight syncs
 (`VLLMServerBackend.update_weights`: pause, send, reload, prefix-cache reset, resume) of:
 
-- the full weights (134.5M parameters, fp32, 538 MB) broadcast through the server's weight-transfer engine (gloo on
-  loopback, `vllm_weight_transport="engine"`), as a snapshot in /dev/shm (`"shared_dir"`) and over HTTP in chunks
-  of 16 and 64 MiB (the default) (`"http"`);
+- the full weights (134.5M parameters, fp32, 538 MB) through the server's weight-transfer engine
+  (`vllm_weight_transport="engine"`, gloo on loopback), its buffers passed through files in /dev/shm (what the engine
+  does when the server reads the trainer's snapshot folder) and through the gloo group itself (what it does for a
+  server on another host; here a `vllm_weight_sync_dir` the server does not read), as a snapshot in /dev/shm
+  (`"shared_dir"`) and over HTTP in chunks of 16 and 64 MiB (the default) (`"http"`);
 - a LoRA adapter (r=16, all linear layers) sent alone over HTTP.
 
 For each, the peak resident memory each side gained during a sync over its resident memory before it (the trainer
@@ -29,9 +31,11 @@ import gc
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,6 +50,7 @@ from vllm_rollout import start_server  # noqa: E402
 FIXED_TEXT = [1, 504, 314, 1789, 42, 2707, 2096, 30, 28, 1322, 16, 905, 282, 253, 1345, 2]
 SETTINGS = (  # (name, transport, chunk MiB, LoRA adapter alone)
     ("engine", "engine", 64, False),
+    ("engine_group", "engine", 64, False),  # with a sync folder the server does not see
     ("shared_dir", "shared_dir", 64, False),
     ("http_16", "http", 16, False),
     ("http_64", "http", 64, False),
@@ -61,29 +66,35 @@ def parse_args(argv=None):
     parser.add_argument(
         "--wire-only",
         action="store_true",
-        help="Only time the engine's packed gloo broadcast to a local process that drops what it receives (no vLLM), "
-        "and add it to the record in --out.",
+        help="Only time the engine's packed buffers, through the gloo group and through /dev/shm, to a local process "
+        "that drops what it receives (no vLLM), and add them to the record in --out.",
     )
     return parser.parse_args(argv)
 
 
-def _drop_received(port: int, plan: dict, repeats: int) -> None:
+def _drop_received(port: int, plan: dict, repeats: int, folder: str) -> None:
     """The receiving rank of `wire_seconds`: joins, then receives `repeats` times and keeps nothing."""
-    from gspo_trl.vllm import collective
+    from gspo_trl.vllm import collective, shared_buffers
 
     store = collective.connect_store("127.0.0.1", port, 2, timeout=120)
     group = collective.join_group(store, 1, 2, "127.0.0.1", timeout=120)
+    slots = shared_buffers.worker_agrees(group, folder, shared_buffers.host_id())
     dtypes = [getattr(torch, name) for name in plan["dtype_names"]]
     for _ in range(repeats):
-        collective.receive_packed(group, plan["names"], dtypes, plan["shapes"], plan["lengths"], lambda items: None)
+        received = (group, plan["names"], dtypes, plan["shapes"], plan["lengths"], lambda items: None)
+        if slots is None:
+            collective.receive_packed(*received)
+        else:
+            shared_buffers.receive_shared(*received, slots)
 
 
-def wire_seconds(model: torch.nn.Module, repeats: int) -> list[float]:
+def wire_seconds(model: torch.nn.Module, repeats: int, shared: bool) -> list[float]:
     """Seconds per broadcast of the policy's weights, as the engine transport packs them, to a second process on
-    loopback that drops them: the collective alone, without vLLM's reload."""
+    loopback that drops them (through the group, or through files in /dev/shm if `shared`): the transfer alone,
+    without vLLM's reload."""
     import multiprocessing
 
-    from gspo_trl.vllm import collective, engine_transport
+    from gspo_trl.vllm import collective, engine_transport, folders, shared_buffers
     from gspo_trl.vllm.weight_sync import named_weights
 
     weights = list(named_weights(model, to_cpu=False))
@@ -96,17 +107,27 @@ def wire_seconds(model: torch.nn.Module, repeats: int) -> list[float]:
             names, [t.numel() * t.element_size() for _, t in weights], engine_transport.BUFFER_BYTES
         ),
     }
+    folder = folders.new_snapshot_dir()
     store = collective.open_master_store("127.0.0.1", 0, 2, timeout=120)
-    peer = multiprocessing.get_context("spawn").Process(target=_drop_received, args=(store.port, plan, repeats + 1))
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_drop_received, args=(store.port, plan, repeats + 1, folder if shared else "")
+    )
     peer.start()
     group = collective.join_group(store, 0, 2, "127.0.0.1", timeout=120)
+    slots = shared_buffers.trainer_agrees(group, shared_buffers.SharedSlots(folder, writer=True) if shared else None)
+    assert (slots is not None) == shared
     seconds = []
     for repeat in range(repeats + 1):
         started = time.perf_counter()
-        collective.send_packed(group, list(named_weights(model, to_cpu=False)), plan["lengths"])
+        weights = list(named_weights(model, to_cpu=False))
+        if slots is None:
+            collective.send_packed(group, weights, plan["lengths"])
+        else:
+            shared_buffers.send_shared(group, weights, plan["lengths"], slots)
         if repeat:  # the first is a warm-up
             seconds.append(time.perf_counter() - started)
     peer.join(timeout=120)
+    folders.remove_snapshot_dir(folder)
     return seconds
 
 
@@ -117,15 +138,16 @@ def wire_only(args) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     sent_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    seconds = wire_seconds(model, args.repeats)
     record = json.loads(Path(args.out).read_text())
-    record["wire"] = {
-        "date": _dt.date.today().isoformat(),
-        "sent_mb": sent_mb,
-        "min_s": min(seconds),
-        "median_s": statistics.median(seconds),
-        "all_s": seconds,
-    }
+    for key, shared in (("wire", False), ("wire_shared", True)):
+        seconds = wire_seconds(model, args.repeats, shared)
+        record[key] = {
+            "date": _dt.date.today().isoformat(),
+            "sent_mb": sent_mb,
+            "min_s": min(seconds),
+            "median_s": statistics.median(seconds),
+            "all_s": seconds,
+        }
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(render_table(record))
 
@@ -176,6 +198,7 @@ def main(argv=None) -> None:
     server_processes = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
     trainer_process = [psutil.Process()]
     results = {}
+    unseen = tempfile.mkdtemp()  # snapshot folders in it are not directly under a folder the server reads from
     try:
         for name, transport, chunk_mb, adapter in SETTINGS:
             peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if adapter else None
@@ -190,12 +213,15 @@ def main(argv=None) -> None:
                 vllm_weight_transport=transport,
                 vllm_weight_chunk_mb=chunk_mb,
                 vllm_lora_adapter_sync=adapter,
+                vllm_weight_sync_dir=unseen if name == "engine_group" else None,
                 cpu_memory_pool=False,  # freed memory goes back to the system, so the peaks are each sync's own
             )
             trainer = GSPOTrainer(
                 model_path, default_task_reward(), args=config, train_dataset=dataset, peft_config=peft_config
             )
             backend, model = trainer.rollout_backend, trainer.accelerator.unwrap_model(trainer.model)
+            if transport == "engine":
+                assert (backend.transport.shared is None) == (name == "engine_group"), name
             sent_mb = sum(t.numel() * t.element_size() for _, t in named_weights(model, merge_lora=not adapter))
             if adapter:
                 backend.update_weights(trainer.model, 0)  # the frozen base goes once, first
@@ -235,6 +261,7 @@ def main(argv=None) -> None:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+        shutil.rmtree(unseen, ignore_errors=True)
     result = {
         "date": _dt.date.today().isoformat(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU only",
@@ -250,7 +277,8 @@ def main(argv=None) -> None:
 def render_table(result: dict) -> str:
     """The table docs/vllm.md shows (tests/test_docs.py checks it against the JSON)."""
     labels = {
-        "engine": "full weights through vLLM's weight-transfer engine, gloo on loopback (`engine`)",
+        "engine": "full weights through vLLM's weight-transfer engine, its buffers through /dev/shm (`engine`)",
+        "engine_group": "full weights through the engine, its buffers through the gloo group on loopback (`engine`)",
         "shared_dir": "full weights, snapshot in /dev/shm (`shared_dir`)",
         "http_16": "full weights over HTTP, 16 MiB chunks",
         "http_64": "full weights over HTTP, 64 MiB chunks (default)",
@@ -273,14 +301,16 @@ def render_table(result: dict) -> str:
             f"{row['sent_mb'] / row['min_s']:.0f} | {row['trainer_peak_gain_mb']:.0f} | "
             f"{row['server_peak_gain_mb']:.0f} | {row['max_logprob_gap']:.1e} |"
         )
-    wire = result.get("wire")
-    if wire:
-        lines += [
-            "",
-            f"The engine's packed gloo broadcast alone (measured {wire['date']}, `--wire-only`: the same weights to a "
-            f"second local process that drops them, no vLLM): {wire['sent_mb']:.0f} MiB in {wire['min_s']:.2f} s at "
-            f"best, median {wire['median_s']:.2f} s ({wire['sent_mb'] / wire['min_s']:.0f} MiB/s at best).",
-        ]
+    for key, through in (("wire", "the gloo group"), ("wire_shared", "/dev/shm")):
+        wire = result.get(key)
+        if wire:
+            lines += [
+                "",
+                f"The engine's packed buffers alone through {through} (measured {wire['date']}, `--wire-only`: the "
+                f"same weights to a second local process that drops them, no vLLM): {wire['sent_mb']:.0f} MiB in "
+                f"{wire['min_s']:.2f} s at best, median {wire['median_s']:.2f} s "
+                f"({wire['sent_mb'] / wire['min_s']:.0f} MiB/s at best).",
+            ]
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@ server's token (`auth`), its address (`address`) and the folders weights pass th
 
 The rollout backend that samples through them is `gspo_trl.rollout.vllm_server`.
 
-`worker_extension` (with `folders`) runs inside the vLLM server's workers and `auth.TokenMiddleware` in its API
-server; they import only the standard library, torch and vllm. Everything else here runs in the training process.
+`worker_extension` and `gloo_engine` (with `folders`, `collective` and `shared_buffers`) run inside the vLLM server's
+workers and `auth.TokenMiddleware` in its API server; they import only the standard library, torch, numpy and vllm.
+The rest runs in the training process.
 """

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import torch
 from transformers.utils import logging
 
-from . import collective
+from . import collective, shared_buffers
 from .client import VLLMServerClient, VLLMServerError
 from .weight_sync import named_weights, weight_chunks
 
@@ -91,6 +91,11 @@ class EngineTransport:
         host = urlparse(client.base_url).hostname or "127.0.0.1"
         self.address = collective.local_address_towards(host)  # where the server's workers reach this process
         self.group_port = group_port
+        # Workers on this host that read the trainer's snapshot folder (the files transport found they do) take the
+        # buffers through files in it (`shared_buffers`), the group carrying only signals; others through the group.
+        seen = getattr(files, "name", None) == "shared_dir" and files.directory and backend == "gloo"
+        self.offered = shared_buffers.SharedSlots(files.directory, writer=True) if seen else None
+        self.shared = None  # the offer, once every worker took it
 
     def connect(self) -> None:
         """Join the server's workers in one group (the writer only, once): the trainer rank 0, the workers after."""
@@ -113,10 +118,13 @@ class EngineTransport:
         if self.backend == "gloo":
             store = collective.open_master_store(self.address, self.group_port, world_size, JOIN_TIMEOUT_S)
             init_info.update(master_port=store.port, timeout_s=JOIN_TIMEOUT_S)
+            init_info.update(shared_buffers.offer(self.offered and self.offered.folder))
 
             def open_group():
                 timeout = self.client.request_timeout
-                return collective.join_group(store, 0, world_size, self.address, JOIN_TIMEOUT_S, timeout)
+                group = collective.join_group(store, 0, world_size, self.address, JOIN_TIMEOUT_S, timeout)
+                self.shared = shared_buffers.trainer_agrees(group, self.offered)
+                return group
         else:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
@@ -209,6 +217,8 @@ class EngineTransport:
 
     def _broadcast(self, chunk: list[tuple[str, torch.Tensor]], lengths: list[int]) -> int:
         if self.backend == "gloo":
+            if self.shared is not None:
+                return shared_buffers.send_shared(self.group, chunk, lengths, self.shared)
             return collective.send_packed(self.group, chunk, lengths)
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 

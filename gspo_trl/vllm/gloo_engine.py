@@ -18,6 +18,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from . import collective
+from .shared_buffers import receive_shared, worker_agrees
 from .worker_extension import abandon_layerwise_reload, repack_lm_head
 
 
@@ -33,6 +34,8 @@ class GlooInitInfo(WeightTransferInitInfo):
     packed_buffer_size_bytes: int = collective.DEFAULT_BUFFER_BYTES
     packed_num_buffers: int = 2
     timeout_s: float = 600.0
+    shared_dir: str = ""  # the trainer's snapshot folder, where the buffers may pass instead (`shared_buffers`)
+    host_id: str = ""  # the trainer's kernel: the buffers pass through files only on the same one
 
 
 @dataclass
@@ -69,6 +72,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.store = None
+        self.shared = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         if not init_info.packed:
@@ -83,6 +87,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = collective.join_group(
             self.store, rank, init_info.world_size, address, init_info.timeout_s, op_timeout=600.0
         )
+        self.shared = worker_agrees(self.group, init_info.shared_dir, init_info.host_id)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -94,15 +99,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is None:
             raise RuntimeError("The gloo weight transfer has no trainer: POST /init_weight_transfer_engine first.")
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        plan = (self.group, update_info.names, dtypes, update_info.shapes, update_info.buffer_lengths)
         try:
-            collective.receive_packed(
-                self.group,
-                update_info.names,
-                dtypes,
-                update_info.shapes,
-                update_info.buffer_lengths,
-                self.model.load_weights,
-            )
+            if self.shared is not None:
+                receive_shared(*plan, self.model.load_weights, self.shared)
+            else:
+                collective.receive_packed(*plan, self.model.load_weights)
         except BaseException:
             # The trainer died or the load failed: vLLM ends the update here (the next call must start a new one),
             # so the layers still waiting for weights get back those they served with, and the group is dropped
@@ -120,3 +122,4 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def shutdown(self) -> None:
         self.group = None
         self.store = None
+        self.shared = None

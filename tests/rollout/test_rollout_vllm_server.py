@@ -56,12 +56,23 @@ def test_server_samples_n_per_prompt_with_the_trainers_log_probs(tmp_path, serve
 
 
 @pytest.mark.parametrize(
-    "setup", ["full", "full, shared_dir", "lora adapter + KL", "lora merged", "qlora adapter + KL", "qlora merged"]
+    "setup",
+    [
+        "full",
+        "full, engine through the group",
+        "full, shared_dir",
+        "lora adapter + KL",
+        "lora merged",
+        "qlora adapter + KL",
+        "qlora merged",
+    ],
 )
 @pytest.mark.slow  # the real vLLM server
 def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, server, served_model_dir, setup):
     """'auto' takes the server's weight-transfer engine (gloo, which `gspo-trl vllm-serve` loads): full and merged
-    weights, and an adapter's frozen base, go in one broadcast; an adapter itself through the shared directory."""
+    weights, and an adapter's frozen base, go in one broadcast, its buffers through files in the trainer's snapshot
+    folder, which the server reads (or, where it cannot, as from another host, through the group itself); an adapter
+    itself through the shared directory."""
     peft_config = (
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]) if "lora" in setup else None
     )
@@ -76,6 +87,8 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
         beta=0.05 if "KL" in setup else 0.0,
         vllm_lora_adapter_sync=False if setup.endswith("merged") else None,
         vllm_weight_transport="shared_dir" if "shared_dir" in setup else "auto",
+        # a folder the server does not read from (not directly under /dev/shm or /tmp): as a server on another host
+        vllm_weight_sync_dir=str(tmp_path / "unseen") if "through the group" in setup else None,
     )
     trainer = GSPOTrainer(
         served_model_dir,
@@ -86,7 +99,10 @@ def test_every_rollout_syncs_and_the_server_then_matches_the_trainer(tmp_path, s
         peft_config=peft_config,
     )
     assert trainer.rollout_backend.sends_adapter == setup.endswith("adapter + KL")
-    assert trainer.rollout_backend.transport.name == ("shared_dir" if "shared_dir" in setup else "engine")
+    transport = trainer.rollout_backend.transport
+    assert transport.name == ("shared_dir" if "shared_dir" in setup else "engine")
+    if transport.name == "engine":
+        assert (transport.shared is None) == ("through the group" in setup)
     syncs = record_syncs(trainer)
     trainer.train()
     assert [step for step, _, _ in syncs] == [0, 2, 4]  # one sync per rollout, before it, with the new weights

@@ -1,6 +1,7 @@
 """A rehearsal of two hosts on one machine: the server listens beyond localhost with a token, as docs/vllm.md's
-"Several hosts" section starts it, and the trainer reaches it by this machine's network address, not loopback, so
-that the HTTP requests, the token and the weight-transfer group all go over the network interface."""
+"Several hosts" section starts it, and the trainer reaches it by this machine's network address, not loopback, with
+a weight-sync folder the server does not read, so that the HTTP requests, the token and the weight-transfer group
+with its buffers all go over the network interface."""
 
 import secrets
 import socket
@@ -60,12 +61,20 @@ def test_a_trainer_reaches_a_server_by_its_network_address_with_the_token(
     # The training host: the same token in its environment, the server's address in the config (the docs' lines).
     monkeypatch.setenv(TOKEN_ENV, open_server["token"])
     args = small_config(
-        tmp_path, use_vllm=True, vllm_server_base_url=url, max_steps=4, steps_per_generation=2, learning_rate=1e-2
+        tmp_path,
+        use_vllm=True,
+        vllm_server_base_url=url,
+        max_steps=4,
+        steps_per_generation=2,
+        learning_rate=1e-2,
+        # a folder the server does not read from, as another host cannot read this one's /dev/shm
+        vllm_weight_sync_dir=str(tmp_path / "not-on-the-server"),
     )
     trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
     transport = trainer.rollout_backend.transport
-    # "auto" took the engine, and the trainer opened its end of the group on the network address, not loopback.
-    assert transport.name == "engine" and transport.address == open_server["address"]
+    # "auto" took the engine, and the trainer opened its end of the group on the network address, not loopback; the
+    # buffers go through the group itself, since the server does not see the trainer's folder.
+    assert transport.name == "engine" and transport.address == open_server["address"] and transport.shared is None
     syncs = record_syncs(trainer)
     trainer.train()
     assert [step for step, _, _ in syncs] == [0, 2]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import small_config
 
-from gspo_trl.vllm import collective, engine_transport
+from gspo_trl.vllm import collective, engine_transport, folders, shared_buffers
 from gspo_trl.vllm.engine_transport import EngineTransport, server_backend, unusable_reason
 from gspo_trl.vllm.transport import HTTPTransport, SharedDirTransport, choose_transport
 from gspo_trl.vllm.weight_sync import named_weights
@@ -38,6 +38,7 @@ class EngineServer:
         self.init_info = init_info
         store = collective.connect_store(init_info["master_address"], init_info["master_port"], 2, timeout=60)
         self.group = collective.join_group(store, init_info["rank_offset"], init_info["world_size"], "127.0.0.1", 60)
+        self.shared = shared_buffers.worker_agrees(self.group, init_info.get("shared_dir"), init_info.get("host_id"))
 
     def start_weight_update(self):
         self.calls.append("start")
@@ -49,8 +50,11 @@ class EngineServer:
         def load(items):
             self.received.update((name, tensor.clone()) for name, tensor in items)
 
-        lengths = update_info["buffer_lengths"]
-        collective.receive_packed(self.group, update_info["names"], dtypes, update_info["shapes"], lengths, load)
+        plan = (self.group, update_info["names"], dtypes, update_info["shapes"], update_info["buffer_lengths"])
+        if self.shared is not None:
+            shared_buffers.receive_shared(*plan, load, self.shared)
+        else:
+            collective.receive_packed(*plan, load)
 
     def finish_weight_update(self):
         self.calls.append("finish")
@@ -62,9 +66,24 @@ class EngineServer:
     left_unfinished = {"was_active": False, "layers_restored": 0}
 
 
-def test_the_trainer_joins_once_then_each_sync_announces_and_broadcasts_every_weight(tiny_model):
+@pytest.fixture
+def snapshot_dir():
+    folder = folders.new_snapshot_dir()
+    yield folder
+    folders.remove_snapshot_dir(folder)
+
+
+def engine(server, plane, snapshot_dir):
+    """The trainer's engine transport: the buffers through the group, or through files of the snapshot folder the
+    server sees (`shared_buffers`)."""
+    files = SharedDirTransport(server, snapshot_dir) if plane == "files" else None
+    return EngineTransport(server, "gloo", files)
+
+
+@pytest.mark.parametrize("plane", ["group", "files"])
+def test_the_trainer_joins_once_then_each_sync_announces_and_broadcasts_every_weight(tiny_model, plane, snapshot_dir):
     server = EngineServer()
-    transport = EngineTransport(server, "gloo")
+    transport = engine(server, plane, snapshot_dir)
     for step in range(2):
         with torch.no_grad():
             for param in tiny_model.parameters():
@@ -75,16 +94,20 @@ def test_the_trainer_joins_once_then_each_sync_announces_and_broadcasts_every_we
         assert server.received.keys() == expected.keys()
         for name, tensor in expected.items():
             assert torch.equal(server.received[name], tensor), (step, name)
-    assert server.calls == ["init", "start", "update", "finish", "start", "update", "finish"]  # one rendezvous
+    undo = ["abandon"] if plane == "files" else []  # a server with the extension undoes what a dead trainer left
+    assert server.calls == undo + ["init", "start", "update", "finish", "start", "update", "finish"]  # one rendezvous
     assert server.init_info["rank_offset"] == 1 and server.init_info["world_size"] == 2 and server.init_info["packed"]
+    assert (transport.shared is not None) == (server.shared is not None) == (plane == "files")
 
 
-def test_chunks_of_whole_layers_each_announced_in_its_own_update(tiny_model, monkeypatch):
+@pytest.mark.parametrize("plane", ["group", "files"])
+def test_chunks_of_whole_layers_each_announced_in_its_own_update(tiny_model, monkeypatch, plane, snapshot_dir):
     monkeypatch.setattr(engine_transport, "CHUNK_BYTES", 20_000)  # below one decoder layer: a layer per update
     monkeypatch.setattr(engine_transport, "BUFFER_BYTES", 5_000)  # several buffers per update
     server = EngineServer()
-    EngineTransport(server, "gloo").send_weights(tiny_model, True, torch.bfloat16, True)
-    assert server.calls[:2] == ["init", "start"] and server.calls[-1] == "finish"
+    engine(server, plane, snapshot_dir).send_weights(tiny_model, True, torch.bfloat16, True)
+    assert server.calls[server.calls.index("init") :][:2] == ["init", "start"]
+    assert server.calls[-1] == "finish"
     assert server.calls.count("update") > 2
     for name, tensor in named_weights(tiny_model, torch.bfloat16):
         assert server.received[name].dtype == torch.bfloat16 and torch.equal(server.received[name], tensor), name
