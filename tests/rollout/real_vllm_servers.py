@@ -246,13 +246,19 @@ def trainer_logprobs(trainer, ids):
 
 
 def fp32_logprobs(trainer, ids):
-    """The log-probs of an fp32 copy of the trainer's (bf16) model: what an fp32 server holding its weights computes.
-    Built afresh: a deep copy would keep the autocast wrapper accelerate puts on the model's forward."""
+    """The log-probs of an fp32 copy of the trainer's (bf16) model, LoRA merged: what an fp32 server holding its
+    weights computes. Built afresh: a deep copy would keep the autocast wrapper accelerate puts on the model's
+    forward."""
     from transformers import AutoModelForCausalLM
+
+    from gspo_trl.vllm.weight_sync import named_weights
 
     trained = trainer.accelerator.unwrap_model(trainer.model)
     model = AutoModelForCausalLM.from_config(trained.config).float()
-    model.load_state_dict({name: tensor.float() for name, tensor in trained.state_dict().items()})
+    weights = {name: tensor.float() for name, tensor in named_weights(trained, merge_lora=True)}  # what a sync sends
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if trained.config.tie_word_embeddings else set())
+    model.tie_weights()
     ids = torch.tensor([ids])
     with torch.no_grad():
         return completion_logprobs(model, ids, torch.ones_like(ids), ids[:, 1:], torch.ones_like(ids[:, 1:])).logps[0]

@@ -414,12 +414,14 @@ def test_dynamic_sampling_samples_its_extra_rounds_on_the_server(tmp_path, serve
     assert metric(trainer, "rollout/dynamic_sampling_filler_groups") == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("setup", ["full", "lora merged"])
 @pytest.mark.slow  # the real vLLM server
 def test_a_delta_sync_sends_less_and_leaves_the_server_with_the_trainers_weights_bit_for_bit(
-    tmp_path, server, served_model_dir
+    tmp_path, server, served_model_dir, setup
 ):
     """vllm_weight_sync_delta over HTTP, bf16 weights (as to a bf16 server): after the first sync, whole, each sync
-    sends the elements whose bf16 bits moved; the server's copy is then the trainer's bf16 weights bit for bit."""
+    sends the elements whose bf16 bits moved; the server's copy is then the trainer's bf16 weights bit for bit. With
+    LoRA the weights sent are the merged ones: only the adapted modules move."""
     import hashlib
 
     args = vllm_config(
@@ -432,9 +434,14 @@ def test_a_delta_sync_sends_less_and_leaves_the_server_with_the_trainers_weights
         vllm_weight_sync_delta=True,
         bf16=True,
         model_init_kwargs={"dtype": torch.bfloat16},
+        vllm_lora_adapter_sync=False if setup == "lora merged" else None,
     )
-    trainer = GSPOTrainer(served_model_dir, count_digits, args=args, train_dataset=text_dataset())
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]) if "lora" in setup else None
+    trainer = GSPOTrainer(
+        served_model_dir, count_digits, args=args, train_dataset=text_dataset(), peft_config=peft_config
+    )
     backend = trainer.rollout_backend
+    assert not backend.sends_adapter
     backend.server_info["dtype"] = "bfloat16"  # weights go as bf16; this fp32 server widens them exactly
     sent, digests, send = [], [], backend.transport.send_weights
 
@@ -457,3 +464,5 @@ def test_a_delta_sync_sends_less_and_leaves_the_server_with_the_trainers_weights
         torch.testing.assert_close(server_logps, trainer_logps, atol=1e-4, rtol=0, msg=f"after the sync at step {step}")
     # The first sync is whole; the next ones carry a bitmask (1/16 of the bf16 bytes) and the moved elements only.
     assert sent[1] < 0.8 * sent[0] and sent[2] < 0.8 * sent[0], sent
+    # and there was something to follow: some bf16 weights moved before each sync (with LoRA, in q_proj and v_proj)
+    assert digests[0][0] != digests[1][0] != digests[2][0]
