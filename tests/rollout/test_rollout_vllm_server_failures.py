@@ -92,8 +92,13 @@ from helpers import count_digits, small_config, text_dataset
 from gspo_trl import GSPOTrainer
 from gspo_trl.vllm import collective, engine_transport
 model, url, out, where = sys.argv[1:5]
-args = small_config(out, use_vllm=True, vllm_server_base_url=url, vllm_weight_transport="engine")
+# a sync folder the server does not read: the buffers go through the group (else through files in /dev/shm)
+sync_dir = out + "/unseen" if where.endswith("through the group") else None
+args = small_config(
+    out, use_vllm=True, vllm_server_base_url=url, vllm_weight_transport="engine", vllm_weight_sync_dir=sync_dir
+)
 trainer = GSPOTrainer(model, count_digits, args=args, train_dataset=text_dataset())
+assert (trainer.rollout_backend.transport.shared is None) == (sync_dir is not None)
 torch.manual_seed(1)
 with torch.no_grad():  # weights no later trainer sends: any the server kept would show in its log-probs
     for param in trainer.model.parameters():
@@ -106,7 +111,7 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-if where == "in the broadcast":  # the server's worker is receiving: two buffers went out, the next are awaited
+if where.startswith("in the broadcast"):  # the server's worker is receiving: two buffers went out, the next awaited
     broadcast, sent = collective._broadcast, []
 
     def broadcast_then_die(group, buffer):
@@ -124,7 +129,7 @@ trainer.rollout_backend.update_weights(trainer.model, 0)
 """
 
 
-@pytest.mark.parametrize("where", ["in the broadcast", "between requests"])
+@pytest.mark.parametrize("where", ["in the broadcast", "in the broadcast, through the group", "between requests"])
 @pytest.mark.slow  # the real vLLM server, a second training process
 def test_a_trainer_killed_during_an_engine_sync_leaves_the_server_to_the_next(
     tmp_path, server, served_model_dir, where, caplog
