@@ -145,6 +145,26 @@ def send_packed(group, weights: list[tuple[str, torch.Tensor]], lengths: list[in
     return sent
 
 
+def buffer_plan(dtypes: list[torch.dtype], shapes: list[list[int]], lengths: list[int]):
+    """For a receiver: where each buffer's tensors start in the announced list, and their sizes in bytes."""
+    if sum(lengths) != len(shapes) or any(count <= 0 for count in lengths):
+        raise ValueError(f"buffer lengths {lengths} do not cut {len(shapes)} tensors into non-empty buffers")
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
+    starts = [sum(lengths[:number]) for number in range(len(lengths))]
+    return starts, [sizes[start : start + count] for start, count in zip(starts, lengths)]
+
+
+def buffer_views(buffer: torch.Tensor, buffer_sizes: list[int], start: int, names, dtypes, shapes):
+    """The named tensors one received buffer holds, as views into it (the announced tensors from `start` on)."""
+    end = start + len(buffer_sizes)
+    return [
+        (name, view.view(dtype).view(shape))
+        for name, dtype, shape, view in zip(
+            names[start:end], dtypes[start:end], shapes[start:end], buffer.split(buffer_sizes)
+        )
+    ]
+
+
 def receive_packed(
     group,
     names: list[str],
@@ -156,11 +176,7 @@ def receive_packed(
     """Receive what `send_packed` broadcasts for tensors described by `names`/`dtypes`/`shapes`, cut into buffers of
     `lengths` tensors, handing each buffer's tensors (views into it, valid during the call) to `load` while the next
     buffer arrives; returns the bytes received."""
-    if sum(lengths) != len(names) or any(count <= 0 for count in lengths):
-        raise ValueError(f"buffer lengths {lengths} do not cut {len(names)} tensors into non-empty buffers")
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
-    starts = [sum(lengths[:number]) for number in range(len(lengths))]
-    plan = [sizes[start : start + count] for start, count in zip(starts, lengths)]
+    starts, plan = buffer_plan(dtypes, shapes, lengths)
     slots = _Slots()
     buffers = []
     for index, buffer_sizes in enumerate(plan[:2]):  # the first two on the wire at once
@@ -173,15 +189,7 @@ def receive_packed(
             slots.work[index].wait()
             slots.work[index] = None
             buffer = buffers[number]
-            end = start + len(buffer_sizes)
-            load(
-                [
-                    (name, view.view(dtype).view(shape))
-                    for name, dtype, shape, view in zip(
-                        names[start:end], dtypes[start:end], shapes[start:end], buffer.split(buffer_sizes)
-                    )
-                ]
-            )
+            load(buffer_views(buffer, buffer_sizes, start, names, dtypes, shapes))
             received += buffer.numel()
             if number + 2 < len(plan):  # this slot is free again: the buffer after next goes into it
                 buffers.append(slots.take(index, sum(plan[number + 2])))

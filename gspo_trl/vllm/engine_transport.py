@@ -94,7 +94,15 @@ class EngineTransport:
         # Workers on this host that read the trainer's snapshot folder (the files transport found they do) take the
         # buffers through files in it (`shared_buffers`), the group carrying only signals; others through the group.
         seen = getattr(files, "name", None) == "shared_dir" and files.directory and backend == "gloo"
-        self.offered = shared_buffers.SharedSlots(files.directory, writer=True) if seen else None
+        self.offered = None
+        if seen:
+            try:
+                self.offered = shared_buffers.SharedSlots(files.directory, writer=True)
+                for index in range(2):  # the usual buffers' room, reserved now: else the group carries them
+                    self.offered.view(index, BUFFER_BYTES)
+            except OSError as error:
+                self.offered = None
+                logger.info(f"The weight buffers go through the gloo group, not {files.directory}: {error}")
         self.shared = None  # the offer, once every worker took it
 
     def connect(self) -> None:
@@ -123,7 +131,8 @@ class EngineTransport:
             def open_group():
                 timeout = self.client.request_timeout
                 group = collective.join_group(store, 0, world_size, self.address, JOIN_TIMEOUT_S, timeout)
-                self.shared = shared_buffers.trainer_agrees(group, self.offered)
+                if self.offered is not None:
+                    self.shared = shared_buffers.trainer_agrees(group, self.offered)
                 return group
         else:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init

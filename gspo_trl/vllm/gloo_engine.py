@@ -7,7 +7,8 @@ how many go in each buffer) while it broadcasts them packed into buffers; the wo
 layer-wise reload, as the NCCL engine does, and re-packs the tied LM head at the end. An update a trainer leaves
 unfinished (it died or failed in the middle) is undone, when the receive fails or at the next start, so that the
 model never serves from layers still waiting for weights and the next trainer's update starts clean. It imports only
-torch, vLLM, the torch-only `collective` and the worker extension's re-packing.
+torch, vLLM, `collective` and `shared_buffers` (torch, numpy and the standard library) and the worker extension's
+re-packing.
 """
 
 from __future__ import annotations

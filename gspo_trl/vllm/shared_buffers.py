@@ -1,22 +1,24 @@
 """The engine's packed buffers through shared memory, when the server's workers read the trainer's snapshot folder.
 
 Over gloo each buffer crosses the kernel's sockets (one copy in, one copy out, in small pieces); on one machine that,
-not the load, bounds a sync. When the workers see the trainer's snapshot folder (in /dev/shm: RAM), the trainer
-packs each buffer into one of two files there instead, and the group carries only signals, as NCCL does within a
+not the load, bounds a sync. When the workers see the trainer's snapshot folder (by default in /dev/shm: RAM), the
+trainer packs each buffer into one of two files there instead (their space reserved, so a full /dev/shm is an error,
+not a crash), and the group carries only signals, as NCCL does within a
 node: rank 0 broadcasts "buffer n is in file n % 2" (its number and size, which each worker checks against the
-update's plan), each worker copies it into its own receive buffer and joins an all-reduce, and the trainer packs
+update's plan), each worker reads it into its own receive buffer (a read, no mapping: nothing the trainer does to the
+file later reaches the worker's memory) and joins an all-reduce, and the trainer packs
 buffer n + 2 into that file only once that all-reduce is done. Each worker then loads from its own copy while the
 next buffer is packed. The files go with the snapshot folder (`folders`: removed with the backend, on SIGTERM, or by
 the next run after a kill).
-Imports torch, the standard library, `collective` and `folders` only (the worker extension loads it inside vLLM).
+Imports torch, numpy, the standard library, `collective` and `folders` only (the worker extension loads it inside vLLM).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import mmap
 import os
-import warnings
+import stat
 from collections.abc import Callable
 
 import torch
@@ -38,7 +40,8 @@ def host_id() -> str:
 
 
 def offer(folder: str | None) -> dict:
-    """What the trainer adds to the engine's init info: the folder its buffers would pass through, and its host."""
+    """What the trainer adds to the engine's init info: the folder its buffers would pass through, and its host;
+    with it (only then) both sides choose together right after joining (`trainer_agrees`, `worker_agrees`)."""
     return {"shared_dir": folder, "host_id": host_id()} if folder else {}
 
 
@@ -51,63 +54,88 @@ def _all_agree(group, willing: bool) -> bool:
     return bool(flag.item())
 
 
-def trainer_agrees(group, slots: SharedSlots | None) -> SharedSlots | None:
-    """The trainer's side of the choice, made with every worker in the group: `slots` if all can use them."""
-    return slots if _all_agree(group, slots is not None) else None
+def trainer_agrees(group, slots: SharedSlots) -> SharedSlots | None:
+    """The trainer's side of the choice, made with every worker in the group once it offered `slots` (`offer`):
+    them if all can use them."""
+    return slots if _all_agree(group, True) else None
 
 
 def worker_agrees(group, shared_dir: str, trainer_host: str) -> SharedSlots | None:
-    """A worker's side of the choice: it takes part if the trainer offered a folder this server allows on this very
-    host; the buffers pass through files only if every worker does."""
+    """A worker's side of the choice, when the trainer offered a folder (`offer`; else there is no choice to make):
+    it takes part if the folder is one this server allows, on this very host; the buffers pass through files only
+    if every worker does."""
+    if not shared_dir:
+        return None
     slots = None
-    if shared_dir and trainer_host and trainer_host == host_id():
+    if trainer_host and trainer_host == host_id():
         try:
             slots = SharedSlots(shared_dir, writer=False)
-        except (PermissionError, OSError):
+        except Exception:  # whatever the path or the folder: the buffers then go through the group
             slots = None
     return slots if _all_agree(group, slots is not None) else None
 
 
 class SharedSlots:
-    """The two buffer files in `folder`, mapped into this process: written by the trainer (`writer`), read by a
-    worker, which maps only files in a snapshot folder the server allows and never creates one. A file only grows
-    (the writer's `take`), and a reader maps it again when a buffer is larger than its mapping."""
+    """The two buffer files in `folder`: mapped and written by the trainer (`writer`), which reserves their space as
+    they grow; read by a worker, which opens only regular files of a snapshot folder the server allows, through a
+    descriptor of that folder taken once (never following a link, never creating a file)."""
 
     def __init__(self, folder: str, writer: bool):
-        self.folder = folder if writer else folders.snapshot_folder(folder)
-        if not os.path.isdir(self.folder):
-            raise FileNotFoundError(f"{folder} is not a folder")
         self.writer = writer
-        self.maps: list[tuple[mmap.mmap, torch.Tensor] | None] = [None, None]
+        self.folder = folder if writer else folders.snapshot_folder(folder)
+        flags = os.O_RDONLY | os.O_DIRECTORY | (0 if writer else os.O_NOFOLLOW)
+        self.folder_fd = os.open(self.folder, flags)
+        self.maps: list[torch.Tensor | None] = [None, None]  # the writer's mappings
 
-    def _map(self, index: int, size: int) -> torch.Tensor:
-        path = os.path.join(self.folder, FILE_NAMES[index])
+    def __del__(self):
+        with contextlib.suppress(AttributeError, OSError):
+            os.close(self.folder_fd)
+
+    def _open(self, index: int) -> int:
         if self.writer:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        else:
-            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            length = os.fstat(descriptor).st_size
-            if self.writer and length < size:
-                os.ftruncate(descriptor, size)
-                length = size
-            if length < size:
-                raise ValueError(f"{path} holds {length} bytes, not the {size} of the buffer announced")
-            access = mmap.ACCESS_WRITE if self.writer else mmap.ACCESS_READ
-            mapped = mmap.mmap(descriptor, length, access=access)
-        finally:
+            return os.open(FILE_NAMES[index], os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=self.folder_fd)
+        descriptor = os.open(FILE_NAMES[index], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self.folder_fd)
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a FIFO or a device would block or never end
             os.close(descriptor)
-        with warnings.catch_warnings():  # a read-only mapping: the reader only copies out of it
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(mapped, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
-        self.maps[index] = (mapped, tensor)  # an older, smaller mapping is unmapped once no view of it is left
-        return tensor
+            raise ValueError(f"{self.folder}/{FILE_NAMES[index]} is not a regular file")
+        return descriptor
 
     def view(self, index: int, size: int) -> torch.Tensor:
-        """The first `size` bytes of file `index`, mapped again (and, for the writer, grown) if it is smaller."""
+        """The writer's first `size` bytes of file `index`, grown (its space reserved) and mapped again if smaller."""
         held = self.maps[index]
-        tensor = held[1] if held is not None and held[1].numel() >= size else self._map(index, size)
-        return tensor[:size]
+        if held is None or held.numel() < size:
+            descriptor = self._open(index)
+            try:
+                length = max(size, os.fstat(descriptor).st_size, 1)
+                try:
+                    os.posix_fallocate(descriptor, 0, length)  # ENOSPC here, rather than SIGBUS on a write later
+                except OSError as error:
+                    raise OSError(
+                        error.errno,
+                        f"no room for a {length}-byte weight buffer in {self.folder} ({error.strerror}): free space "
+                        "there (a container's /dev/shm is often 64 MiB: `--shm-size`) or set vllm_weight_sync_dir",
+                    ) from error
+                held = torch.frombuffer(mmap.mmap(descriptor, length, access=mmap.ACCESS_WRITE), dtype=torch.uint8)
+            finally:
+                os.close(descriptor)
+            self.maps[index] = held  # an older, smaller mapping is unmapped once no view of it is left
+        return held[:size]
+
+    def read_into(self, index: int, target: torch.Tensor) -> None:
+        """A worker's read of the first `target.numel()` bytes of file `index` into `target`."""
+        descriptor = self._open(index)
+        try:
+            out, done = memoryview(target.numpy()), 0
+            while done < len(out):
+                count = os.preadv(descriptor, [out[done:]], done)
+                if count == 0:
+                    raise ValueError(
+                        f"{self.folder}/{FILE_NAMES[index]} holds {done} bytes, not the {len(out)} of the buffer "
+                        "announced"
+                    )
+                done += count
+        finally:
+            os.close(descriptor)
 
 
 def _signal(group, number: int, size: int):
@@ -151,11 +179,7 @@ def receive_shared(
 ) -> int:
     """`collective.receive_packed` for what `send_shared` sends: each buffer copied out of its file, the file handed
     back, then `load` called on views into the copy while the trainer packs the next; returns the bytes received."""
-    if sum(lengths) != len(names) or any(count <= 0 for count in lengths):
-        raise ValueError(f"buffer lengths {lengths} do not cut {len(names)} tensors into non-empty buffers")
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
-    starts = [sum(lengths[:number]) for number in range(len(lengths))]
-    plan = [sizes[start : start + count] for start, count in zip(starts, lengths)]
+    starts, plan = collective.buffer_plan(dtypes, shapes, lengths)
     own = collective._Slots()  # this worker's two receive buffers
     signals = [_signal(group, number, 0) for number in range(min(2, len(plan)))]  # filled in by rank 0
     pending = []
@@ -170,19 +194,11 @@ def receive_shared(
                 f"{[number, size]}: the trainer and the server run different gspo-trl versions"
             )
         buffer = own.take(number % 2, size)
-        buffer.copy_(slots.view(number % 2, size))
+        slots.read_into(number % 2, buffer)
         pending.append(_done(group))
         if number + 2 < len(plan):
             signals.append(_signal(group, number + 2, 0))
-        end = start + len(buffer_sizes)
-        load(
-            [
-                (name, view.view(dtype).view(shape))
-                for name, dtype, shape, view in zip(
-                    names[start:end], dtypes[start:end], shapes[start:end], buffer.split(buffer_sizes)
-                )
-            ]
-        )
+        load(collective.buffer_views(buffer, buffer_sizes, start, names, dtypes, shapes))
         received += size
     for work in pending:  # (after a failure the caller drops the group instead)
         work.wait()

@@ -96,25 +96,52 @@ def test_without_every_worker_the_buffers_go_through_the_group(snapshot_dir, tmp
         )
 
     group, thread, result = two_ranks(receive)
-    writer = SharedSlots(snapshot_dir, writer=True) if offered else None
-    assert shared_buffers.trainer_agrees(group, writer) is None
+    if offered:  # without an offer neither side has a choice to make (a server of an older version makes none)
+        assert shared_buffers.trainer_agrees(group, SharedSlots(snapshot_dir, writer=True)) is None
     collective.send_packed(group, weights, lengths)
     thread.join(timeout=60)
     assert result["value"] == 9 * 4 + 4 * 4 and all(torch.equal(received[name], tensor) for name, tensor in weights)
 
 
-def test_a_reader_maps_only_files_of_an_allowed_snapshot_folder_and_never_creates_one(snapshot_dir, tmp_path):
+def test_a_reader_reads_only_regular_files_of_an_allowed_snapshot_folder_and_never_creates_one(snapshot_dir, tmp_path):
     with pytest.raises(PermissionError, match="snapshot folder"):
         SharedSlots(str(tmp_path), writer=False)
-    reader = SharedSlots(snapshot_dir, writer=False)
+    reader, received = SharedSlots(snapshot_dir, writer=False), torch.zeros(16, dtype=torch.uint8)
     with pytest.raises(FileNotFoundError):
-        reader.view(0, 16)
+        reader.read_into(0, received)
     assert not os.path.exists(os.path.join(snapshot_dir, "engine-buffer-0"))
     writer = SharedSlots(snapshot_dir, writer=True)
     writer.view(0, 16).copy_(torch.arange(16, dtype=torch.uint8))
-    assert torch.equal(reader.view(0, 16), torch.arange(16, dtype=torch.uint8))
+    reader.read_into(0, received)
+    assert torch.equal(received, torch.arange(16, dtype=torch.uint8))
     with pytest.raises(ValueError, match="holds 16 bytes, not the 32"):
-        reader.view(0, 32)
+        reader.read_into(0, torch.zeros(32, dtype=torch.uint8))
+    os.mkfifo(os.path.join(snapshot_dir, "engine-buffer-1"))  # would block a plain open for ever
+    with pytest.raises(ValueError, match="not a regular file"):
+        reader.read_into(1, received)
+    os.remove(os.path.join(snapshot_dir, "engine-buffer-1"))
+    os.symlink("/etc/hostname", os.path.join(snapshot_dir, "engine-buffer-1"))
+    with pytest.raises(OSError):  # a link is not followed
+        reader.read_into(1, received)
+
+
+def test_a_full_folder_is_an_error_naming_it_and_the_engine_then_offers_no_files(snapshot_dir, monkeypatch):
+    from gspo_trl.vllm import engine_transport
+
+    def no_room(descriptor, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(OSError, match=r"no room for a 16-byte weight buffer in .*--shm-size"):
+        SharedSlots(snapshot_dir, writer=True).view(0, 16)
+
+    class Files:
+        name, directory = "shared_dir", snapshot_dir
+
+    class Client:
+        base_url = "http://127.0.0.1:8000"
+
+    assert engine_transport.EngineTransport(Client(), "gloo", Files()).offered is None
 
 
 def test_a_buffer_other_than_the_plan_names_is_refused_by_the_worker(snapshot_dir):
